@@ -1,0 +1,41 @@
+"""One exception hierarchy for the whole project.
+
+Catch ``FlowSpecError`` at task boundaries; raise the narrowest subclass that says what went wrong and,
+where possible, what the user can do about it.
+"""
+
+
+class FlowSpecError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(FlowSpecError):
+    """A setting, flag or file the user gave is invalid."""
+
+
+class UnsupportedModel(FlowSpecError):
+    """The checkpoint's architecture or tensor layout is not one we can run."""
+
+
+class WeightsError(FlowSpecError):
+    """A tensor is missing, has the wrong shape, or does not match its fingerprint."""
+
+
+class ContextOverflow(FlowSpecError):
+    """A request needs more positions than the KV cache or the model allows."""
+
+
+class ProtocolError(FlowSpecError):
+    """A peer sent a frame or message that fails validation."""
+
+
+class PeerGone(FlowSpecError):
+    """A peer's link closed or it stopped answering."""
+
+
+class PlanInfeasible(FlowSpecError):
+    """No assignment of layers to the available devices fits their memory."""
+
+
+class NotReady(FlowSpecError):
+    """The cluster is (re-)planning or loading and cannot serve yet."""

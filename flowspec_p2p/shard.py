@@ -1,0 +1,243 @@
+"""A slice of a Llama-family decoder: layers ``[start, end)``, plus the embedding and/or the final norm + LM head
+where the slice's role needs them. One block implementation serves llama, mistral and qwen2 (and the draft head).
+
+Glossary:
+    hidden     residual-stream activations between layers            [batch, n, hidden]
+    features   final-normed hidden states (input of the LM head);     [batch, n, hidden]
+               EAGLE calls these the target's features
+    mask       which keys a new token may attend to, over [cache | new tokens]: [batch, n, cache_len + n] bool
+               (True = visible). ``None`` means "all of the cache, causal among the new tokens".
+
+Numerics mirror transformers' eager Llama code (RMSNorm computed in float32, rotary tables computed in float32),
+so this forward agrees with it to float rounding, in float32 and float64 alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .arch import ModelConfig, rope_inv_freq
+from .kv_cache import KVCache
+from .types import LayerRange
+from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_names
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Rotary:
+    """Precomputed cos/sin tables (float32 math, stored in the model dtype). cos, sin: [max_pos, head_dim]"""
+
+    def __init__(self, cfg: ModelConfig, max_pos: int, dtype: torch.dtype, freq_factors: torch.Tensor | None = None):
+        inv = rope_inv_freq(cfg, freq_factors)  # [head_dim/2]
+        freqs = torch.arange(max_pos, dtype=torch.int64).float()[:, None] * inv[None, :]  # [max_pos, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [batch, n] -> cos, sin: [batch, 1, n, head_dim]"""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, n, head_dim]; cos, sin: [batch, 1, n, head_dim]"""
+    return x * cos + _rotate_half(x) * sin
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm attention (GQA, rotary, optional q/k/v bias) + SwiGLU MLP.
+
+    Weights are stored fused (q|k|v and gate|up) and transposed to [in, out]: on a CPU, a matmul against a
+    row-major [in, out] matrix streams the weights once and is 20-30% faster at the 1-16 rows decoding and
+    tree verification use than ``F.linear`` against [out, in].
+    """
+
+    def __init__(self, cfg: ModelConfig, *, input_norm: bool = True):
+        super().__init__()
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(h, cfg.rms_eps) if input_norm else nn.Identity()
+        self.wqkv = nn.Parameter(torch.empty(h, cfg.q_dim + 2 * cfg.kv_dim))  # [in, out]
+        self.bqkv = nn.Parameter(torch.zeros(cfg.q_dim + 2 * cfg.kv_dim)) if cfg.attention_bias else None
+        self.wo = nn.Parameter(torch.empty(cfg.q_dim, h))
+        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
+        self.w13 = nn.Parameter(torch.empty(h, 2 * cfg.intermediate_size))
+        self.w2 = nn.Parameter(torch.empty(cfg.intermediate_size, h))
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random init (draft-head training, tests)."""
+        with torch.no_grad():
+            for w in (self.wqkv, self.wo, self.w13, self.w2):
+                w.normal_(0.0, std)
+            if self.bqkv is not None:
+                self.bqkv.zero_()
+
+    def load_hf(self, t: dict[str, torch.Tensor], prefix: str) -> None:
+        """Copy weights named like transformers' ``model.layers.{i}.`` (``prefix``) into the fused layout."""
+        with torch.no_grad():
+            if isinstance(self.attn_norm, RMSNorm):
+                self.attn_norm.weight.copy_(t[prefix + "input_layernorm.weight"])
+            a = prefix + "self_attn."
+            self.wqkv.copy_(torch.cat([t[a + f"{x}_proj.weight"] for x in "qkv"]).t())
+            if self.bqkv is not None:
+                self.bqkv.copy_(torch.cat([t[a + f"{x}_proj.bias"] for x in "qkv"]))
+            self.wo.copy_(t[a + "o_proj.weight"].t())
+            self.mlp_norm.weight.copy_(t[prefix + "post_attention_layernorm.weight"])
+            m = prefix + "mlp."
+            self.w13.copy_(torch.cat([t[m + "gate_proj.weight"], t[m + "up_proj.weight"]]).t())
+            self.w2.copy_(t[m + "down_proj.weight"].t())
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [batch, n, hidden]
+        cos: torch.Tensor,  # [batch, 1, n, head_dim]
+        sin: torch.Tensor,
+        kv: tuple[KVCache, int, int] | None,  # (cache, layer index in cache, first slot) or None: no cache
+        mask: torch.Tensor | None,  # [batch, 1, n, kv_len] bool, or None
+        causal: bool,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        b, n, _ = x.shape
+        qkv = self.attn_norm(x) @ self.wqkv
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv
+        q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+        q = q.view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [b, heads, n, hd]
+        k = k.view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # [b, kv_heads, n, hd]
+        v = v.view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if kv is not None:
+            cache, layer, start = kv
+            k, v = cache.write(layer, start, k, v)  # [b, kv_heads, start + n, hd]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        x = x + o.transpose(1, 2).reshape(b, n, cfg.q_dim) @ self.wo
+        gate, up = (self.mlp_norm(x) @ self.w13).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ self.w2
+
+
+class Shard(nn.Module):
+    """Layers ``[start, end)`` of a decoder; ``embed`` if it receives token ids, ``head`` if it ends the model."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: LayerRange,
+        *,
+        embed: bool,
+        head: bool,
+        dtype: torch.dtype = torch.float32,
+        max_position: int | None = None,
+        rope_freqs: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = layers
+        self.has_embed = embed
+        self.has_head = head
+        self.dtype = dtype
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in layers.indices())
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if head else None
+        self.head_t: torch.Tensor | None = None  # [hidden, vocab]: the LM head, transposed (see DecoderBlock)
+        self.max_position = max_position or cfg.max_position
+        self.rotary = Rotary(cfg, self.max_position, dtype, rope_freqs)
+        self.to(dtype)
+
+    @classmethod
+    def from_source(
+        cls,
+        source: WeightSource,
+        layers: LayerRange,
+        *,
+        embed: bool,
+        head: bool,
+        dtype: torch.dtype = torch.float32,
+        max_position: int | None = None,
+    ) -> Shard:
+        """Materialise only this shard's tensors from ``source``."""
+        cfg = source.config
+        if layers.end > cfg.num_layers:
+            raise ValueError(f"layer range {layers} exceeds the model's {cfg.num_layers} layers")
+        names = shard_tensor_names(cfg, layers, embed=embed, head=head)
+        freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
+        shard = cls(cfg, layers, embed=embed, head=head, dtype=dtype, max_position=max_position, rope_freqs=freqs)
+        tensors = {}
+        for name in names:  # one at a time: peak memory stays ~ shard size + one tensor
+            tensors[name] = source.load(name).to(dtype)
+        shard.load_hf(tensors)
+        return shard
+
+    def load_hf(self, t: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            if self.embed is not None:
+                self.embed.weight.copy_(t[EMBED])
+            for block, i in zip(self.blocks, self.layers.indices(), strict=True):
+                block.load_hf(t, f"model.layers.{i}.")
+            if self.norm is not None:
+                self.norm.weight.copy_(t[NORM])
+                w = t[EMBED if self.cfg.tie_embeddings else HEAD]  # [vocab, hidden]
+                self.head_t = w.to(self.dtype).t().contiguous()
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        c = self.cfg
+        return KVCache(len(self.blocks), c.num_kv_heads, c.head_dim, capacity, batch=batch, dtype=self.dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # ids [batch, n] if has_embed else hidden [batch, n, hidden]
+        cache: KVCache | None,
+        positions: torch.Tensor | None = None,  # [batch, n] absolute; default cache.length + arange(n)
+        mask: torch.Tensor | None = None,  # [batch, n, cache.length + n] bool, or None (see module doc)
+    ) -> torch.Tensor:
+        """Run the shard; K/V of the new tokens are appended to ``cache``. -> hidden, or features if has_head."""
+        h = self.embed(x) if self.embed is not None else x.to(self.dtype)
+        b, n, _ = h.shape
+        start = 0 if cache is None else cache.reserve(n)
+        if positions is None:
+            positions = torch.arange(start, start + n).expand(b, n)
+        if int(positions.max()) >= self.max_position:
+            from .errors import ContextOverflow
+
+            raise ContextOverflow(f"position {int(positions.max())} exceeds the model limit {self.max_position}")
+        cos, sin = self.rotary.gather(positions)
+        causal = False
+        attn_mask = None
+        if mask is not None:
+            assert mask.shape == (b, n, start + n), (tuple(mask.shape), (b, n, start + n))
+            attn_mask = mask.unsqueeze(1)  # [b, 1, n, kv_len]
+        elif n > 1:
+            if start == 0:
+                causal = True
+            else:  # all of the cache, causal among the new tokens
+                attn_mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)[None, None]
+        for i, block in enumerate(self.blocks):
+            h = block(h, cos, sin, None if cache is None else (cache, i, start), attn_mask, causal)
+        if cache is not None:
+            cache.advance(n)
+        if self.norm is not None:
+            h = self.norm(h)
+        return h
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [..., hidden] -> [..., vocab]"""
+        assert self.head_t is not None, "this shard holds no LM head"
+        return features @ self.head_t

