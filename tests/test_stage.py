@@ -1,0 +1,139 @@
+"""The pure stage core: a chain of StageCores equals one whole model, across tree forwards and prunes."""
+
+import random
+
+import pytest
+import torch
+
+from flowspec_p2p.messages import Forward, Prune, Release, Reset, StageError
+from flowspec_p2p.shard import Shard
+from flowspec_p2p.stage import StageCore, ancestor_mask
+from flowspec_p2p.types import LayerRange
+from flowspec_p2p.weights import open_source
+
+F64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_llama):
+    src = open_source(tiny_llama)
+    cuts = [(0, 1, True, False), (1, 3, False, False), (3, 4, False, True)]
+    stages = [
+        StageCore(Shard.from_source(src, LayerRange(start=a, end=b), embed=e, head=h, dtype=F64), index=i,
+                  capacity=128, wire_dtype=F64)
+        for i, (a, b, e, h) in enumerate(cuts)
+    ]
+    whole = Shard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=F64)
+    return stages, whole
+
+
+def run(stages, msg, tensors=None):
+    for s in stages:
+        msg, tensors = s.handle(msg, tensors or {})
+        if isinstance(msg, StageError):
+            return msg, tensors
+    return msg, tensors
+
+
+def reference(whole, committed, tokens, parents):
+    """Features of tree nodes computed from scratch: prefill the committed ids, then the tree with its mask."""
+    cache = whole.new_cache(128)
+    with torch.inference_mode():
+        whole(torch.tensor([committed]), cache)
+        depth = []
+        for p in parents:
+            depth.append(0 if p == -1 else depth[p] + 1)
+        mask = ancestor_mask(len(committed), parents, 0)[None]
+        pos = torch.tensor([[len(committed) + d for d in depth]])
+        return whole(torch.tensor([tokens]), cache, positions=pos, mask=mask)[0]
+
+
+def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline):
+    stages, whole = pipeline
+    rng = random.Random(0)
+    rid, seq = "r1", 0
+    committed = [rng.randrange(96) for _ in range(9)]
+    out, t = run(stages, Forward(request_id=rid, seq=seq, first=0, parents=[-1] + list(range(8)),
+                                 positions=list(range(9)), commit=True), {"tokens": torch.tensor(committed)})
+    seq += 1
+    assert isinstance(out, Forward) and t["features"].shape == (9, 64)
+    tokens, parents = [], []
+    for rnd in range(6):
+        # grow the pending tree by a random segment (parents among existing nodes), in one or two forwards
+        n_new = rng.randrange(1, 6)
+        for _ in range(n_new):
+            parents.append(rng.randrange(-1, len(parents)) if parents else -1)
+            tokens.append(rng.randrange(96))
+        first = len(parents) - n_new
+        depth = []
+        for p in parents:
+            depth.append(0 if p == -1 else depth[p] + 1)
+        msg = Forward(request_id=rid, seq=seq, first=first, parents=parents[first:],
+                      positions=[len(committed) + d for d in depth[first:]])
+        seq += 1
+        out, t = run(stages, msg, {"tokens": torch.tensor(tokens[first:])})
+        assert isinstance(out, Forward), out
+        ref = reference(whole, committed, tokens, parents)
+        assert (t["features"] - ref[first:]).abs().max() <= 1e-10
+        # prune: accept a root-to-node path hanging off the committed prefix, keep one subtree below its end
+        roots = [i for i, p in enumerate(parents) if p == -1]
+        path = [rng.choice(roots)]
+        while rng.random() < 0.6:
+            kids = [i for i, p in enumerate(parents) if p == path[-1]]
+            if not kids:
+                break
+            path.append(rng.choice(kids))
+        accept = rng.randrange(0, len(path) + 1)
+        acc = path[:accept]
+        last = acc[-1] if acc else -1
+        kids = [i for i, p in enumerate(parents) if p == last]
+        sub = set()
+        if kids:
+            stack = [rng.choice(kids)]
+            while stack:
+                x = stack.pop()
+                sub.add(x)
+                stack += [i for i, p in enumerate(parents) if p == x]
+        keep = sorted(set(acc) | sub)
+        out, _ = run(stages, Prune(request_id=rid, seq=seq, accept=len(acc), keep=keep))
+        seq += 1
+        assert isinstance(out, Prune), out
+        committed += [tokens[i] for i in acc]
+        remap = {old: new for new, old in enumerate(i for i in keep if i not in acc)}
+        kept = [i for i in keep if i not in acc]
+        tokens = [tokens[i] for i in kept]
+        parents = [remap.get(parents[i], -1) for i in kept]
+        for s in stages:
+            st = s.requests[rid]
+            assert st.cache.committed == len(committed) and st.parents == parents
+    # the caches now hold exactly the committed prefix + surviving nodes: a final forward still matches
+    parents.append(-1)
+    tokens.append(5)
+    depth = []
+    for p in parents:
+        depth.append(0 if p == -1 else depth[p] + 1)
+    first = len(parents) - 1
+    out, t = run(stages, Forward(request_id=rid, seq=seq, first=first, parents=[-1],
+                                 positions=[len(committed)]), {"tokens": torch.tensor([5])})
+    assert (t["features"] - reference(whole, committed, tokens, parents)[first:]).abs().max() <= 1e-10
+    out, _ = run(stages, Release(request_id=rid, seq=seq + 1))
+    assert isinstance(out, Release) and all(rid not in s.requests for s in stages)
+
+
+def test_protocol_violations_become_stage_errors_and_drop_the_request(pipeline):
+    stages, _ = pipeline
+    ok = Forward(request_id="bad", seq=0, first=0, parents=[-1], positions=[0], commit=True)
+    assert isinstance(run(stages, ok, {"tokens": torch.tensor([3])})[0], Forward)
+    cases = [
+        (Forward(request_id="bad", seq=5, first=0, parents=[-1], positions=[1]), {"tokens": torch.tensor([3])}),
+        (Forward(request_id="bad", seq=1, first=0, parents=[-1], positions=[7]), {"tokens": torch.tensor([3])}),
+        (Forward(request_id="bad", seq=1, first=0, parents=[-1], positions=[1]), {"tokens": torch.tensor([999])}),
+        (Forward(request_id="bad", seq=1, first=0, parents=[3], positions=[1]), {"tokens": torch.tensor([3])}),
+        (Prune(request_id="bad", seq=1, accept=0, keep=[2, 1]), None),
+        (Reset(request_id="bad", seq=1, length=9), None),
+    ]
+    for msg, tensors in cases:
+        out, _ = run(stages, msg, tensors)
+        assert isinstance(out, StageError), msg
+        assert "bad" not in stages[0].requests
+        run(stages, ok, {"tokens": torch.tensor([3])})  # recreate for the next case
