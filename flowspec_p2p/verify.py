@@ -1,0 +1,158 @@
+"""Lossless verification of a draft tree against the target (speculative-decoding-notes §1.5; FlowSpec §4).
+
+Glossary (tree words as in tree.py):
+
+    verified prefix  the nodes ``[0, verified_end)`` whose target logits are known. Single-device speculation
+                     verifies the whole tree at once; FlowSpec verifies a prefix of the score-ordered tree per
+                     pipeline step. The root (index 0) is always verified.
+    walk             start at the root; move to a verified child the target accepts; stop at a leaf, when every
+                     verified child was rejected, or at the first child not verified yet.
+    bonus token      the target's own token after the last accepted node (its argmax, or a sample from the
+                     residual). Single-device speculation commits it; FlowSpec calls it x_new and continues the
+                     round if it equals an *unverified* child (``next_child``) whose subtree is already in flight.
+    residual         greedy: nothing. Sampling (EAGLE-2, deterministic drafts, q = 1): at a node with target
+                     distribution p, try the verified children in index order: accept child x with probability
+                     p_res(x); on rejection set p_res(x) = 0 and renormalise. The bonus is drawn from p_res (= p
+                     at a leaf or when no child was tried). P(emit y) telescopes to p(y): the output follows the
+                     target distribution exactly, whatever the tree.
+    stop token       an accepted stop token (EOS) ends the reply: the walk stops there and there is no bonus.
+
+Pure functions. Target rows come through ``Rows`` (a [m, vocab] tensor, or ``LazyRows`` so that the LM head
+runs only for the nodes the walk visits: on a small target it costs as much per node as several layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .tree import DraftTree
+
+
+class Rows(Protocol):
+    """Per-node target rows, indexable by tree index < len: a [m, vocab] tensor or ``LazyRows``."""
+
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+    def __len__(self) -> int: ...
+
+
+class LazyRows:
+    """Rows computed on first access and memoised: ``fn(i)`` -> [vocab]."""
+
+    def __init__(self, n: int, fn: Callable[[int], torch.Tensor]):
+        self.n = n
+        self.fn = fn
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        assert 0 <= i < self.n, (i, self.n)
+        row = self._rows.get(i)
+        if row is None:
+            row = self._rows[i] = self.fn(i)
+        return row
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: list[int]  # tree indices of the accepted path, from the root (always [0, ...])
+    token: int | None  # the bonus token / x_new; None when an accepted stop token ended the reply
+    next_child: int | None  # the not-yet-verified child of accepted[-1] whose token == token, if any
+
+    @property
+    def stopped(self) -> bool:
+        return self.token is None
+
+    def emitted(self, tree: DraftTree) -> list[int]:
+        """The tokens this verification adds to the reply: accepted drafted tokens, then the bonus."""
+        out = [tree.token_list[i] for i in self.accepted[1:]]
+        return out if self.token is None else [*out, self.token]
+
+
+def verify_greedy(
+    tree: DraftTree, logits: Rows, *, verified_end: int | None = None, stop_ids: frozenset[int] = frozenset()
+) -> Verdict:
+    """Longest path whose every token is the target's argmax at its parent, plus the argmax after it.
+
+    logits: rows [vocab] for nodes < verified_end (default len(logits)). Equivalent to EAGLE's
+    ``evaluate_posterior`` (siblings have distinct tokens, so at most one child can match).
+    """
+    end = len(logits) if verified_end is None else verified_end
+    assert 1 <= end <= len(tree)
+    node, accepted = 0, [0]
+    while True:
+        if node and tree.token_list[node] in stop_ids:
+            return Verdict(accepted, None, None)
+        y = int(logits[node].argmax())
+        child = tree.child_with_token(node, y)
+        if child is not None and child < end:
+            accepted.append(child)
+            node = child
+            continue
+        return Verdict(accepted, y, child)
+
+
+def verify_sampling(
+    tree: DraftTree,
+    probs: Rows,
+    uniforms: np.ndarray | torch.Tensor,
+    *,
+    verified_end: int | None = None,
+    stop_ids: frozenset[int] = frozenset(),
+) -> Verdict:
+    """EAGLE-2 sibling-by-sibling rejection (q = 1 for deterministic drafts); keeps the target distribution.
+
+    probs: rows [vocab] of the target distribution (``sampling.target_probs``: temperature, top-k, top-p) for
+        nodes < verified_end (default len(probs)).
+    uniforms: [>= len(tree) + 1] independent U[0, 1) draws; one per child test, one for the bonus.
+    """
+    end = len(probs) if verified_end is None else verified_end
+    assert 1 <= end <= len(tree)
+    u = uniforms.numpy() if isinstance(uniforms, torch.Tensor) else uniforms
+    assert u.ndim == 1, u.shape
+    assert u.shape[0] >= len(tree) + 1, (u.shape, len(tree))
+    k = 0  # next unused uniform
+    node, accepted = 0, [0]
+    while True:
+        if node and tree.token_list[node] in stop_ids:
+            return Verdict(accepted, None, None)
+        p = _row(probs[node])  # [vocab] float64, residual (a private copy)
+        moved = False
+        for child in tree.children[node]:
+            if child >= end:  # verified children form an index prefix: the rest are unverified too
+                break
+            x = tree.token_list[child]
+            if u[k] < p[x]:
+                k += 1
+                accepted.append(child)
+                node, moved = child, True
+                break
+            k += 1
+            p[x] = 0.0
+            p /= p.sum()
+        if moved:
+            continue
+        y = _inverse_cdf(p, float(u[-1]))
+        nxt = tree.child_with_token(node, y)
+        assert nxt is None or nxt >= end, "a rejected child cannot be sampled from the residual"
+        return Verdict(accepted, y, nxt)
+
+
+def _row(row: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(row, torch.Tensor):
+        row = row.detach().numpy()
+    assert row.ndim == 1
+    return np.array(row, dtype=np.float64)  # copy
+
+
+def _inverse_cdf(p: np.ndarray, u: float) -> int:
+    """Token for one uniform draw from the (possibly unnormalised) distribution p. [vocab] -> id with p > 0."""
+    cdf = np.cumsum(p)
+    y = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return min(y, p.shape[0] - 1)
