@@ -39,3 +39,15 @@ class PlanInfeasible(FlowSpecError):
 
 class NotReady(FlowSpecError):
     """The cluster is (re-)planning or loading and cannot serve yet."""
+
+
+class StageFailed(FlowSpecError):
+    """A pipeline stage could not apply a message of this request (it reported a StageError)."""
+
+
+class Busy(FlowSpecError):
+    """Too many requests are waiting for their turn; try again later."""
+
+
+class InvalidRequest(FlowSpecError):
+    """A request the client must fix: unknown decoding mode, bad parameters."""

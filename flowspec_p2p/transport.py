@@ -1,0 +1,421 @@
+"""Data-plane links between agents: aiohttp websockets carrying codec frames around the ring.
+
+    leader --Link--> /ring of stage 1 --Link--> /ring of stage 2 ... stage N --Link--> /ring of the leader
+
+Every agent's aiohttp app serves ``GET /ring`` (``RingServer``): an *inbound* link from its ring predecessor. Each
+agent opens one *outbound* ``Link`` to its successor. A link is one-way: data frames only flow from the dialler
+to the server, so the FIFO order of a websocket is the order of the ring.
+
+Handshake: the dialler sends a ``Hello`` (protocol version, cluster name, plan epoch, sender id) as the first
+text frame; the server answers a ``Welcome`` or closes with a reason (close codes below). A link from another
+cluster, another protocol version, or a stale or unknown plan epoch is refused; when the control plane moves to
+a new epoch (``RingServer.set_epoch``) the server closes its inbound links of older epochs.
+
+Failure handling: a frame that fails validation closes *that* link with a logged reason and never the agent.
+Either end's owner is told through its event queue: the server posts ``LinkDown`` to its inbox after the last
+frame of the link, and an outbound link posts ``LinkDown`` to the queue its owner gave it. ``Link.send`` on a
+link that is down raises ``PeerGone``. Websocket heartbeats (``HEARTBEAT_S``) detect a peer that vanished
+without closing its socket.
+
+``QueueSender`` is the in-memory stand-in for a ``Link`` (same ``send``/``close``), for a stage that runs
+inside the leader's own process and for tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+import torch
+from aiohttp import web
+from pydantic import Field, ValidationError
+
+from . import codec
+from .emulation import NO_LINK_EMULATION, LinkEmulation, Pacer
+from .errors import PeerGone, ProtocolError
+from .messages import PROTOCOL_VERSION
+from .types import FrozenModel
+
+log = logging.getLogger(__name__)
+
+RING_PATH = "/ring"
+HANDSHAKE_TIMEOUT_S = 5.0
+HEARTBEAT_S = 10.0  # websocket ping interval; a pong must come back within half of it or the link is down
+CLOSE_TIMEOUT_S = 2.0
+
+CLOSE_BAD_FRAME = 4400  # a frame failed validation
+CLOSE_REFUSED = 4403  # handshake refused: wrong cluster, protocol, sender, or not serving
+CLOSE_STALE_EPOCH = 4409  # handshake refused or link retired: the plan epoch is not the current one
+CLOSE_SHUTDOWN = 4503  # the agent is stopping
+
+
+class Hello(FrozenModel):
+    """First frame of a link, dialler -> server."""
+
+    protocol: int
+    cluster: str = Field(min_length=1, max_length=128)
+    epoch: int = Field(ge=0)
+    sender: str = Field(min_length=1, max_length=128)
+
+
+class Welcome(FrozenModel):
+    """The server's answer to an accepted Hello."""
+
+    protocol: int
+    epoch: int
+    receiver: str
+
+
+_link_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A decoded data-plane message that arrived on an inbound link (or an in-memory channel) ``link``."""
+
+    msg: object
+    tensors: dict[str, torch.Tensor]
+    peer: str
+    link: int = 0  # serial of the link it came on (unique in this process)
+    received_at: float = 0.0  # time.time() when it arrived
+
+
+@dataclass(frozen=True)
+class LinkDown:
+    """Link ``link`` (of plan ``epoch``) closed or broke. ``direction``: "in" (from the predecessor) or "out"."""
+
+    peer: str
+    reason: str
+    direction: str
+    link: int = 0
+    epoch: int = 0
+
+
+Event = Frame | LinkDown
+
+
+class Sender(Protocol):
+    """What a stage worker or the leader sends through: a ``Link`` or a ``QueueSender``."""
+
+    peer: str
+
+    async def send(self, msg, tensors: dict[str, torch.Tensor] | None = None) -> None: ...
+
+    async def close(self) -> None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+
+@dataclass
+class LinkCounters:
+    frames: int = 0
+    bytes: int = 0
+    errors: int = 0
+    opened_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict:
+        return {"frames": self.frames, "bytes": self.bytes, "errors": self.errors}
+
+
+# ------------------------------------------------------------------------------------------------ outbound
+
+
+class Link:
+    """An outbound link to the successor's ``/ring``. Use ``await Link.connect(...)``; ``close()`` when done
+    (the owner's ``finally``). ``send`` encodes and sends one frame, in order; with link emulation the frame is
+    paced (emulation.py) and ``send`` returns at once."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, session: aiohttp.ClientSession | None, peer: str, *,
+                 epoch: int, owns_session: bool, events: asyncio.Queue | None, emulation: LinkEmulation,
+                 float_dtype: torch.dtype | None):
+        self.ws = ws
+        self.peer = peer
+        self.epoch = epoch
+        self.id = next(_link_ids)
+        self.counters = LinkCounters()
+        self.float_dtype = float_dtype
+        self.emulation = emulation
+        self.down_reason: str | None = None
+        self._session = session if owns_session else None
+        self._events = events
+        self._pacer = Pacer(emulation, self._send_frame) if emulation.enabled else None
+        self._reader: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        hello: Hello,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        events: asyncio.Queue | None = None,
+        emulation: LinkEmulation = NO_LINK_EMULATION,
+        float_dtype: torch.dtype | None = None,
+        timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> Link:
+        """Dial ``url`` (``ws://host:port/ring``) and handshake. Raises PeerGone (unreachable, no answer) or
+        ProtocolError (refused: the reason says why, e.g. a stale plan epoch)."""
+        owns = session is None
+        session = session or aiohttp.ClientSession()
+        try:
+            ws = await session.ws_connect(url, heartbeat=HEARTBEAT_S, max_msg_size=codec.MAX_FRAME_BYTES,
+                                          compress=0, timeout=aiohttp.ClientWSTimeout(ws_close=CLOSE_TIMEOUT_S))
+            try:
+                await ws.send_str(hello.model_dump_json())
+                reply = await asyncio.wait_for(ws.receive(), timeout_s)
+                if reply.type == aiohttp.WSMsgType.CLOSE:
+                    raise ProtocolError(f"{url} refused the link (code {reply.data}): {reply.extra}")
+                if reply.type != aiohttp.WSMsgType.TEXT:
+                    raise PeerGone(f"{url} answered the hello with {reply.type.name}")
+                welcome = Welcome.model_validate_json(reply.data)
+            except BaseException:
+                await ws.close()
+                raise
+        except (aiohttp.ClientError, OSError, TimeoutError, ValidationError) as e:
+            if owns:
+                await session.close()
+            raise PeerGone(f"cannot open a link to {url}: {e or type(e).__name__}") from e
+        except BaseException:
+            if owns:
+                await session.close()
+            raise
+        link = cls(ws, session, welcome.receiver, epoch=hello.epoch, owns_session=owns, events=events,
+                   emulation=emulation, float_dtype=float_dtype)
+        link._start()
+        log.info("link to %s (%s) open, epoch %d, %s", welcome.receiver, url, hello.epoch, emulation.describe())
+        return link
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._watch(), name=f"link-to-{self.peer}")
+        if self._pacer is not None:
+            self._pacer.start()
+
+    @property
+    def closed(self) -> bool:
+        return self.down_reason is not None
+
+    async def send(self, msg, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        if self.down_reason is not None:
+            raise PeerGone(f"link to {self.peer} is down: {self.down_reason}")
+        frame = codec.encode(msg, tensors, float_dtype=self.float_dtype)
+        self.counters.frames += 1
+        self.counters.bytes += len(frame)
+        if self._pacer is not None:
+            try:
+                self._pacer.submit(frame)
+            except Exception as e:
+                raise PeerGone(f"link to {self.peer} is down: {e}") from e
+        else:
+            await self._send_frame(frame)
+
+    async def _send_frame(self, frame: bytes) -> None:
+        try:
+            await self.ws.send_bytes(frame)
+        except (aiohttp.ClientError, ConnectionError, RuntimeError) as e:
+            self._down(f"send failed: {e or type(e).__name__}")
+            raise PeerGone(f"link to {self.peer} is down: {self.down_reason}") from e
+
+    async def drain(self) -> None:
+        """Wait until paced frames have been handed to the socket (no-op without emulation)."""
+        if self._pacer is not None:
+            await self._pacer.drain()
+
+    async def _watch(self) -> None:
+        """Read the (otherwise silent) return direction: it carries pongs and the server's close."""
+        reason = "closed"
+        try:
+            async for m in self.ws:
+                if m.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                    log.warning("link to %s: unexpected frame from the receiver; ignored", self.peer)
+            code = self.ws.close_code
+            extra = self.ws.exception()
+            reason = f"closed by {self.peer} (code {code})" if extra is None else f"broken: {extra}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # any socket failure ends this link only
+            reason = f"broken: {e}"
+        self._down(reason)
+
+    def _down(self, reason: str) -> None:
+        if self.down_reason is not None:
+            return
+        self.down_reason = reason
+        self.counters.errors += 1
+        log.warning("link to %s down: %s", self.peer, reason)
+        if self._events is not None:
+            self._events.put_nowait(LinkDown(self.peer, reason, "out", self.id, self.epoch))
+
+    async def close(self) -> None:
+        """Close the link (idempotent). Frames still held by the emulation pacer are dropped."""
+        if self.down_reason is None:
+            self.down_reason = "closed locally"
+        if self._pacer is not None:
+            await self._pacer.close()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            self._reader = None
+        with contextlib.suppress(Exception):
+            await self.ws.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class QueueSender:
+    """In-memory stand-in for a Link: puts ``Frame``s on ``queue``. ``roundtrip=True`` passes every message
+    through the codec (tests of the wire path without sockets)."""
+
+    def __init__(self, queue: asyncio.Queue, peer: str = "local", *, roundtrip: bool = False,
+                 float_dtype: torch.dtype | None = None):
+        self.queue = queue
+        self.peer = peer
+        self.id = next(_link_ids)
+        self.roundtrip = roundtrip
+        self.float_dtype = float_dtype
+        self.counters = LinkCounters()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def send(self, msg, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        if self._closed:
+            raise PeerGone(f"channel to {self.peer} is closed")
+        tensors = tensors or {}
+        if self.roundtrip:
+            frame = codec.encode(msg, tensors, float_dtype=self.float_dtype)
+            self.counters.bytes += len(frame)
+            msg, tensors = codec.decode(frame)
+        elif self.float_dtype is not None:
+            tensors = {k: v.to(self.float_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        self.counters.frames += 1
+        self.queue.put_nowait(Frame(msg, tensors, self.peer, self.id, time.time()))
+
+    async def close(self) -> None:
+        self._closed = True
+
+
+# ------------------------------------------------------------------------------------------------- inbound
+
+
+@dataclass
+class _Inbound:
+    ws: web.WebSocketResponse
+    hello: Hello
+    id: int = field(default_factory=lambda: next(_link_ids))
+    counters: LinkCounters = field(default_factory=LinkCounters)
+
+
+class RingServer:
+    """The ``/ring`` endpoint of one agent. Decoded frames of every accepted link go to ``inbox`` (set by the
+    owner: the stage worker's queue, or the leader's return queue), in arrival order, followed by a
+    ``LinkDown`` when the link ends. ``install(app)`` adds the route and closes the links on shutdown."""
+
+    def __init__(self, agent_id: str, cluster: str, *, epoch: int = 0, inbox: asyncio.Queue | None = None,
+                 allowed: Callable[[Hello], bool] | None = None, max_frame_bytes: int = codec.MAX_FRAME_BYTES):
+        self.agent_id = agent_id
+        self.cluster = cluster
+        self.epoch = epoch
+        self.inbox = inbox
+        self.allowed = allowed  # optional extra check (e.g. "is the sender my planned predecessor?")
+        self.max_frame_bytes = max_frame_bytes
+        self.links: dict[int, _Inbound] = {}
+        self.refused = 0
+        self.bad_frames = 0
+
+    def install(self, app: web.Application) -> None:
+        app.router.add_get(RING_PATH, self.handle)
+        app.on_shutdown.append(self._on_shutdown)
+
+    async def set_epoch(self, epoch: int) -> None:
+        """Adopt a new plan epoch: inbound links of other epochs are closed."""
+        self.epoch = epoch
+        for link in list(self.links.values()):
+            if link.hello.epoch != epoch:
+                await link.ws.close(code=CLOSE_STALE_EPOCH, message=f"plan epoch {epoch} replaced yours".encode())
+
+    def snapshot(self) -> list[dict]:
+        return [{"peer": x.hello.sender, "epoch": x.hello.epoch, "link": x.id, **x.counters.as_dict()}
+                for x in self.links.values()]
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        for link in list(self.links.values()):
+            await link.ws.close(code=CLOSE_SHUTDOWN, message=b"agent stopping")
+
+    def _refusal(self, hello: Hello) -> tuple[int, str] | None:
+        if hello.protocol != PROTOCOL_VERSION:
+            return CLOSE_REFUSED, f"protocol {hello.protocol} != {PROTOCOL_VERSION}"
+        if hello.cluster != self.cluster:
+            return CLOSE_REFUSED, f"cluster {hello.cluster!r} != {self.cluster!r}"
+        if hello.epoch != self.epoch:
+            return CLOSE_STALE_EPOCH, f"plan epoch {hello.epoch} is not the current epoch {self.epoch}"
+        if self.inbox is None:
+            return CLOSE_REFUSED, "this agent serves no stage"
+        if self.allowed is not None and not self.allowed(hello):
+            return CLOSE_REFUSED, f"{hello.sender} is not this agent's planned predecessor"
+        return None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=self.max_frame_bytes, compress=False)
+        await ws.prepare(request)
+        peer = request.remote or "?"
+        try:
+            first = await ws.receive(timeout=HANDSHAKE_TIMEOUT_S)
+            if first.type != aiohttp.WSMsgType.TEXT:
+                raise ProtocolError(f"expected a hello, got {first.type.name}")
+            hello = Hello.model_validate_json(first.data)
+        except (ProtocolError, ValidationError, TimeoutError) as e:
+            self.refused += 1
+            log.warning("ring: refused a link from %s: bad hello (%s)", peer, str(e).splitlines()[0])
+            await ws.close(code=CLOSE_REFUSED, message=b"bad hello")
+            return ws
+        refusal = self._refusal(hello)
+        if refusal is not None:
+            self.refused += 1
+            log.warning("ring: refused a link from %s (%s): %s", hello.sender, peer, refusal[1])
+            await ws.close(code=refusal[0], message=refusal[1].encode()[:120])
+            return ws
+        inbox = self.inbox
+        assert inbox is not None
+        await ws.send_str(Welcome(protocol=PROTOCOL_VERSION, epoch=self.epoch, receiver=self.agent_id)
+                          .model_dump_json())
+        link = _Inbound(ws, hello)
+        self.links[id(ws)] = link
+        log.info("ring: link from %s (%s) open, epoch %d", hello.sender, peer, hello.epoch)
+        reason = "closed"
+        try:
+            async for m in ws:
+                if m.type == aiohttp.WSMsgType.ERROR:
+                    break
+                if m.type != aiohttp.WSMsgType.BINARY:
+                    raise ProtocolError(f"unexpected {m.type.name} frame")
+                msg, tensors = codec.decode(m.data, max_frame_bytes=self.max_frame_bytes)
+                link.counters.frames += 1
+                link.counters.bytes += len(m.data)
+                inbox.put_nowait(Frame(msg, tensors, hello.sender, link.id, time.time()))
+            reason = f"closed by {hello.sender} (code {ws.close_code})"
+            if ws.exception() is not None:
+                reason = f"broken: {ws.exception()}"
+        except ProtocolError as e:
+            self.bad_frames += 1
+            link.counters.errors += 1
+            reason = f"bad frame: {e}"
+            log.warning("ring: closing the link from %s: %s", hello.sender, reason)
+            await ws.close(code=CLOSE_BAD_FRAME, message=str(e).encode()[:120])
+        finally:
+            self.links.pop(id(ws), None)
+            inbox.put_nowait(LinkDown(hello.sender, reason, "in", link.id, hello.epoch))
+            log.info("ring: link from %s ended: %s", hello.sender, reason)
+        return ws

@@ -1,0 +1,173 @@
+"""The async stage worker: a StageCore (stage.py) between an inbound queue and the link to the successor.
+
+    inbox (Frames from the RingServer or a QueueSender) -> StageCore.handle, strictly in order -> successor
+
+Forwards run on one worker thread (torch releases the GIL), so the event loop keeps answering heartbeats and
+HTTP while a stage computes; cheap messages (prune, reset, release) are applied inline, which is safe because
+the loop awaits each message before it takes the next. Sending runs as its own task, so computing message
+k+1 overlaps sending message k; order is kept by a FIFO queue.
+
+Compute emulation (issue 4 item 9, emulation.py): after computing for t seconds the stage waits (s - 1) * t
+before it sends the result or takes the next message, like a device s times slower.
+
+Observability: ``snapshot()`` (counters for /cluster) and ``timeline()`` (busy intervals: wall-clock start and
+end of each forward including the emulated wait, in a bounded ring buffer, for per-stage timeline charts).
+
+When the inbound link breaks, every request that came through it gets a StageError sent downstream, so the
+leader fails it at once with the reason instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from .emulation import NO_COMPUTE_EMULATION, ComputeEmulation
+from .errors import PeerGone
+from .messages import Forward, Release, StageError
+from .stage import StageCore
+from .transport import Frame, LinkDown, Sender
+
+log = logging.getLogger(__name__)
+
+TIMELINE_LENGTH = 8192  # busy intervals kept per stage
+
+
+@dataclass(frozen=True)
+class BusyInterval:
+    """One forward on this stage. ``start``/``end`` are time.time() (comparable across local processes);
+    ``end - start`` includes the emulated slowdown wait, ``compute_s`` does not."""
+
+    start: float
+    end: float
+    compute_s: float
+    request_id: str
+    nodes: int
+    tag: int
+
+
+class StageWorker:
+    """Runs ``core`` on the frames arriving in ``inbox`` and sends the results to ``successor``.
+
+    Ownership: the worker owns its successor link once given (``set_successor`` closes the one it replaces;
+    ``run`` closes the current one when it ends). ``run()`` runs until cancelled; give it to a TaskGroup."""
+
+    def __init__(self, core: StageCore, successor: Sender | None = None, *, inbox: asyncio.Queue | None = None,
+                 compute: ComputeEmulation = NO_COMPUTE_EMULATION, name: str | None = None):
+        self.core = core
+        self.successor = successor
+        self.inbox: asyncio.Queue = inbox if inbox is not None else asyncio.Queue()
+        self.compute = compute
+        self.name = name or f"stage{core.index}"
+        self.timeline_buffer: deque[BusyInterval] = deque(maxlen=TIMELINE_LENGTH)
+        self.counters = {"frames_in": 0, "frames_out": 0, "dropped_out": 0, "compute_s": 0.0, "busy_s": 0.0,
+                         "max_queue": 0}
+        self._origin: dict[str, int] = {}  # request id -> the inbound link it arrived on
+        self._out: asyncio.Queue = asyncio.Queue()
+        self.running = False
+
+    async def set_successor(self, successor: Sender | None) -> None:
+        old, self.successor = self.successor, successor
+        if old is not None and old is not successor:
+            await old.close()
+
+    async def run(self) -> None:
+        executor = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+        self.running = True
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._send_loop(), name=f"{self.name}-send")
+                await self._compute_loop(executor)
+        finally:
+            self.running = False
+            executor.shutdown(wait=False, cancel_futures=True)
+            if self.successor is not None:
+                await self.successor.close()
+
+    async def _compute_loop(self, executor: ThreadPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            ev = await self.inbox.get()
+            self.counters["max_queue"] = max(self.counters["max_queue"], self.inbox.qsize() + 1)
+            if isinstance(ev, LinkDown):
+                self._link_down(ev)
+                continue
+            assert isinstance(ev, Frame)
+            msg = ev.msg
+            self.counters["frames_in"] += 1
+            self._origin[msg.request_id] = ev.link
+            if isinstance(msg, Forward):
+                start = time.time()
+                t0 = time.perf_counter()
+                out = await loop.run_in_executor(executor, self.core.handle, msg, ev.tensors)
+                compute_s = time.perf_counter() - t0
+                wait = self.compute.extra_wait(compute_s)
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                busy = compute_s + wait
+                self.counters["compute_s"] += compute_s
+                self.counters["busy_s"] += busy
+                self.timeline_buffer.append(BusyInterval(start, start + busy, compute_s, msg.request_id,
+                                                         len(msg.parents), msg.tag))
+            else:
+                out = self.core.handle(msg, ev.tensors)
+            if isinstance(out[0], Release | StageError):
+                self._origin.pop(msg.request_id, None)
+            self._out.put_nowait(out)
+
+    def _link_down(self, ev: LinkDown) -> None:
+        if ev.direction != "in":
+            return
+        lost = [rid for rid, link in self._origin.items() if link == ev.link]
+        for rid in lost:
+            del self._origin[rid]
+            state = self.core.requests.get(rid)
+            if state is None:
+                continue
+            err = StageError(request_id=rid, seq=state.next_seq, stage=self.core.index,
+                             message=f"stage {self.core.index} lost its link from {ev.peer}: {ev.reason}")
+            self._out.put_nowait(self.core.handle(err, {}))
+        if lost:
+            log.warning("%s: link from %s down (%s); failed %d request(s)", self.name, ev.peer, ev.reason, len(lost))
+
+    async def _send_loop(self) -> None:
+        while True:
+            msg, tensors = await self._out.get()
+            succ = self.successor
+            if succ is None:
+                self.counters["dropped_out"] += 1
+                log.warning("%s: no successor; dropped %s of request %s", self.name, msg.kind, msg.request_id)
+                continue
+            try:
+                await succ.send(msg, tensors)
+                self.counters["frames_out"] += 1
+            except PeerGone as e:
+                self.counters["dropped_out"] += 1
+                log.warning("%s: dropped %s of request %s: %s", self.name, msg.kind, msg.request_id, e)
+
+    # ------------------------------------------------------------------------------------ observability
+
+    def snapshot(self) -> dict:
+        """Counters for /cluster: the core's (forwards, tokens, prunes, errors) and the worker's."""
+        c = dict(self.counters)
+        c["compute_s"] = round(c["compute_s"], 4)
+        c["busy_s"] = round(c["busy_s"], 4)
+        return {
+            "stage": self.core.index,
+            "layers": str(self.core.shard.layers),
+            "running": self.running,
+            "open_requests": len(self.core.requests),
+            "queued": self.inbox.qsize(),
+            "emulation": self.compute.describe(),
+            **self.core.counters,
+            **c,
+            "successor": None if self.successor is None else self.successor.peer,
+        }
+
+    def timeline(self, since: float | None = None) -> list[dict]:
+        """Busy intervals (oldest first) that end after ``since`` (time.time())."""
+        return [asdict(b) for b in self.timeline_buffer if since is None or b.end > since]
