@@ -57,7 +57,7 @@ from .generate import GenStats, check_context
 from .messages import Forward, Prune, Release, Reset, StageError
 from .sampling import SamplingParams, choose
 from .shard import Shard
-from .transport import Frame, LinkDown, Sender
+from .transport import LINK_LOST, Frame, LinkDown, Sender
 from .types import FrozenModel
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ class LeaderSettings(FrozenModel):
     retry_after_s: int = Field(2, ge=1)  # Retry-After for 503s
     prefill_chunk: int = Field(128, ge=1)  # prompt tokens per prefill Forward (chunks are pipelined)
     wire_dtype: str = "float16"  # activations the leader itself sends (when it embeds for stage 1)
-    chunk_segments: int | None = Field(None, ge=1)  # Chunk-PP segments per tree (None: stages + 1)
 
 
 @dataclass
@@ -124,11 +123,19 @@ class ModeContext:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.seq = 0  # next sequence number of this request
         self.in_flight = 0  # forwards sent whose result has not come back
+        self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+            self.queue.put_nowait(_Failure(error))
 
     # ------------------------------------------------------------------------------------------- sending
 
     async def send(self, msg, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Send ``msg`` down the pipeline with this request's id and the next sequence number."""
+        if self.error is not None:
+            raise self.error
         msg = msg.model_copy(update={"request_id": self.request_id, "seq": self.seq})
         self.seq += 1
         if isinstance(msg, Forward):
@@ -170,6 +177,8 @@ class ModeContext:
             raise item.error
         msg = item.msg
         if isinstance(msg, StageError):
+            if msg.message.startswith(LINK_LOST):
+                raise PeerGone(msg.message.removeprefix(LINK_LOST))
             raise StageFailed(f"stage {msg.stage}: {msg.message}")
         if isinstance(msg, Forward):
             self.in_flight -= 1
@@ -329,7 +338,7 @@ class Leader:
 
     def _fail_all(self, error: BaseException) -> None:
         for ctx in self._active.values():
-            ctx.queue.put_nowait(_Failure(error))
+            ctx.fail(error)
 
     async def run(self) -> None:
         """Demultiplex returned messages to their requests; fail requests whose links go down."""

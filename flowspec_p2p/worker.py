@@ -30,7 +30,7 @@ from .emulation import NO_COMPUTE_EMULATION, ComputeEmulation
 from .errors import PeerGone
 from .messages import Forward, Release, StageError
 from .stage import StageCore
-from .transport import Frame, LinkDown, Sender
+from .transport import LINK_LOST, Frame, LinkDown, Sender
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class StageWorker:
             if state is None:
                 continue
             err = StageError(request_id=rid, seq=state.next_seq, stage=self.core.index,
-                             message=f"stage {self.core.index} lost its link from {ev.peer}: {ev.reason}")
+                             message=f"{LINK_LOST}stage {self.core.index} lost its link from {ev.peer}: {ev.reason}")
             self._out.put_nowait(self.core.handle(err, {}))
         if lost:
             log.warning("%s: link from %s down (%s); failed %d request(s)", self.name, ev.peer, ev.reason, len(lost))

@@ -1,0 +1,59 @@
+"""Builders shared by the data-path tests: the tiny float64 model cut into a 3-stage ring, and a byte tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowspec_p2p.generate import ARDecoder, generate_ids
+from flowspec_p2p.sampling import SamplingParams
+from flowspec_p2p.shard import Shard
+from flowspec_p2p.types import LayerRange
+from flowspec_p2p.weights import open_source
+
+F64 = torch.float64
+CUTS = [(0, 1), (1, 3), (3, 4)]  # three stages of the 4-layer tiny model
+
+
+@dataclass
+class TinyParts:
+    whole: Shard  # the whole model (reference decoder, oracle drafter)
+    head: Shard  # the leader's piece: final norm + LM head (+ embedding)
+    stages: list[Shard]  # stage 1 embeds; the last stage applies the final norm (returns features)
+    stages_plain: list[Shard]  # no embedding on stage 1, no norm on stage N: the leader embeds and norms
+
+    def reference(self, prompt, max_tokens, params=None, stop_ids=frozenset()):
+        out, _ = generate_ids(ARDecoder(self.whole), prompt, params or SamplingParams(), max_tokens, stop_ids)
+        return out
+
+
+def tiny_parts(checkpoint) -> TinyParts:
+    src = open_source(checkpoint)
+    n = src.config.num_layers
+
+    def cut(a, b, embed, head):
+        return Shard.from_source(src, LayerRange(start=a, end=b), embed=embed, head=head, dtype=F64).eval()
+
+    return TinyParts(
+        whole=cut(0, n, True, True),
+        head=cut(0, 0, True, True),
+        stages=[cut(a, b, a == 0, b == n) for a, b in CUTS],
+        stages_plain=[cut(a, b, False, False) for a, b in CUTS],
+    )
+
+
+class ByteTokenizer:
+    """ids 0, 1, 2 = pad, bos, eos; 3..95 = the characters chr(32) .. chr(124). Enough for API tests."""
+
+    stop_ids = frozenset({2})
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 29 for c in text if 32 <= ord(c) <= 124]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i + 29) for i in ids if 3 <= i <= 95)
+
+    def chat(self, messages) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return [1, *self.encode(text)]

@@ -1,0 +1,204 @@
+"""The leader over a 3-stage ring: `ar` and `chunk` equal single-device decoding; failures end requests cleanly."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from flowspec_p2p.chunkpp import CHUNK, chunk_spec
+from flowspec_p2p.draft import DraftHead
+from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.errors import Busy, InvalidRequest, NotReady, PeerGone, StageFailed
+from flowspec_p2p.generate import GenStats
+from flowspec_p2p.leader import AR, Leader, LeaderSettings, Pipeline
+from flowspec_p2p.loopback import LoopbackRing
+from flowspec_p2p.sampling import SamplingParams
+from flowspec_p2p.transport import QueueSender
+
+from .ring_fixtures import F64, tiny_parts
+
+GREEDY = SamplingParams()
+NO_STOP = frozenset()
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_llama):
+    return tiny_parts(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def random_head(parts):
+    torch.manual_seed(0)
+    head = DraftHead(parts.whole.cfg).to(F64)
+    head.block.reset_parameters(0.1)
+    return head
+
+
+def make_leader(parts, drafter=None, **settings):
+    settings = {"max_context": 160, "prefill_chunk": 4, "step_timeout_s": 10.0, **settings}
+    return Leader(parts.head, None, drafter=drafter, modes=[AR, CHUNK], settings=LeaderSettings(**settings))
+
+
+async def run(leader, prompt, n, mode=None, params=GREEDY, stop_ids=NO_STOP):
+    stats = GenStats(mode="?")
+    out = []
+    async for chunk in leader.generate(prompt, params=params, max_tokens=n, stop_ids=stop_ids, mode=mode,
+                                       stats=stats):
+        assert chunk
+        out += chunk
+    return out, stats
+
+
+PROMPT = [5, 17, 33, 8, 61, 9, 12, 40, 3, 77, 21]
+
+
+@pytest.mark.parametrize(("hops", "plain", "local_first", "chunk"), [
+    ("ws", False, False, 4),  # stage 1 embeds, stage 3 norms; real websockets
+    ("ws", True, False, 5),  # the leader embeds (hidden on the wire) and norms the returned hidden states
+    ("memory", False, True, 64),  # stage 1 runs inside the leader; the prompt in one prefill chunk
+])
+async def test_greedy_ar_through_three_stages_equals_single_device(parts, hops, plain, local_first, chunk):
+    leader = make_leader(parts, prefill_chunk=chunk)
+    shards = parts.stages_plain if plain else parts.stages
+    async with LoopbackRing(shards, leader, hops=hops, local_first=local_first, wire_dtype=F64) as ring:
+        out, stats = await run(leader, PROMPT, 40, mode="ar")
+        assert leader.pipeline.takes == ("hidden" if plain else "tokens")
+        assert out == parts.reference(PROMPT, 40)
+        assert (stats.mode, stats.new_tokens, stats.steps, stats.tau) == ("ar", 40, 40, 1.0)
+        assert stats.prefill_s > 0 and stats.decode_s > 0
+        out2, _ = await run(leader, PROMPT[:5], 10, mode="ar")  # a second request reuses the ring
+        assert out2 == parts.reference(PROMPT[:5], 10)
+        assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
+
+
+async def test_seeded_sampling_through_the_ring_equals_single_device_sampling(parts):
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    leader = make_leader(parts)
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
+        out, _ = await run(leader, PROMPT, 30, mode="ar", params=params)
+    assert out == parts.reference(PROMPT, 30, params)
+
+
+@pytest.mark.parametrize(("drafter_kind", "hops"), [("oracle", "memory"), ("head", "ws"), ("head", "memory")])
+async def test_greedy_chunk_pp_equals_single_device(parts, random_head, drafter_kind, hops):
+    drafter = OracleDrafter(parts.whole) if drafter_kind == "oracle" else HeadDrafter(random_head, parts.whole)
+    leader = make_leader(parts, drafter)
+    async with LoopbackRing(parts.stages, leader, hops=hops, wire_dtype=F64) as ring:
+        out, stats = await run(leader, PROMPT, 40, mode="chunk")
+        assert out == parts.reference(PROMPT, 40)
+        assert stats.mode == "chunk" and stats.new_tokens == 40
+        if drafter_kind == "oracle":  # the oracle's drafts are always accepted: several tokens per round
+            assert stats.tau > 2
+        assert stats.extra["segments"] == 4
+        out2, _ = await run(leader, PROMPT[:3], 4, mode="ar")  # FIFO: every earlier prune has been applied
+        assert out2 == parts.reference(PROMPT[:3], 4)
+        assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
+        assert all(w.snapshot()["prunes"] == stats.steps - 1 for w in ring.workers)
+
+
+async def test_chunk_pp_with_more_segments_than_nodes_and_a_stop_token(parts):
+    leader = Leader(parts.head, None, drafter=OracleDrafter(parts.whole), settings=LeaderSettings(max_context=160),
+                    modes=[AR, chunk_spec(TreeShape(total_tokens=3, depth=2, top_k=2), segments=8)])
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    ref = parts.reference(prompt, 40, stop_ids=frozenset({2}))
+    assert ref[-1] == 2, "the tiny model should emit EOS within 40 tokens for this prompt"
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
+        out, _ = await run(leader, prompt, 40, mode="chunk", stop_ids=frozenset({2}))
+    assert out == ref
+
+
+async def test_modes_are_validated_and_the_default_is_the_fastest_available(parts, random_head):
+    plain = make_leader(parts)
+    assert plain.available_modes() == ["ar"]
+    assert plain.default_mode() == "ar"
+    with pytest.raises(InvalidRequest, match="needs a draft head"):
+        plain.check(5, 5, "chunk")
+    with pytest.raises(InvalidRequest, match="unknown decoding mode"):
+        plain.check(5, 5, "warp")
+    spec = make_leader(parts, HeadDrafter(random_head, parts.whole))
+    assert spec.default_mode() == "chunk"
+    assert make_leader(parts, HeadDrafter(random_head, parts.whole), default_mode="ar").default_mode() == "ar"
+
+
+async def test_a_stage_vanishing_mid_request_fails_it_with_peer_gone(parts):
+    leader = make_leader(parts, step_timeout_s=5.0)
+    async with LoopbackRing(parts.stages, leader, hops="ws", wire_dtype=F64) as ring:
+        gen = leader.generate(PROMPT, params=GREEDY, max_tokens=100, stop_ids=NO_STOP, mode="ar")
+        await anext(gen)
+        await ring.stop_stage(2)
+        with pytest.raises(PeerGone, match="stage 3 lost its link from stage2"):
+            async with asyncio.timeout(4):
+                async for _ in gen:
+                    pass
+        assert leader.counters["failed"] == 1
+
+
+async def test_a_silent_stage_fails_the_request_after_the_step_timeout(parts):
+    leader = make_leader(parts, step_timeout_s=0.3)
+    release = threading.Event()
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
+        core = ring.workers[1].core
+        real = core.handle
+        core.handle = lambda msg, t: (release.wait(5), real(msg, t))[1]  # hangs (in the worker thread)
+        try:
+            with pytest.raises(PeerGone, match="no reply from the pipeline within 0.3 s"):
+                async with asyncio.timeout(3):
+                    await run(leader, PROMPT, 5, mode="ar")
+        finally:
+            release.set()
+
+
+async def test_a_stage_error_fails_the_request_with_its_reason(parts):
+    leader = make_leader(parts, max_context=400)
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64, capacity=20):
+        with pytest.raises(StageFailed, match="exceeds this stage's KV capacity"):
+            await run(leader, PROMPT, 30, mode="ar")
+        out, _ = await run(leader, PROMPT[:3], 5, mode="ar")  # the ring still serves
+        assert out == parts.reference(PROMPT[:3], 5)
+
+
+async def test_requests_wait_for_a_pipeline_then_get_not_ready(parts):
+    leader = make_leader(parts, ready_timeout_s=0.05)
+    run_task = asyncio.get_running_loop().create_task(leader.run())
+    try:
+        with pytest.raises(NotReady):
+            await run(leader, PROMPT, 3, mode="ar")
+        assert leader.counters["not_ready"] == 1
+    finally:
+        run_task.cancel()
+        await asyncio.gather(run_task, return_exceptions=True)
+
+
+async def test_one_request_in_flight_and_a_bounded_queue(parts):
+    leader = make_leader(parts, max_waiting=1, queue_timeout_s=0.2)
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
+        first = leader.generate(PROMPT, params=GREEDY, max_tokens=50, stop_ids=NO_STOP, mode="ar")
+        await anext(first)  # holds the turn while suspended
+        waiting = asyncio.get_running_loop().create_task(run(leader, PROMPT, 3, mode="ar"))
+        await asyncio.sleep(0.02)
+        with pytest.raises(Busy, match="already waiting"):
+            await run(leader, PROMPT, 3, mode="ar")
+        with pytest.raises(Busy, match="waited 0.2 s"):
+            await waiting
+        await first.aclose()  # the client went away: the turn passes on and the stages are released
+        out, _ = await run(leader, PROMPT, 3, mode="ar")
+        assert out == parts.reference(PROMPT, 3)
+
+
+async def test_replanning_fails_the_request_in_flight_and_later_requests_use_the_new_pipeline(parts):
+    leader = make_leader(parts, ready_timeout_s=5.0)
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
+        gen = leader.generate(PROMPT, params=GREEDY, max_tokens=50, stop_ids=NO_STOP, mode="ar")
+        await anext(gen)
+        pipeline = leader.pipeline
+        await leader.set_pipeline(None)
+        with pytest.raises(PeerGone, match="re-planning"):
+            await anext(gen)
+        assert pipeline.sender.closed
+        later = asyncio.get_running_loop().create_task(run(leader, PROMPT, 5, mode="ar"))
+        await asyncio.sleep(0.05)
+        assert not later.done()  # waits for a pipeline
+        await leader.set_pipeline(Pipeline(QueueSender(ring.workers[0].inbox, "stage1"), epoch=1, stages=3))
+        out, _ = await later
+        assert out == parts.reference(PROMPT, 5)
