@@ -14,6 +14,8 @@ log = logging.getLogger("flowspec_p2p")
 # Each module defines register(subparsers) and sets `func` on its parsers.
 COMMAND_MODULES = [
     "flowspec_p2p.commands.generate",
+    "flowspec_p2p.commands.plan",
+    "flowspec_p2p.commands.draft",
 ]
 
 

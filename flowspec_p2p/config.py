@@ -1,0 +1,153 @@
+"""Frozen, validated configuration of an agent. The only module that reads environment variables.
+
+Sources, lowest precedence first: defaults < an agent profile (TOML, e.g. ``agents/leader.toml``) < command-line
+flags < nothing else. Environment variables only fill in what is still unset: ``FLOWSPEC_SECRET`` (the cluster's
+shared secret; preferred over ``--secret``, which other users can read from the process list) and
+``FLOWSPEC_STATE_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+from .types import FrozenModel
+
+ENV_SECRET = "FLOWSPEC_SECRET"
+ENV_STATE_DIR = "FLOWSPEC_STATE_DIR"
+DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")
+DEFAULT_API_PORT = 8000
+CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
+
+
+class Emulation(FrozenModel):
+    """Emulated edge device (issue 4 item 9); off by default. The data path applies it (emulation.py)."""
+
+    link_mbps: float | None = Field(default=None, gt=0)
+    link_latency_ms: float = Field(default=0.0, ge=0)
+    slowdown: float = Field(default=1.0, ge=1.0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.link_mbps is not None or self.link_latency_ms > 0 or self.slowdown > 1.0
+
+
+class ProfileOverrides(FrozenModel):
+    """Values that replace measurements (the ``[profile]`` table of an agent profile): for planning previews,
+    for a device that should offer less than it has, and for emulated clusters on one host."""
+
+    memory_mb: float | None = Field(default=None, gt=0)
+    gflops: float | None = Field(default=None, gt=0)
+    link_mbps: float | None = Field(default=None, gt=0)
+    latency_ms: float | None = Field(default=None, ge=0)
+
+
+class PlanningConfig(FrozenModel):
+    """How the leader plans (ignored on members)."""
+
+    context: int = Field(default=2048, ge=16)  # KV capacity per request on every stage
+    tokens_per_step: int = Field(default=16, ge=1)
+    stages: int | None = Field(default=None, ge=1)  # force exactly this many layer-holding stages
+    leader_layers: Literal["auto", "always", "never"] = "auto"
+
+
+class AgentConfig(FrozenModel):
+    cluster: str = "default"
+    name: str = ""  # a human label shown in /cluster; defaults to the host name
+    leader: bool = False
+    model: Path | None = None  # this device's own model copy; the leader defaults to the packaged model
+    interfaces: tuple[str, ...] = ()  # IPs or interface names zeroconf (and the agent server) use
+    peers: tuple[str, ...] = ()  # static HOST:PORT peers, where multicast is blocked
+    mdns: bool = True
+    port: int = Field(default=0, ge=0, le=65535)  # agent server (control, weights, ring); 0 = any
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=DEFAULT_API_PORT, ge=0, le=65535)
+    state_dir: Path = DEFAULT_STATE_DIR
+    threads: int | None = Field(default=None, ge=1)
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    secret: SecretStr | None = None
+    emulation: Emulation = Emulation()
+    profile: ProfileOverrides = ProfileOverrides()
+    planning: PlanningConfig = PlanningConfig()
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster_name(cls, v: str) -> str:
+        if not CLUSTER_NAME.match(v):
+            raise ValueError("a cluster name is 1-32 letters, digits, '-' or '_'")
+        return v
+
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for p in v:
+            split_host_port(p)
+        return v
+
+    @model_validator(mode="after")
+    def _paths(self) -> AgentConfig:
+        if self.secret is not None and len(self.secret.get_secret_value()) < 8:
+            raise ValueError("the shared secret must have at least 8 characters")
+        return self
+
+    @property
+    def secret_bytes(self) -> bytes | None:
+        return None if self.secret is None else self.secret.get_secret_value().encode()
+
+    @property
+    def state_path(self) -> Path:
+        return self.state_dir.expanduser()
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port)."""
+    m = re.match(r"^\[([0-9A-Fa-f:.]+)\]:(\d+)$", value) or re.match(r"^([^:\s]+):(\d+)$", value)
+    if not m or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"peer {value!r} is not HOST:PORT")
+    return m.group(1), int(m.group(2))
+
+
+def _merge(base: dict, over: Mapping[str, Any]) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if v is None:
+            continue
+        if isinstance(v, Mapping):
+            out[k] = _merge(out.get(k) or {}, v)
+        else:
+            out[k] = v
+    return out
+
+
+def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+         env: Mapping[str, str] | None = None) -> AgentConfig:
+    """Build an AgentConfig: profile TOML < ``overrides`` (None values ignored; nested dicts merge) < env fill-ins."""
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path).expanduser()
+        try:
+            data = tomllib.loads(p.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read agent profile {p}: {e}") from e
+        if isinstance(data.get("model"), str) and not Path(data["model"]).is_absolute():
+            data["model"] = str(p.parent / data["model"])
+    data = _merge(data, overrides or {})
+    if data.get("secret") is None and env.get(ENV_SECRET):
+        data["secret"] = env[ENV_SECRET]
+    if data.get("state_dir") is None and env.get(ENV_STATE_DIR):
+        data["state_dir"] = env[ENV_STATE_DIR]
+    for key in ("interfaces", "peers"):
+        if key in data:
+            data[key] = tuple(data[key])
+    try:
+        return AgentConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"invalid agent configuration: {e}") from None

@@ -1,0 +1,101 @@
+"""Discovery on the loopback interface: agents of one cluster (and one secret) find each other, others are
+ignored, and a stopped agent's mDNS removal is reported. Static peers work without multicast."""
+
+import asyncio
+import contextlib
+import itertools
+
+import pytest
+
+from flowspec_p2p import discovery
+from flowspec_p2p.control import PeerInfo
+from flowspec_p2p.discovery import Discovery, PeerLost, PeerSeen, from_properties, resolve_interfaces, to_properties
+from flowspec_p2p.errors import ConfigError
+from flowspec_p2p.profile import DeviceProfile
+
+LOOPBACK = ["127.0.0.1"]
+_ports = itertools.count(20000)
+
+
+def peer(aid: str, cluster: str = "t", role: str = "member") -> PeerInfo:
+    return PeerInfo(id=aid, cluster=cluster, role=role, host="127.0.0.1", port=next(_ports), pid=1, started=1.5,
+                    profile=DeviceProfile(memory_bytes=1 << 30, gflops=9.5, threads=2, link_mbps=100.0),
+                    model="f" * 32)
+
+
+@contextlib.asynccontextmanager
+async def running(*discos):
+    tasks = [asyncio.create_task(d.run()) for d in discos]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(d.registered.wait() for d in discos)), 10)
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def next_event(q: asyncio.Queue, kind, wait_s: float = 8.0):
+    async def loop():
+        while True:
+            ev = await q.get()
+            if isinstance(ev, kind):
+                return ev
+    return await asyncio.wait_for(loop(), wait_s)
+
+
+def test_txt_properties_round_trip():
+    me = peer("abc")
+    props = {k.encode(): v.encode() for k, v in to_properties(me, "tag").items()}
+    assert from_properties(props, me.host, me.port) == me
+
+
+def test_interfaces_resolve_ips_and_names():
+    assert resolve_interfaces(["127.0.0.1"]) == ["127.0.0.1"]
+    assert resolve_interfaces(["lo"]) == ["127.0.0.1"]
+    with pytest.raises(ConfigError, match="no network interface"):
+        resolve_interfaces(["no-such-if0"])
+
+
+async def test_agents_of_one_cluster_find_each_other_and_see_removal():
+    qa, qb, qc, qd = (asyncio.Queue() for _ in range(4))
+    a, b = peer("a"), peer("b")
+    da = Discovery(a, qa, addresses=LOOPBACK, interfaces=LOOPBACK)
+    db = Discovery(b, qb, addresses=LOOPBACK, interfaces=LOOPBACK)
+    other_cluster = Discovery(peer("c", cluster="other"), qc, addresses=LOOPBACK, interfaces=LOOPBACK)
+    other_secret = Discovery(peer("d"), qd, addresses=LOOPBACK, interfaces=LOOPBACK, auth="different")
+    async with running(da, other_cluster, other_secret):
+        async with running(db):
+            seen_by_a = await next_event(qa, PeerSeen)
+            seen_by_b = await next_event(qb, PeerSeen)
+            assert seen_by_a.info == b
+            assert seen_by_a.via == "mdns"
+            assert seen_by_b.info == a
+            await asyncio.sleep(0.5)
+        lost = await next_event(qa, PeerLost)
+        assert lost.agent_id == "b"
+        seen = set()
+        while not qa.empty():
+            ev = qa.get_nowait()
+            if isinstance(ev, PeerSeen):
+                seen.add(ev.info.id)
+        assert seen <= {"b"}  # never the other cluster's or the other secret's agent
+
+
+async def test_static_peers_work_without_multicast(monkeypatch):
+    monkeypatch.setattr(discovery, "STATIC_POLL_INTERVAL_S", 0.05)
+    leader = peer("lead", role="leader")
+    asked = []
+
+    async def fetch_info(host, port):
+        asked.append((host, port))
+        return leader if port == 9 else None
+
+    q = asyncio.Queue()
+    d = Discovery(peer("m"), q, addresses=LOOPBACK, mdns=False, static_peers=[("10.0.0.1", 9), ("10.0.0.2", 10)],
+                  fetch_info=fetch_info)
+    async with running(d):
+        ev = await next_event(q, PeerSeen, wait_s=2)
+    assert ev.info == leader
+    assert ev.via == "static"
+    assert ("10.0.0.2", 10) in asked

@@ -1,0 +1,113 @@
+"""Weights without a hub: a member fetches exactly its range's stored tensors, verifies them, caches them, and
+builds the same shard as from a local copy; tampered bytes are refused."""
+
+import hashlib
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+from flowspec_p2p.errors import WeightsError
+from flowspec_p2p.shard import Shard
+from flowspec_p2p.types import LayerRange
+from flowspec_p2p.weight_server import WeightServer, fetch_range
+from flowspec_p2p.weights import open_source, range_fingerprint
+
+
+async def serve(app: web.Application):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def tiny_server(tiny_llama):
+    source = open_source(tiny_llama)
+    ws = WeightServer(source)
+    app = web.Application()
+    ws.install(app)
+    runner, url = await serve(app)
+    yield source, ws, url
+    await runner.cleanup()
+
+
+async def test_a_fetched_range_builds_the_same_shard_as_a_local_copy(tiny_server, tmp_path):
+    source, _, url = tiny_server
+    rng = LayerRange(start=1, end=3)
+    expected = range_fingerprint(source, rng, embed=False, head=True)
+    async with aiohttp.ClientSession() as s:
+        fetched, n = await fetch_range(s, url, rng, embed=False, head=True, cache_dir=tmp_path,
+                                       expected_fingerprint=expected)
+        assert n == fetched.manifest.nbytes > 0
+        assert not any(".layers.0." in name or ".layers.3." in name for name in fetched.names())  # only the range
+        _, n2 = await fetch_range(s, url, rng, embed=False, head=True, cache_dir=tmp_path,
+                                      expected_fingerprint=expected)
+        assert n2 == 0  # served from the content-addressed cache
+    a = Shard.from_source(source, rng, embed=False, head=True, dtype=torch.float64)
+    b = Shard.from_source(fetched, rng, embed=False, head=True, dtype=torch.float64)
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb
+        assert torch.equal(pa, pb)
+    assert torch.equal(a.head_t, b.head_t)
+
+
+async def test_tampered_bytes_are_rejected(tiny_llama, tmp_path):
+    source = open_source(tiny_llama)
+    server = WeightServer(source)
+    evil = web.Application()
+
+    async def flipped(request):  # a man in the middle flipping bits of the q projections
+        data = bytearray(source.raw_bytes(request.match_info["name"]))
+        if "q_proj" in request.match_info["name"]:
+            data[0] ^= 0xFF
+        return web.Response(body=bytes(data))
+
+    evil.router.add_get("/weights/manifest", server._manifest)
+    evil.router.add_get("/weights/tensor/{name}", flipped)
+    runner, url = await serve(evil)
+    try:
+        rng = LayerRange(start=0, end=1)
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(WeightsError, match="SHA-256 mismatch"):
+                await fetch_range(s, url, rng, embed=True, head=False, cache_dir=tmp_path)
+            with pytest.raises(WeightsError, match="fingerprint mismatch"):
+                await fetch_range(s, url, LayerRange(start=1, end=2), embed=False, head=False, cache_dir=tmp_path,
+                                  expected_fingerprint="0" * 32)
+    finally:
+        await runner.cleanup()
+    assert not list((tmp_path / "tensors").glob("*.part*"))
+
+
+async def test_a_tampered_cache_file_is_fetched_again(tiny_server, tmp_path):
+    source, _, url = tiny_server
+    rng = LayerRange(start=0, end=1)
+    async with aiohttp.ClientSession() as s:
+        await fetch_range(s, url, rng, embed=False, head=False, cache_dir=tmp_path)
+        victim = next((tmp_path / "tensors").iterdir())
+        victim.write_bytes(b"garbage")
+        _, n = await fetch_range(s, url, rng, embed=False, head=False, cache_dir=tmp_path)
+    assert n == len(source.raw_bytes(next(iter(source.names())))) or n > 0
+    assert hashlib.sha256(victim.read_bytes()).hexdigest() == victim.stem
+
+
+async def test_quantised_gguf_blocks_travel_quantised_and_dequantise_identically(tmp_path):
+    source = open_source(None)  # the packaged Q4_1 GGUF
+    server = WeightServer(source)
+    app = web.Application()
+    server.install(app)
+    runner, url = await serve(app)
+    try:
+        rng = LayerRange(start=4, end=5)
+        async with aiohttp.ClientSession() as s:
+            fetched, n = await fetch_range(s, url, rng, embed=False, head=False, cache_dir=tmp_path,
+                                           expected_fingerprint=range_fingerprint(source, rng, embed=False, head=False))
+    finally:
+        await runner.cleanup()
+    float32_bytes = source.config.layer_params() * 4
+    assert n < float32_bytes / 4  # quantised on the wire
+    for name in fetched.names():
+        assert torch.equal(fetched.load(name), source.load(name)), name
