@@ -1,0 +1,269 @@
+"""FlowSpec: continuous pipelined tree-based speculative decoding (arXiv 2507.02620; flowspec-algorithm.md §3-§6).
+
+With one request in flight a plain pipeline keeps one stage busy at a time. FlowSpec keeps every stage busy by
+streaming *segments* of a draft tree through the pipeline and verifying the tree step by step as segments return.
+
+Glossary (tree words as in tree.py, protocol words as in messages.py):
+
+    root            node 0 of the leader's tree: a token already decided (streamed to the client) whose K/V is
+                    not yet committed; the target's logits at the root decide what follows it
+    sent prefix     nodes [0, sent) have been sent down the pipeline; every stage holds (or will hold, FIFO) their
+                    K/V as its pending tree, in the same indexing
+    verified prefix nodes [0, V) whose final features are back at the leader; segments go out and return in
+                    index order, so this is always a prefix (and V = 0 right after every prune: the new root is
+                    never verified yet)
+    step            one returned segment: map it to current indices, extend the verified prefix, and — when the
+                    root is verified — *walk* (verify.py): accept the longest verified path the target agrees
+                    with and decide the token after it (argmax, or an exact sample)
+    continue        the decided token equals a child of the last accepted node that is already in the tree (sent or
+                    not): that child becomes the new root and its subtree survives — no pipeline drain
+    restart         the decided token is not in the tree: it becomes a fresh root; every in-flight node is pruned,
+                    but the new tree goes out at once (no drain, §10.5)
+    prune           Prune(accept = accepted path, keep = accepted + surviving *sent* nodes), sent in band, so every
+                    stage applies it exactly once, in order with the segments (no global barrier, §10.3)
+    expansion       after every walk, draft a fresh tree from the new root with the newly accepted target features,
+                    merge it by token path (tree.merge) and send the new nodes as the next segment (§6.1)
+
+Segments in flight that the leader has since pruned still return (stages compute them before they see the
+prune); the leader maps their rows through every prune made since they were sent and drops what died.
+
+Lossless: a node's features depend only on the committed prefix and its ancestors (tree attention, causal-
+consistent prunes), and each decision at a verified node is the target's argmax or an exact sample from its
+distribution (verify.verify_greedy / verify_sampling), made exactly once per emitted token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from pydantic import Field
+
+from .drafter import TreeShape, expand
+from .leader import ModeContext, ModeSpec, prefill
+from .messages import Forward
+from .sampling import target_probs
+from .tree import DraftTree
+from .types import FrozenModel
+from .verify import Verdict, verify_greedy, verify_sampling
+
+log = logging.getLogger(__name__)
+
+
+class FlowSpecConfig(FrozenModel):
+    """Tree budgets and segment sizing. Defaults tuned for a CPU pipeline (small trees, short segments)."""
+
+    init: TreeShape = TreeShape(total_tokens=16, depth=6, top_k=4, order="score")
+    expand: TreeShape = TreeShape(total_tokens=8, depth=5, top_k=4, order="score")
+    in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
+    segment_cap: int = Field(8, ge=1)  # nodes per segment at most
+    max_unsent: int = Field(64, ge=1)  # drafted-but-unsent nodes kept at most (drop the lowest-scored beyond)
+
+
+@dataclass
+class Segment:
+    """An in-flight segment: ``rows`` of the sent message that still live, at current tree indices ``nodes``."""
+
+    tag: int
+    sent_rows: int
+    rows: list[int]
+    nodes: list[int]
+
+
+@dataclass
+class FlowState:
+    """The leader's per-request FlowSpec bookkeeping. Pure (no I/O): the async mode drives it."""
+
+    tree: DraftTree
+    committed: int  # K/V-committed tokens on every stage (prompt + accepted)
+    sent: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] per verified node, index < V
+    feats: list[torch.Tensor] = field(default_factory=list)  # [hidden] per verified node
+    inflight: deque[Segment] = field(default_factory=deque)
+    next_tag: int = 0
+    counters: dict = field(default_factory=lambda: dict(
+        segments=0, nodes_sent=0, nodes_returned=0, nodes_dead=0, walks=0, continues=0, restarts=0, prunes=0))
+
+    @property
+    def verified(self) -> int:
+        return len(self.logits)
+
+    def next_segment(self, cap: int) -> tuple[int, int, int] | None:
+        """Claim the next unsent nodes [a, b) as a segment -> (tag, a, b), or None when nothing is unsent."""
+        a, n = self.sent, len(self.tree)
+        if a >= n:
+            return None
+        b = min(n, a + cap)
+        tag = self.next_tag
+        self.next_tag += 1
+        self.sent = b
+        self.inflight.append(Segment(tag, b - a, list(range(b - a)), list(range(a, b))))
+        self.counters["segments"] += 1
+        self.counters["nodes_sent"] += b - a
+        return tag, a, b
+
+    def take_result(self, msg: Forward, features: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Match a returned Forward to its in-flight segment -> (current node indices, their features [k, H])."""
+        seg = self.inflight.popleft()
+        assert seg.tag == msg.tag, f"segment {msg.tag} returned, {seg.tag} expected (FIFO broken)"
+        m = features.shape[0]
+        if m == seg.sent_rows:
+            rows = seg.rows
+        elif m == len(seg.nodes):  # a stage already dropped the pruned rows
+            rows = list(range(m))
+        else:
+            raise AssertionError(f"segment {seg.tag} returned {m} rows; sent {seg.sent_rows}, {len(seg.nodes)} live")
+        self.counters["nodes_returned"] += len(seg.nodes)
+        self.counters["nodes_dead"] += seg.sent_rows - len(seg.nodes)
+        v = self.verified
+        assert seg.nodes == list(range(v, v + len(seg.nodes))), (seg.nodes, v)
+        return seg.nodes, features[rows]
+
+    def apply(self, verdict: Verdict) -> tuple[int, list[int], list[int], torch.Tensor]:
+        """Commit the accepted path and prune to the new root's subtree (continue) or a fresh root (restart).
+        -> (accept, keep among sent nodes, accepted tokens, their features [a, H]) for Prune and the drafter."""
+        acc = verdict.accepted
+        assert verdict.token is not None
+        tree = self.tree
+        tokens = [tree.token_list[i] for i in acc]
+        feats = torch.stack([self.feats[i] for i in acc])
+        new_tree, keep = tree.prune(acc, verdict.next_child)
+        if new_tree is None:  # restart: the decided token is a fresh root
+            new_tree = DraftTree.root(verdict.token)
+            self.counters["restarts"] += 1
+        else:
+            self.counters["continues"] += 1
+        keep_sent = [i for i in keep if i < self.sent]
+        a = len(acc)
+        new_of = {old: new - a for new, old in enumerate(keep_sent) if new >= a}
+        for seg in self.inflight:
+            live = [(r, new_of[x]) for r, x in zip(seg.rows, seg.nodes, strict=True) if x in new_of]
+            seg.rows, seg.nodes = [r for r, _ in live], [x for _, x in live]
+        self.sent = len(keep_sent) - a
+        self.tree = new_tree
+        self.committed += a
+        self.logits, self.feats = [], []
+        self.counters["prunes"] += 1
+        return a, keep_sent, tokens, feats
+
+    def trim_unsent(self, max_unsent: int) -> None:
+        """Bound the drafted-but-unsent part: keep its ``max_unsent`` best-scored nodes (parent-closed)."""
+        n = len(self.tree)
+        if n - self.sent <= max_unsent:
+            return
+        scores = self.tree.scores.tolist()
+        unsent = sorted(range(self.sent, n), key=lambda i: (-scores[i], i))[:max_unsent]
+        self.tree = self.tree.select(list(range(self.sent)) + sorted(unsent))  # best-first is parent-closed
+
+
+class _Rows:
+    """verify.Rows over the verified logits of the current tree."""
+
+    def __init__(self, rows: list[torch.Tensor], fn=None):
+        self.rows, self.fn = rows, fn
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.rows[i] if self.fn is None else self.fn(self.rows[i])
+
+
+def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
+    """Verify the verified prefix of the current tree from its root."""
+    v = state.verified
+    if ctx.params.greedy:
+        return verify_greedy(state.tree, _Rows(state.logits), verified_end=v, stop_ids=ctx.stop_ids)
+    probs = _Rows(state.logits, partial(target_probs, params=ctx.params))
+    uniforms = torch.rand(len(state.tree) + 1, generator=ctx.gen, dtype=torch.float64)
+    return verify_sampling(state.tree, probs, uniforms, verified_end=v, stop_ids=ctx.stop_ids)
+
+
+async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) -> AsyncIterator[list[int]]:
+    cfg = config or FlowSpecConfig()
+    drafter, stats = ctx.drafter, ctx.stats
+    budget = ctx.max_new_tokens
+    in_flight = cfg.in_flight or ctx.pipeline.stages + 1
+    t0 = time.perf_counter()
+    feats = await prefill(ctx)  # [P, hidden]
+    token = await ctx.compute(ctx.choose, feats[-1])
+    drafter.reset(len(ctx.prompt) + budget + cfg.init.draft_slots() + cfg.expand.draft_slots())
+    await ctx.compute(drafter.feed, ctx.prompt, feats, token)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.steps, stats.new_tokens = 1, 1
+    draft_s = verify_s = 0.0
+    t1 = time.perf_counter()
+    state: FlowState | None = None
+    try:
+        yield [token]
+        if stats.new_tokens >= budget or token in ctx.stop_ids:
+            return
+        td = time.perf_counter()
+        tree = await ctx.compute(drafter.draft, cfg.init.capped(budget - stats.new_tokens - 1))
+        draft_s += time.perf_counter() - td
+        state = FlowState(tree=tree, committed=len(ctx.prompt))
+
+        async def fill() -> None:
+            """Keep ``in_flight`` segments in the ring while unsent nodes exist."""
+            while len(state.inflight) < in_flight:
+                seg = state.next_segment(cfg.segment_cap)
+                if seg is None:
+                    return
+                tag, a, b = seg
+                t = state.tree
+                await ctx.forward(first=a, parents=t.parent_list[a:b], positions=t.positions(state.committed)[a:b].tolist(),
+                                  tokens=t.tokens[a:b], tag=tag)
+
+        # the initial tree, cut into short segments, fills the ring
+        await fill()
+        while True:
+            msg, tensors = await ctx.recv()
+            if not isinstance(msg, Forward):
+                continue  # acks of our prunes: the FIFO bookkeeping is done at send time
+            nodes, f = state.take_result(msg, ctx.features(tensors))
+            stats.steps += 1
+            if nodes:
+                tv = time.perf_counter()
+                logits = await ctx.compute(ctx.logits, f)  # [k, vocab], one matmul for the segment
+                state.logits += list(logits)
+                state.feats += list(f)
+                if state.verified:
+                    verdict = await ctx.compute(_walk, ctx, state)
+                    verify_s += time.perf_counter() - tv
+                    state.counters["walks"] += 1
+                    remaining = budget - stats.new_tokens
+                    out = verdict.emitted(state.tree)[:remaining]
+                    stats.new_tokens += len(out)
+                    if out:
+                        yield out
+                    if verdict.stopped or stats.new_tokens >= budget or out[-1] in ctx.stop_ids:
+                        return
+                    accept, keep, acc_tokens, acc_feats = state.apply(verdict)
+                    await ctx.prune(accept, keep)
+                    await fill()  # surviving unsent nodes go out before we spend time drafting
+                    td = time.perf_counter()
+                    await ctx.compute(drafter.feed, acc_tokens, acc_feats, verdict.token)
+                    shape = cfg.expand.capped(budget - stats.new_tokens - 1)
+                    state.tree, _ = await ctx.compute(expand, drafter, state.tree, shape)
+                    state.trim_unsent(cfg.max_unsent)
+                    draft_s += time.perf_counter() - td
+            await fill()
+    finally:
+        stats.decode_s = time.perf_counter() - t1
+        if state is not None:
+            stats.extra.update(draft_s=round(draft_s, 4), verify_s=round(verify_s, 4), in_flight=in_flight,
+                               **state.counters)
+
+
+def flowspec_spec(config: FlowSpecConfig | None = None) -> ModeSpec:
+    return ModeSpec("flowspec", partial(flowspec_mode, config=config), needs_drafter=True,
+                    description="FlowSpec: score-ordered tree segments streamed through the pipeline, verified "
+                                "step by step, pruned in band on every stage, expanded as they flow")
+
+
+FLOWSPEC = flowspec_spec()

@@ -1,0 +1,117 @@
+"""FlowSpec through 3- and 4-stage in-process rings: greedy output equals single-device autoregressive decoding
+token for token (float64) with perfect, random and partial drafts; the bookkeeping takes every path (continue,
+restart, dead segments); sampling keeps the target's distribution."""
+
+import pytest
+import torch
+
+from flowspec_p2p.draft import DraftHead
+from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.flowspec import FlowSpecConfig, flowspec_spec
+from flowspec_p2p.generate import GenStats
+from flowspec_p2p.leader import AR, Leader, LeaderSettings
+from flowspec_p2p.loopback import LoopbackRing
+from flowspec_p2p.sampling import SamplingParams
+from flowspec_p2p.shard import Shard
+from flowspec_p2p.types import LayerRange
+from flowspec_p2p.weights import open_source
+
+from .ring_fixtures import F64, tiny_parts
+
+GREEDY = SamplingParams()
+PROMPTS = [[5, 17, 33, 8, 61, 9, 12, 40, 3, 77, 21], [1, 50, 51, 52, 9], [1, 88, 4, 4, 4, 4, 30, 31, 90]]
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_llama):
+    return tiny_parts(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def four_stages(tiny_llama):
+    src = open_source(tiny_llama)
+    return [Shard.from_source(src, LayerRange(start=i, end=i + 1), embed=i == 0, head=i == 3, dtype=F64).eval()
+            for i in range(4)]
+
+
+def noisy_copy(shard: Shard, scale: float, seed: int) -> Shard:
+    """The target with noise on its layers: its argmax agrees with the target's only part of the time."""
+    g = torch.Generator().manual_seed(seed)
+    noisy = Shard(shard.cfg, shard.layers, embed=True, head=True, dtype=F64)
+    noisy.load_state_dict(shard.state_dict())
+    noisy.head_t = shard.head_t
+    with torch.no_grad():
+        for b in noisy.blocks:
+            for w in (b.wqkv, b.w13, b.w2, b.wo):
+                w.add_(torch.randn(w.shape, generator=g, dtype=F64) * scale)
+    return noisy.eval()
+
+
+def drafter_for(kind, parts):
+    if kind == "perfect":
+        return OracleDrafter(parts.whole)
+    if kind == "partial":
+        return OracleDrafter(noisy_copy(parts.whole, 0.08, seed=3))
+    torch.manual_seed(0)
+    head = DraftHead(parts.whole.cfg).to(F64)
+    head.block.reset_parameters(0.1)
+    return HeadDrafter(head, parts.head)
+
+
+async def run(leader, prompt, n, params=GREEDY, stop_ids=frozenset()):
+    stats = GenStats(mode="?")
+    out = []
+    async for chunk in leader.generate(prompt, params=params, max_tokens=n, stop_ids=stop_ids, mode="flowspec",
+                                       stats=stats):
+        assert chunk
+        out += chunk
+    return out, stats
+
+
+CONFIGS = {
+    "default": FlowSpecConfig(),
+    "tiny-segments": FlowSpecConfig(init=TreeShape(total_tokens=10, depth=4, top_k=3, order="score"),
+                                    expand=TreeShape(total_tokens=6, depth=3, top_k=2, order="score"), segment_cap=2),
+    "wide": FlowSpecConfig(init=TreeShape(total_tokens=24, depth=6, top_k=5, order="score"),
+                           expand=TreeShape(total_tokens=12, depth=6, top_k=4, order="score"), segment_cap=5,
+                           in_flight=6, max_unsent=10),
+}
+
+
+@pytest.mark.parametrize("drafter_kind", ["perfect", "random", "partial"])
+@pytest.mark.parametrize("n_stages", [3, 4])
+@pytest.mark.parametrize("config", list(CONFIGS))
+async def test_greedy_flowspec_equals_single_device_autoregressive(parts, four_stages, drafter_kind, n_stages,
+                                                                   config):
+    stages = parts.stages if n_stages == 3 else four_stages
+    leader = Leader(parts.head, None, drafter=drafter_for(drafter_kind, parts), modes=[AR, flowspec_spec(
+        CONFIGS[config])], settings=LeaderSettings(max_context=200, prefill_chunk=4, step_timeout_s=20.0))
+    totals = {"continues": 0, "restarts": 0, "nodes_dead": 0}
+    async with LoopbackRing(stages, leader, hops="memory", wire_dtype=F64) as ring:
+        for prompt in PROMPTS:
+            out, stats = await run(leader, prompt, 48)
+            assert out == parts.reference(prompt, 48), (drafter_kind, prompt)
+            assert stats.new_tokens == 48
+            for k in totals:
+                totals[k] += stats.extra[k]
+            if drafter_kind == "perfect":
+                assert stats.tau > 0.5 and stats.extra["restarts"] <= stats.extra["walks"] // 4
+        assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
+    if drafter_kind != "perfect":
+        assert totals["restarts"] > 0
+    if drafter_kind != "random":
+        assert totals["continues"] > 0
+
+
+async def test_stop_token_and_budget_end_the_reply_exactly(parts):
+    leader = Leader(parts.head, None, drafter=OracleDrafter(parts.whole), modes=[flowspec_spec()],
+                    settings=LeaderSettings(max_context=200, prefill_chunk=4))
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
+        for prompt in PROMPTS:
+            ref = parts.reference(prompt, 60)
+            stop = frozenset({ref[7]})  # a token the reply reaches: it must end right there
+            out, _ = await run(leader, prompt, 60, stop_ids=stop)
+            assert out == parts.reference(prompt, 60, stop_ids=stop)
+            assert out[-1] in stop
+            for n in (1, 2, 5):
+                assert (await run(leader, prompt, n))[0] == ref[:n]
