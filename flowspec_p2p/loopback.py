@@ -35,7 +35,7 @@ class LoopbackRing:
     def __init__(self, shards: list[Shard], leader: Leader, *, hops: str = "ws", local_first: bool = False,
                  wire_dtype: torch.dtype = torch.float16, capacity: int | None = None,
                  link: LinkEmulation = NO_LINK_EMULATION, compute: ComputeEmulation = NO_COMPUTE_EMULATION,
-                 cluster: str = "loopback", epoch: int = 0):
+                 cluster: str = "loopback", epoch: int = 0, run_leader: bool = True):
         assert hops in ("ws", "memory")
         self.leader = leader
         self.hops = hops
@@ -44,6 +44,7 @@ class LoopbackRing:
         self.link = link
         self.cluster = cluster
         self.epoch = epoch
+        self.run_leader = run_leader  # False: someone else runs leader.run() (e.g. api.create_app)
         capacity = capacity or leader.settings.max_context
         self.workers = [
             StageWorker(StageCore(s, index=i + 1, capacity=capacity, wire_dtype=wire_dtype), compute=compute)
@@ -90,7 +91,8 @@ class LoopbackRing:
         await self._tg.__aenter__()
         for w in self.workers:
             self._tasks.append(self._tg.create_task(w.run(), name=w.name))
-        self._tasks.append(self._tg.create_task(self.leader.run(), name="leader"))
+        if self.run_leader:
+            self._tasks.append(self._tg.create_task(self.leader.run(), name="leader"))
         await self.leader.set_pipeline(Pipeline(first, takes=takes, epoch=self.epoch, stages=n,
                                                 info={"hops": self.hops, "emulation": self.link.describe()}))
         return self

@@ -39,8 +39,8 @@ TIMELINE_LENGTH = 8192  # busy intervals kept per stage
 
 @dataclass(frozen=True)
 class BusyInterval:
-    """One forward on this stage. ``start``/``end`` are time.time() (comparable across local processes);
-    ``end - start`` includes the emulated slowdown wait, ``compute_s`` does not."""
+    """One forward on this stage. ``start``/``end`` are time.time() (comparable across local processes), measured
+    around the forward and the emulated slowdown wait; ``compute_s`` is the forward alone."""
 
     start: float
     end: float
@@ -108,11 +108,11 @@ class StageWorker:
                 wait = self.compute.extra_wait(compute_s)
                 if wait > 0:
                     await asyncio.sleep(wait)
-                busy = compute_s + wait
+                end = time.time()
                 self.counters["compute_s"] += compute_s
-                self.counters["busy_s"] += busy
-                self.timeline_buffer.append(BusyInterval(start, start + busy, compute_s, msg.request_id,
-                                                         len(msg.parents), msg.tag))
+                self.counters["busy_s"] += end - start
+                self.timeline_buffer.append(BusyInterval(start, end, compute_s, msg.request_id, len(msg.parents),
+                                                         msg.tag))
             else:
                 out = self.core.handle(msg, ev.tensors)
             if isinstance(out[0], Release | StageError):

@@ -1,0 +1,148 @@
+"""The async stage worker: in-order application, off-loop compute, slowdown emulation, timelines, link loss."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from flowspec_p2p import worker as worker_mod
+from flowspec_p2p.emulation import ComputeEmulation
+from flowspec_p2p.messages import Forward, Prune, Release, StageError
+from flowspec_p2p.stage import StageCore
+from flowspec_p2p.transport import LINK_LOST, Frame, LinkDown, QueueSender
+from flowspec_p2p.worker import StageWorker
+
+from .ring_fixtures import F64, tiny_parts
+
+
+@pytest.fixture(scope="module")
+def shard(tiny_llama):
+    return tiny_parts(tiny_llama).stages[1]  # layers [1, 3): hidden in, hidden out
+
+
+def hidden(m):
+    return {"hidden": torch.randn(m, 64, dtype=F64)}
+
+
+def fwd(rid, seq, m, first=0, commit=True, start=0):
+    parents = list(range(first - 1, first + m - 1)) if commit else [-1] * m
+    return Forward(request_id=rid, seq=seq, first=first, parents=parents,
+                   positions=list(range(start, start + m)) if commit else [start] * m, commit=commit)
+
+
+class Running:
+    """A worker whose successor is an in-memory queue, run as a task for the test's duration."""
+
+    def __init__(self, shard, **kw):
+        self.out = asyncio.Queue()
+        self.successor = QueueSender(self.out, "next")
+        self.worker = StageWorker(StageCore(shard, index=2, capacity=64, wire_dtype=F64), self.successor, **kw)
+
+    async def __aenter__(self):
+        self.task = asyncio.get_running_loop().create_task(self.worker.run())
+        return self
+
+    async def __aexit__(self, *exc):
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    def put(self, msg, tensors=None, link=1):
+        self.worker.inbox.put_nowait(Frame(msg, tensors or {}, "prev", link, time.time()))
+
+    async def get(self):
+        async with asyncio.timeout(5):
+            return (await self.out.get()).msg
+
+
+async def test_messages_are_applied_in_order_and_passed_on(shard):
+    async with Running(shard) as r:
+        r.put(fwd("a", 0, 5), hidden(5))
+        r.put(Forward(request_id="a", seq=1, first=0, parents=[-1, -1], positions=[5, 5]), hidden(2))
+        r.put(Prune(request_id="a", seq=2, accept=1, keep=[1]))
+        r.put(Release(request_id="a", seq=3))
+        kinds = [(m.kind, m.seq) for m in [await r.get() for _ in range(4)]]
+        assert kinds == [("forward", 0), ("forward", 1), ("prune", 2), ("release", 3)]
+        snap = r.worker.snapshot()
+        assert (snap["forwards"], snap["tokens"], snap["prunes"], snap["frames_out"]) == (2, 7, 1, 4)
+        assert snap["open_requests"] == 0
+        assert snap["successor"] == "next"
+
+
+async def test_compute_slowdown_stretches_each_forward_and_is_recorded_in_the_timeline(shard):
+    async with Running(shard, compute=ComputeEmulation(slowdown=4.0)) as r:
+        for seq in range(3):
+            r.put(fwd("a", seq, 4, start=4 * seq), hidden(4))
+        for _ in range(3):
+            await r.get()
+        timeline = r.worker.timeline()
+        assert len(timeline) == 3
+        for b in timeline:
+            assert b["end"] - b["start"] >= 4.0 * b["compute_s"] - 1e-4
+            assert b["end"] - b["start"] <= 4.0 * b["compute_s"] + 0.05
+            assert b["request_id"] == "a"
+            assert b["nodes"] == 4
+        assert [b["start"] for b in timeline] == sorted(b["start"] for b in timeline)
+        assert timeline[1]["start"] >= timeline[0]["end"] - 1e-3  # the next forward waits for the slow device
+        snap = r.worker.snapshot()
+        assert snap["busy_s"] >= 4 * snap["compute_s"] - 1e-3
+        assert r.worker.timeline(since=timeline[1]["end"]) == timeline[2:]
+
+
+async def test_the_timeline_is_a_bounded_ring_buffer(shard, monkeypatch):
+    monkeypatch.setattr(worker_mod, "TIMELINE_LENGTH", 2)
+    async with Running(shard) as r:
+        for seq in range(4):
+            r.put(fwd("a", seq, 1, start=seq), hidden(1))
+        for _ in range(4):
+            await r.get()
+        assert len(r.worker.timeline()) == 2
+
+
+async def test_the_event_loop_stays_responsive_while_a_stage_computes(shard):
+    async with Running(shard) as r:
+        real = r.worker.core.handle
+        r.worker.core.handle = lambda msg, t: (time.sleep(0.4), real(msg, t))[1]  # a slow forward (GIL released)
+        r.put(fwd("a", 0, 2), hidden(2))
+        t0 = time.perf_counter()
+        for _ in range(10):
+            await asyncio.sleep(0.01)
+        assert time.perf_counter() - t0 < 0.3  # ticks went on during the forward
+        assert (await r.get()).kind == "forward"
+
+
+async def test_a_lost_inbound_link_fails_only_the_requests_that_came_through_it(shard):
+    async with Running(shard) as r:
+        r.put(fwd("a", 0, 3), hidden(3), link=1)
+        r.put(fwd("b", 0, 3), hidden(3), link=2)
+        await r.get()
+        await r.get()
+        r.worker.inbox.put_nowait(LinkDown("prev", "closed by prev (code 1006)", "in", link=1, epoch=0))
+        err = await r.get()
+        assert isinstance(err, StageError)
+        assert err.request_id == "a"
+        assert err.seq == 1
+        assert err.message.startswith(LINK_LOST)
+        assert "code 1006" in err.message
+        assert set(r.worker.core.requests) == {"b"}
+        r.put(fwd("b", 1, 1, start=3), hidden(1), link=2)  # the other request goes on
+        assert (await r.get()).kind == "forward"
+
+
+async def test_stopping_the_worker_closes_its_successor(shard):
+    async with Running(shard) as r:
+        await asyncio.sleep(0)
+    assert r.successor.closed
+    assert not r.worker.running
+
+
+async def test_results_for_a_gone_successor_are_dropped_not_fatal(shard):
+    async with Running(shard) as r:
+        await r.successor.close()
+        r.put(fwd("a", 0, 2), hidden(2))
+        for _ in range(100):
+            if r.worker.counters["dropped_out"]:
+                break
+            await asyncio.sleep(0.01)
+        assert r.worker.counters["dropped_out"] == 1
+        assert not r.task.done()
