@@ -15,7 +15,9 @@ log = logging.getLogger("flowspec_p2p")
 COMMAND_MODULES = [
     "flowspec_p2p.commands.generate",
     "flowspec_p2p.commands.plan",
+    "flowspec_p2p.commands.agent",
     "flowspec_p2p.commands.draft",
+    "flowspec_p2p.commands.bench_hop",
 ]
 
 

@@ -52,7 +52,7 @@ import torch
 from pydantic import Field
 
 from .codec import wire_dtype
-from .errors import Busy, InvalidRequest, NotReady, PeerGone, StageFailed
+from .errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone, StageFailed
 from .generate import GenStats, check_context
 from .messages import Forward, Prune, Release, Reset, StageError
 from .sampling import SamplingParams, choose
@@ -412,9 +412,9 @@ class Leader:
                 del self._active[rid]
                 self.counters["completed" if ok else "failed"] += 1
                 self.last_stats = stats.as_dict()
-                if ctx.seq and not pipeline.sender.closed:
-                    with contextlib.suppress(PeerGone):
-                        await ctx.send(Release(request_id=rid, seq=0))
+                if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
+                    with contextlib.suppress(FlowSpecError):
+                        await pipeline.sender.send(Release(request_id=rid, seq=ctx.seq))
         finally:
             self._turn.release()
 

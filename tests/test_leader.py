@@ -123,18 +123,23 @@ async def test_modes_are_validated_and_the_default_is_the_fastest_available(part
     assert make_leader(parts, HeadDrafter(random_head, parts.whole), default_mode="ar").default_mode() == "ar"
 
 
-async def test_a_stage_vanishing_mid_request_fails_it_with_peer_gone(parts):
+@pytest.mark.parametrize(("stage", "reason"), [
+    (1, "pipeline link out stage1 down"),  # the leader's own link to stage 1 breaks
+    (2, "stage 3 lost its link from stage2"),  # stage 3 reports its broken inbound link downstream
+    (3, "pipeline link in stage3 down"),  # the return link into the leader breaks
+])
+async def test_a_stage_vanishing_mid_request_fails_it_with_peer_gone(parts, stage, reason):
     leader = make_leader(parts, step_timeout_s=5.0)
     async with LoopbackRing(parts.stages, leader, hops="ws", wire_dtype=F64) as ring:
         gen = leader.generate(PROMPT, params=GREEDY, max_tokens=100, stop_ids=NO_STOP, mode="ar")
         await anext(gen)
-        await ring.stop_stage(2)
+        await ring.stop_stage(stage)
         async def drain():
             async with asyncio.timeout(4):
                 async for _ in gen:
                     pass
 
-        with pytest.raises(PeerGone, match="stage 3 lost its link from stage2"):
+        with pytest.raises(PeerGone, match=reason):
             await drain()
         assert leader.counters["failed"] == 1
 

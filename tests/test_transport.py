@@ -203,3 +203,11 @@ async def test_queue_sender_round_trips_through_the_codec():
     await sender.close()
     with pytest.raises(PeerGone):
         await sender.send(prune(1))
+
+
+async def test_bench_hop_times_a_real_loopback_hop():
+    from flowspec_p2p.bench_hop import bench_hop
+
+    r = await bench_hop(tokens=16, hidden=576, dtype="float16", iters=20, warmup=5)
+    assert r["frame_bytes"] > 16 * 576 * 2
+    assert 0 < r["median_ms"] <= r["p90_ms"]
