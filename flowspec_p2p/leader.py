@@ -265,6 +265,18 @@ async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
 AR = ModeSpec("ar", ar_mode, description="pipelined autoregressive decoding, one token in flight")
 
 
+def builtin_modes() -> list[ModeSpec]:
+    """Every mode this package ships, with default settings: ar, chunk, and flowspec where present."""
+    from .chunkpp import CHUNK
+
+    modes = [AR, CHUNK]
+    try:
+        from .flowspec import flowspec_spec
+    except ImportError:  # pragma: no cover - a checkout without the flowspec mode
+        return modes
+    return [*modes, flowspec_spec()]
+
+
 class Leader:
     """See the module docstring. ``run()`` (the demultiplexer) must run while requests are served: give it to
     the agent's TaskGroup, or let api.create_app run it (``cleanup_ctx``)."""
@@ -287,7 +299,8 @@ class Leader:
         self._turn = asyncio.Lock()
         self._waiting = 0
         self._active: dict[str, ModeContext] = {}
-        self.counters = {"requests": 0, "completed": 0, "failed": 0, "busy": 0, "not_ready": 0, "dropped": 0}
+        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "busy": 0, "not_ready": 0,
+                         "dropped": 0}
         self.last_stats: dict | None = None
 
     # ---------------------------------------------------------------------------------------- modes
@@ -401,16 +414,19 @@ class Leader:
             rid = uuid.uuid4().hex[:16]
             ctx = ModeContext(self, pipeline, rid, list(prompt), params, budget, frozenset(stop_ids or ()), stats)
             self._active[rid] = ctx
-            ok = False
+            outcome = "failed"
             try:
                 if budget > 0:
                     async with contextlib.aclosing(spec.run(ctx)) as chunks:
                         async for chunk in chunks:
                             yield chunk
-                ok = True
+                outcome = "completed"
+            except (GeneratorExit, asyncio.CancelledError):
+                outcome = "cancelled"  # the caller closed the stream early (client gone, stop string)
+                raise
             finally:
                 del self._active[rid]
-                self.counters["completed" if ok else "failed"] += 1
+                self.counters[outcome] += 1
                 self.last_stats = stats.as_dict()
                 if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
                     with contextlib.suppress(FlowSpecError):

@@ -187,3 +187,16 @@ async def test_a_stage_failing_mid_stream_ends_the_stream_with_an_error_event(pa
         r = await client.post("/v1/chat/completions", json={**CHAT, "decoding": "ar"})
         assert r.status == 500
         assert (await r.json())["error"]["type"] == "stage_failed"
+
+
+async def test_a_client_leaving_mid_stream_frees_the_pipeline_for_the_next_request(served):
+    client, leader, ring = served
+    r = await client.post("/v1/chat/completions", json={**CHAT, "decoding": "ar", "max_tokens": 150, "stream": True})
+    assert r.status == 200
+    await r.content.readline()
+    r.close()  # the client goes away after the first event
+    body = await (await client.post("/v1/chat/completions", json={**CHAT, "decoding": "ar"})).json()
+    assert body["stats"]["new_tokens"] > 0
+    assert leader.counters["requests"] == 2
+    assert leader.counters["cancelled"] == 1
+    assert leader.counters["completed"] == 1
