@@ -190,7 +190,7 @@ async def test_a_stage_failing_mid_stream_ends_the_stream_with_an_error_event(pa
 
 
 async def test_a_client_leaving_mid_stream_frees_the_pipeline_for_the_next_request(served):
-    client, leader, ring = served
+    client, leader, _ = served
     r = await client.post("/v1/chat/completions", json={**CHAT, "decoding": "ar", "max_tokens": 150, "stream": True})
     assert r.status == 200
     await r.content.readline()
