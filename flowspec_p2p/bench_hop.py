@@ -26,7 +26,7 @@ from aiohttp import web
 
 from . import codec
 from .emulation import ComputeEmulation, LinkEmulation
-from .generate import GenStats
+from .generate import ARDecoder, GenStats, generate_ids
 from .leader import AR, Leader, LeaderSettings, ModeSpec
 from .messages import PROTOCOL_VERSION, Forward
 from .sampling import SamplingParams
@@ -35,6 +35,7 @@ from .transport import RING_PATH, Hello, Link, RingServer
 log = logging.getLogger(__name__)
 
 HOP_GOAL_MS = 1.0
+SINGLE = "single-device ar"  # the reference row of bench-ring
 GREEDY = SamplingParams(temperature=0.0)
 RING_PROMPTS = (
     "Explain why the sky is blue in two sentences.",
@@ -154,7 +155,7 @@ def _modes(names: list[str]) -> list[ModeSpec]:
 async def bench_ring(*, stages: int = 3, modes: tuple[str, ...] = ("ar", "chunk"), prompts: int = 4,
                      max_tokens: int = 64, wire: str = "float16", drafter: str = "auto", hops: str = "ws",
                      link: LinkEmulation | None = None, compute: ComputeEmulation | None = None,
-                     model_path: str | None = None) -> dict:
+                     model_path: str | None = None, single: bool = True) -> dict:
     from .loopback import LoopbackRing
 
     link, compute = link or LinkEmulation(), compute or ComputeEmulation()
@@ -165,13 +166,18 @@ async def bench_ring(*, stages: int = 3, modes: tuple[str, ...] = ("ar", "chunk"
                     settings=LeaderSettings(max_context=2048, wire_dtype=wire))
     run_modes = [m for m in modes if m in leader.available_modes()]
     texts = [RING_PROMPTS[i % len(RING_PROMPTS)] for i in range(prompts)]
-    per_mode: dict[str, list[dict]] = {m: [] for m in run_modes}
-    outputs: dict[str, list[list[int]]] = {m: [] for m in run_modes}
+    names = [SINGLE, *run_modes] if single else run_modes
+    per_mode: dict[str, list[dict]] = {m: [] for m in names}
+    outputs: dict[str, list[list[int]]] = {m: [] for m in names}
     async with LoopbackRing(shards, leader, hops=hops, wire_dtype=codec.wire_dtype(wire), link=link,
                             compute=compute, capacity=2048) as ring:
         await _generate(leader, lm.tokenizer.chat([{"role": "user", "content": "Hi"}]), "ar", 4)  # warm-up
         for i, text in enumerate(texts):
             ids = lm.tokenizer.chat([{"role": "user", "content": text}])
+            if single:  # the same model on one device, no pipeline: what the ring's overhead is measured against
+                out, stats = await asyncio.to_thread(_single_device, lm.shard, ids, max_tokens)
+                per_mode[SINGLE].append(stats.as_dict())
+                outputs[SINGLE].append(out)
             for mode in run_modes:
                 out, stats = await _generate(leader, ids, mode, max_tokens)
                 per_mode[mode].append(stats.as_dict())
@@ -188,7 +194,7 @@ async def bench_ring(*, stages: int = 3, modes: tuple[str, ...] = ("ar", "chunk"
             "new_tokens": sum(r["new_tokens"] for r in rows),
             "same_output_as_ar": sum(o == a for o, a in zip(outputs[mode], outputs["ar"], strict=True)),
         }
-    base = summary["ar"]["decode_tokens_per_s_median"]
+    base = summary["ar"]["decode_tokens_per_s_median"]  # speedups are relative to pipelined ar
     for s in summary.values():
         s["speedup_vs_ar"] = round(s["decode_tokens_per_s_median"] / base, 3) if base else None
     return {
@@ -199,6 +205,10 @@ async def bench_ring(*, stages: int = 3, modes: tuple[str, ...] = ("ar", "chunk"
         "per_prompt": per_mode,
         "stages": stage_snaps,
     }
+
+
+def _single_device(model, ids: list[int], max_tokens: int) -> tuple[list[int], GenStats]:
+    return generate_ids(ARDecoder(model), ids, GREEDY, max_tokens)
 
 
 def _decode_tps(stats: GenStats) -> float:
@@ -270,7 +280,8 @@ def write_ring_report(result: dict, out: Path) -> None:
     modes = list(result["modes"])
     fig, ax = plt.subplots(figsize=(5, 3.2))
     vals = [result["modes"][m]["decode_tokens_per_s_median"] for m in modes]
-    bars = ax.bar(modes, vals, color=["#888888", "#4c72b0", "#dd8452"][: len(modes)])
+    palette = ["#bbbbbb", "#888888", "#4c72b0", "#dd8452", "#55a868"]
+    bars = ax.bar([m.replace(" ", "\n") for m in modes], vals, color=palette[: len(modes)])
     for b, m in zip(bars, modes, strict=True):
         ax.annotate(f"{result['modes'][m]['speedup_vs_ar']:.2f}x, τ {result['modes'][m]['tau_mean']:.2f}",
                     (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)

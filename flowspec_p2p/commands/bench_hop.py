@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--link-latency-ms", type=float, default=0.0, help="emulated one-way latency (default 0)")
     r.add_argument("--slowdown", type=float, default=1.0, help="emulated compute slowdown per stage (default 1)")
     r.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stages share the cores)")
+    r.add_argument("--no-single", action="store_true", help="skip the single-device reference row")
     r.add_argument("--model", default=None, help="model path (default: the packaged SmolLM2-135M)")
     r.add_argument("--out", type=Path, default=Path("bench/ring"), help="output folder (default bench/ring)")
     r.set_defaults(func=run_ring)
@@ -79,7 +80,7 @@ def run_ring(args: argparse.Namespace) -> int:
         stages=args.stages, modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         prompts=args.prompts, max_tokens=args.max_tokens, wire=args.wire, drafter=args.drafter, hops=args.hops,
         link=LinkEmulation(bandwidth_mbps=args.link_mbps, latency_ms=args.link_latency_ms),
-        compute=ComputeEmulation(slowdown=args.slowdown), model_path=args.model))
+        compute=ComputeEmulation(slowdown=args.slowdown), model_path=args.model, single=not args.no_single))
     bench_hop.write_ring_report(result, args.out)
     sys.stdout.write((args.out / "ring.md").read_text())
     return 0
