@@ -163,13 +163,14 @@ class Link:
         float_dtype: torch.dtype | None = None,
         timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> Link:
-        """Dial ``url`` (``ws://host:port/ring``) and handshake. Raises PeerGone (unreachable, no answer) or
-        ProtocolError (refused: the reason says why, e.g. a stale plan epoch)."""
+        """Dial ``url`` (``ws://host:port/ring``) and handshake, each within ``timeout_s``. Raises PeerGone
+        (unreachable, no answer) or ProtocolError (refused: the reason says why, e.g. a stale plan epoch)."""
         owns = session is None
         session = session or aiohttp.ClientSession()
         try:
-            ws = await session.ws_connect(url, heartbeat=HEARTBEAT_S, max_msg_size=codec.MAX_FRAME_BYTES,
-                                          compress=0, timeout=aiohttp.ClientWSTimeout(ws_close=CLOSE_TIMEOUT_S))
+            async with asyncio.timeout(timeout_s):  # connect + upgrade
+                ws = await session.ws_connect(url, heartbeat=HEARTBEAT_S, max_msg_size=codec.MAX_FRAME_BYTES,
+                                              compress=0, timeout=aiohttp.ClientWSTimeout(ws_close=CLOSE_TIMEOUT_S))
             try:
                 await ws.send_str(hello.model_dump_json())
                 reply = await asyncio.wait_for(ws.receive(), timeout_s)
