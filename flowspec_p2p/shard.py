@@ -14,6 +14,8 @@ so this forward agrees with it to float rounding, in float32 and float64 alike.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,6 +136,24 @@ class DecoderBlock(nn.Module):
         return x + (F.silu(gate) * up) @ self.w2
 
 
+class _LazyTensors(Mapping[str, torch.Tensor]):
+    """Tensors of ``names``, read from ``source`` (in ``dtype``) on each lookup and not kept."""
+
+    def __init__(self, source: WeightSource, dtype: torch.dtype, names: list[str]):
+        self.source, self.dtype, self.names = source, dtype, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.source.load(name).to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 class Shard(nn.Module):
     """Layers ``[start, end)`` of a decoder; ``embed`` if it receives token ids, ``head`` if it ends the model."""
 
@@ -154,7 +174,9 @@ class Shard(nn.Module):
         self.has_embed = embed
         self.has_head = head
         self.dtype = dtype
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        # _weight: skip the random init of a [vocab, hidden] table that is about to be overwritten
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size,
+                                  dtype=dtype)) if embed else None
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in layers.indices())
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if head else None
         self.head_t: torch.Tensor | None = None  # [hidden, vocab]: the LM head, transposed (see DecoderBlock)
@@ -177,16 +199,15 @@ class Shard(nn.Module):
         cfg = source.config
         if layers.end > cfg.num_layers:
             raise ValueError(f"layer range {layers} exceeds the model's {cfg.num_layers} layers")
-        names = shard_tensor_names(cfg, layers, embed=embed, head=head)
         freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
         shard = cls(cfg, layers, embed=embed, head=head, dtype=dtype, max_position=max_position, rope_freqs=freqs)
-        tensors = {}
-        for name in names:  # one at a time: peak memory stays ~ shard size + one tensor
-            tensors[name] = source.load(name).to(dtype)
-        shard.load_hf(tensors)
+        # Each tensor is read when its parameter is filled and dropped right after: peak memory stays at the
+        # shard's size plus one tensor, and nothing outside shard_tensor_names is ever read.
+        shard.load_hf(_LazyTensors(source, dtype, shard_tensor_names(cfg, layers, embed=embed, head=head)))
         return shard
 
-    def load_hf(self, t: dict[str, torch.Tensor]) -> None:
+    def load_hf(self, t: Mapping[str, torch.Tensor]) -> None:
+        """Copy weights named like transformers' checkpoints (``model.layers.{i}.``, ``lm_head.weight``, ...)."""
         with torch.no_grad():
             if self.embed is not None:
                 self.embed.weight.copy_(t[EMBED])
@@ -194,8 +215,11 @@ class Shard(nn.Module):
                 block.load_hf(t, f"model.layers.{i}.")
             if self.norm is not None:
                 self.norm.weight.copy_(t[NORM])
-                w = t[EMBED if self.cfg.tie_embeddings else HEAD]  # [vocab, hidden]
-                self.head_t = w.to(self.dtype).t().contiguous()
+                if self.cfg.tie_embeddings and self.embed is not None:
+                    w = self.embed.weight  # [vocab, hidden], already loaded
+                else:
+                    w = t[EMBED if self.cfg.tie_embeddings else HEAD]
+                self.head_t = w.to(self.dtype).t().contiguous()  # [hidden, vocab]
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         c = self.cfg
