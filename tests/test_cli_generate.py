@@ -1,0 +1,42 @@
+"""``flowspec generate`` end to end, as a user runs it: a subprocess on the packaged model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def _flowspec(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    exe = shutil.which("flowspec", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "flowspec_p2p"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the test suite shares its cores
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+@pytest.mark.slow
+def test_generate_streams_the_reply_to_stdout_and_stats_to_stderr():
+    r = _flowspec("generate", "Name a colour.", "--max-tokens", "8", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "no reply on stdout"
+    assert "{" not in r.stdout  # the stats line went to stderr, not into the reply
+    stats = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    assert len(stats) == 1, r.stderr
+    s = stats[0]
+    assert {"new_tokens", "steps", "tau", "prefill_s", "decode_s"} <= s.keys()
+    assert 1 <= s["new_tokens"] <= 8
+    assert s["steps"] == s["new_tokens"]
+    assert s["tau"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_bad_model_path_exits_1_with_a_clear_message(tmp_path):
+    r = _flowspec("generate", "hi", "--model", str(tmp_path / "missing.gguf"))
+    assert r.returncode == 1
+    assert r.stdout == ""
+    assert "missing.gguf does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
