@@ -71,7 +71,8 @@ class AgentConfig(FrozenModel):
     api_port: int = Field(default=DEFAULT_API_PORT, ge=0, le=65535)
     state_dir: Path = DEFAULT_STATE_DIR
     threads: int | None = Field(default=None, ge=1)
-    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every stage (set by the leader)
+    wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
     secret: SecretStr | None = None
     emulation: Emulation = Emulation()
     profile: ProfileOverrides = ProfileOverrides()

@@ -5,8 +5,10 @@ out) and ``GET /control/info`` (its ``PeerInfo``, for static peers). The data pl
 
     member -> leader   Hello        "I am here, this is what I offer"     -> Welcome | Refused
     member -> leader   Heartbeat    every HEARTBEAT_INTERVAL_S (cluster.py), with its stage state -> Ack
-    member -> leader   StageStatus  it loaded (or failed to load) its range of a plan epoch        -> Ack
-    leader -> member   PlanUpdate   the new plan, the ring's addresses, where to fetch weights      -> Ack
+    leader -> member   PlanUpdate   phase 1: the new plan and the ring's addresses; load your range -> Ack
+    member -> leader   StageStatus  "loaded" (or "failed") for that epoch                         -> Ack
+    leader -> member   Activate     phase 2: switch to the epoch (ring links, worker)               -> Ack
+    member -> leader   StageStatus  "ready": its worker runs and its link to the successor is open -> Ack
     leader -> member   Hello        a leader that learned of a member (static peer) invites it      -> Ack
     either             Bye          stopping gracefully                                             -> Ack
 
@@ -90,7 +92,7 @@ class Refused(_Msg):
     leader: PeerInfo | None = None
 
 
-StageState = Literal["idle", "loading", "ready", "failed"]
+StageState = Literal["idle", "loading", "loaded", "ready", "failed"]
 
 
 class Heartbeat(_Msg):
@@ -100,6 +102,7 @@ class Heartbeat(_Msg):
     epoch: int  # the plan epoch the agent runs (-1: none yet)
     state: StageState
     counters: dict[str, float] = Field(default_factory=dict)
+    suspects: tuple[str, ...] = ()  # peers whose ring link broke unexpectedly: the leader checks on them
 
 
 class Ack(_Msg):
@@ -137,6 +140,8 @@ class PlanUpdate(_Msg):
     config: ModelConfig  # the architecture, so a member without a model copy can build its shard
     model_fingerprint: str
     context: int  # KV capacity per request each stage allocates
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every shard
+    wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
 
     def node(self, agent_id: str) -> RingNode | None:
         return next((n for n in self.ring if n.agent_id == agent_id), None)
@@ -153,6 +158,14 @@ class PlanUpdate(_Msg):
             return ids[-1]
         i = ids.index(agent_id)
         return ids[i - 1] if i > 0 else self.leader.id
+
+
+class Activate(_Msg):
+    """Phase 2 of a re-plan: every stage has loaded its range of ``epoch``; switch to it now."""
+
+    kind: Literal["activate"] = "activate"
+    v: int = CONTROL_VERSION
+    epoch: int
 
 
 class StageStatus(_Msg):
@@ -175,7 +188,7 @@ class Bye(_Msg):
 
 
 ControlMessage = Annotated[
-    Hello | Welcome | Refused | Heartbeat | Ack | PlanUpdate | StageStatus | Bye, Field(discriminator="kind")
+    Hello | Welcome | Refused | Heartbeat | Ack | PlanUpdate | Activate | StageStatus | Bye, Field(discriminator="kind")
 ]
 _ADAPTER: TypeAdapter = TypeAdapter(ControlMessage)
 

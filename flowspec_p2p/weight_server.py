@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 import torch
 from aiohttp import web
 from pydantic import Field
@@ -29,7 +28,7 @@ from pydantic import Field
 from .arch import ModelConfig
 from .errors import PeerGone, WeightsError
 from .types import FrozenModel, LayerRange
-from .weights import _ST_DTYPES, ROPE_FREQS, _unpermute_rows, fingerprint, shard_tensor_names
+from .weights import _ST_DTYPES, ROPE_FREQS, fingerprint, gguf_tensor_from_raw, shard_tensor_names
 
 log = logging.getLogger(__name__)
 
@@ -133,16 +132,7 @@ class WeightServer:
 def tensor_from_raw(config: ModelConfig, name: str, info: dict, raw: bytes | memoryview) -> torch.Tensor:
     """Turn stored bytes (as WeightSource.raw_bytes gave them, described by raw_info) into a float tensor."""
     if info.get("format") == "gguf":
-        from gguf import GGMLQuantizationType, quants
-
-        data = np.frombuffer(raw, dtype=np.dtype(info["dtype"])).reshape(info["byte_shape"])
-        arr = np.asarray(quants.dequantize(data, GGMLQuantizationType[info["qtype"]]), dtype=np.float32)
-        if config.arch in ("llama", "mistral"):
-            if name.endswith("q_proj.weight"):
-                arr = _unpermute_rows(arr, config.num_heads)
-            elif name.endswith("k_proj.weight"):
-                arr = _unpermute_rows(arr, config.num_kv_heads)
-        return torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+        return gguf_tensor_from_raw(config, name, info, raw)
     if info.get("format") == "safetensors":
         dtype = _ST_DTYPES.get(info["dtype"])
         if dtype is None:

@@ -111,3 +111,18 @@ async def test_quantised_gguf_blocks_travel_quantised_and_dequantise_identically
     assert n < float32_bytes / 4  # quantised on the wire
     for name in fetched.names():
         assert torch.equal(fetched.load(name), source.load(name)), name
+
+
+def test_a_rebuilt_shard_shares_the_blocks_it_already_had_and_loads_the_rest(tiny_llama):
+    from flowspec_p2p.control import RingNode
+    from flowspec_p2p.stage_host import build_shard
+
+    source = open_source(tiny_llama)
+    old = Shard.from_source(source, LayerRange(start=0, end=2), embed=True, head=False, dtype=torch.float64)
+    node = RingNode(agent_id="a", host="h", port=1, layers=LayerRange(start=1, end=4), embed=False, head=True,
+                    fingerprint="")
+    new = build_shard(source, node, torch.float64, [old])
+    assert new.blocks[0] is old.blocks[1]
+    ref = Shard.from_source(source, node.layers, embed=False, head=True, dtype=torch.float64)
+    x = torch.randn(1, 3, 64, dtype=torch.float64)
+    assert torch.equal(new(x, None), ref(x, None))

@@ -1,0 +1,95 @@
+"""``flowspec agent``: run one agent of a cluster on this device (a member, or with --leader the one serving the
+API)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from .. import config as config_mod
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "agent",
+        help="run an agent of a cluster on this device",
+        description="Start an agent: it measures what this device can offer, advertises it over mDNS, finds the "
+        "other agents of its cluster and runs whatever pipeline stage the leader plans for it. One agent per "
+        "cluster runs with --leader: it plans, serves the weights and the OpenAI-compatible API. "
+        f"The shared secret is best given as ${config_mod.ENV_SECRET}.",
+    )
+    p.add_argument("--config", type=Path, default=None, help="agent profile TOML (e.g. agents/leader.toml)")
+    p.add_argument("--cluster", default=None, help="cluster name (default 'default')")
+    p.add_argument("--name", default=None, help="a label for this device (default: host name)")
+    p.add_argument("--leader", action="store_true", default=None, help="plan, serve weights and the API")
+    p.add_argument("--model", type=Path, default=None,
+                   help="this device's own model copy (GGUF file or HF folder); members without one fetch their "
+                   "layers from the leader; the leader defaults to the packaged SmolLM2-135M")
+    p.add_argument("--interface", action="append", default=None, dest="interfaces", metavar="IP_OR_NAME",
+                   help="pin mDNS and the agent server to this interface (repeatable; default: LAN interfaces "
+                   "without docker/VPN/link-local ones)")
+    p.add_argument("--peer", action="append", default=None, dest="peers", metavar="HOST:PORT",
+                   help="a static peer (repeatable), for networks that block multicast")
+    p.add_argument("--no-mdns", action="store_false", dest="mdns", default=None, help="static peers only")
+    p.add_argument("--port", type=int, default=None, help="agent server port (default 0 = any)")
+    p.add_argument("--api-host", default=None, help="leader API address (default 127.0.0.1)")
+    p.add_argument("--api-port", type=int, default=None,
+                   help=f"leader API port (default {config_mod.DEFAULT_API_PORT})")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help=f"keeps the agent id and fetched weights (default ${config_mod.ENV_STATE_DIR} or "
+                   f"{config_mod.DEFAULT_STATE_DIR})")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--secret", default=None, help=f"shared secret (prefer ${config_mod.ENV_SECRET})")
+    p.add_argument("--context", type=int, default=None, help="(leader) KV tokens per request on every stage")
+    p.add_argument("--stages", type=int, default=None, help="(leader) force exactly N layer-holding stages")
+    p.add_argument("--leader-layers", choices=["auto", "always", "never"], default=None,
+                   help="(leader) may the leader hold layers itself (never = FlowSpec's layout)")
+    p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                   help="(leader) activations between stages (default float16)")
+    p.add_argument("--memory-mb", type=float, default=None, help="offer this much memory instead of measuring")
+    p.add_argument("--gflops", type=float, default=None, help="use this compute score instead of measuring")
+    p.add_argument("--link-mbps", type=float, default=None, help="emulate this link bandwidth (Mbit/s)")
+    p.add_argument("--link-latency-ms", type=float, default=None, help="emulate this one-way link latency")
+    p.add_argument("--slowdown", type=float, default=None, help="emulate a device this many times slower")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> config_mod.AgentConfig:
+    overrides = {
+        "cluster": args.cluster, "name": args.name, "leader": args.leader, "model": args.model,
+        "interfaces": args.interfaces, "peers": args.peers, "mdns": args.mdns, "port": args.port,
+        "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
+        "secret": args.secret, "wire_dtype": args.wire_dtype,
+        "planning": {"context": args.context, "stages": args.stages, "leader_layers": args.leader_layers},
+        "profile": {"memory_mb": args.memory_mb, "gflops": args.gflops},
+        "emulation": {"link_mbps": args.link_mbps, "link_latency_ms": args.link_latency_ms,
+                      "slowdown": args.slowdown},
+    }
+    return config_mod.load(args.config, overrides)
+
+
+async def serve(cfg: config_mod.AgentConfig) -> None:
+    """Run an agent until SIGINT/SIGTERM, then stop it cleanly."""
+    from ..agent import Agent
+
+    agent = Agent(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, agent.stop)
+    try:
+        await agent.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..__main__ import run_async
+
+    run_async(serve(config_from_args(args)))
+    return 0

@@ -1,0 +1,166 @@
+"""``flowspec cluster up``: a local cluster of N agent processes; ``flowspec cluster recovery``: the time from an
+agent leaving (gracefully or killed) to the cluster serving again."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from ..local_cluster import ClusterOptions, LocalCluster
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cluster", help="run a local cluster of agent processes",
+                       description="Agents as separate processes on this host, on the loopback interface.")
+    csub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND", required=True)
+    up = csub.add_parser("up", help="start N agents and serve the API until Ctrl-C",
+                         description="Start N agents (agent 0 is the leader), wait until they have found each other "
+                         "over mDNS, planned and loaded the model, print where the API is, and run until Ctrl-C "
+                         "(SIGINT/SIGTERM), which stops every agent cleanly.")
+    _common(up)
+    up.add_argument("--api-port", type=int, default=8000, help="leader API port (default 8000; 0 = any)")
+    up.set_defaults(func=run_up)
+    rec = csub.add_parser("recovery", help="measure how fast the cluster serves again after an agent leaves",
+                          description="Start N agents; then, RUNS times each: stop the last member gracefully, "
+                          "wait until the cluster serves again, restart it (a join), kill it (SIGKILL), wait, "
+                          "restart it. Prints the medians and writes them as JSON.")
+    _common(rec)
+    rec.add_argument("--api-port", type=int, default=0, help="leader API port (default: any)")
+    rec.add_argument("--runs", type=int, default=3, help="repetitions (default 3)")
+    rec.add_argument("--out", type=Path, default=None, help="write the results here (JSON)")
+    rec.set_defaults(func=run_recovery)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", type=int, default=3, help="number of agents (default 3)")
+    p.add_argument("--model", type=Path, default=None, help="the leader's model (default: packaged SmolLM2-135M)")
+    p.add_argument("--members-have-model", action="store_true",
+                   help="give members their own model copy (default: they fetch their layers from the leader)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per agent (default: cores / N)")
+    p.add_argument("--link-mbps", type=float, default=None, help="emulated link bandwidth per agent (Mbit/s)")
+    p.add_argument("--link-latency-ms", type=float, default=None, help="emulated one-way link latency (ms)")
+    p.add_argument("--slowdown", type=float, default=None, help="emulated compute slowdown per agent")
+    p.add_argument("--stages", type=int, default=None, help="force exactly N layer-holding stages")
+    p.add_argument("--leader-layers", choices=["auto", "always", "never"], default=None)
+    p.add_argument("--context", type=int, default=None, help="KV tokens per request (default 2048)")
+    p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default=None)
+    p.add_argument("--state-dir", type=Path, default=None, help="keep agents' state and logs here (default: temp)")
+
+
+def _options(args: argparse.Namespace) -> ClusterOptions:
+    return ClusterOptions(api_port=args.api_port, model=args.model, members_have_model=args.members_have_model,
+                          threads=args.threads, link_mbps=args.link_mbps, link_latency_ms=args.link_latency_ms,
+                          slowdown=args.slowdown, stages=args.stages, leader_layers=args.leader_layers,
+                          context=args.context, wire_dtype=args.wire_dtype, state_root=args.state_dir)
+
+
+def _wait_for_signal() -> None:
+    done = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not done.wait(0.5):
+            pass
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(args.n, _options(args))
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM,)}
+    try:
+        log.warning("starting %d agents of cluster %r (logs under %s) ...", args.n, cluster.name, cluster.root)
+        cluster.start()
+        view = cluster.view()
+        url = cluster.api_url
+        out = sys.stdout
+        out.write(f"cluster {cluster.name!r}: {args.n} agents, serving at {url}\n")
+        out.write((view.get("plan_text") or "") + "\n")
+        out.write(f"\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+                  "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
+                  "\"max_tokens\": 64, \"temperature\": 0}'\n\n"
+                  f"  {url}/cluster shows members, the plan and per-stage counters. Ctrl-C stops the cluster.\n")
+        out.flush()
+        if not stop.is_set():
+            _wait_for_signal()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        log.warning("stopping the cluster ...")
+        cluster.stop()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- recovery
+
+
+def _serving_again(cluster: LocalCluster, after_epoch: int, members: int, timeout_s: float = 300.0) -> float:
+    """Poll until the leader serves an epoch newer than ``after_epoch`` and a request completes. -> seconds"""
+    t0 = time.monotonic()
+    view = cluster.wait_ready(members=members, timeout_s=timeout_s)
+    while (view.get("epoch") or 0) <= after_epoch:
+        time.sleep(0.05)
+        view = cluster.wait_ready(members=members, timeout_s=timeout_s)
+    _complete(cluster.api_url)
+    return time.monotonic() - t0
+
+
+def _complete(api_url: str) -> None:
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(api_url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        json.loads(r.read())
+
+
+def run_recovery(args: argparse.Namespace) -> int:
+    if args.n < 2:
+        log.error("recovery needs at least 2 agents")
+        return 2
+    cluster = LocalCluster(args.n, _options(args))
+    victim = args.n - 1
+    results: dict[str, list[float]] = {"graceful": [], "killed": [], "join": []}
+    try:
+        cluster.start()
+        _complete(cluster.api_url)
+        for run in range(args.runs):
+            for how in ("graceful", "killed"):
+                epoch = cluster.view()["epoch"]
+                t0 = time.monotonic()
+                (cluster.terminate if how == "graceful" else cluster.kill)(victim)
+                _serving_again(cluster, epoch, members=args.n - 2)
+                results[how].append(time.monotonic() - t0)
+                log.warning("run %d: %s leave -> serving again in %.2f s (leader's own count: %s)", run + 1, how,
+                            results[how][-1], cluster.view()["recoveries"][-1]["seconds"])
+                epoch = cluster.view()["epoch"]
+                t0 = time.monotonic()
+                cluster.restart(victim)
+                _serving_again(cluster, epoch, members=args.n - 1)
+                results["join"].append(time.monotonic() - t0)
+    finally:
+        cluster.stop()
+    summary = {how: {"median_s": round(statistics.median(v), 3), "runs_s": [round(x, 3) for x in v]}
+               for how, v in results.items() if v}
+    summary["setup"] = {"agents": args.n, "runs": args.runs, "note": "join includes process start-up "
+                        "(interpreter, torch import, mDNS, weight fetch from the cache)"}
+    sys.stdout.write(f"time from an agent leaving to the cluster serving again ({args.n} agents, {args.runs} runs)\n")
+    for how in ("graceful", "killed", "join"):
+        if how in summary:
+            sys.stdout.write(f"  {how:<9} median {summary[how]['median_s']:.2f} s   runs {summary[how]['runs_s']}\n")
+    if args.out is not None:
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+

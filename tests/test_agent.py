@@ -1,0 +1,77 @@
+"""Agents in one process on the loopback interface (port 0, tiny float64 model): they find each other, plan,
+fetch their layers from the leader and serve; a second leader and strangers without the shared secret are refused."""
+
+import asyncio
+
+import pytest
+
+from flowspec_p2p.agent import Agent
+from flowspec_p2p.config import load
+from flowspec_p2p.errors import ConfigError
+
+from .agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, until
+from .ring_fixtures import ByteTokenizer
+
+__all__ = ["make_fixture", "parts_fixture", "quick_timing_fixture"]
+
+
+async def test_three_agents_find_each_other_fetch_their_layers_and_serve(make, parts):
+    leader = Agent(make("lead", leader=True, planning={"context": 128, "stages": 3, "leader_layers": "always"}),
+                   tokenizer=ByteTokenizer())
+    a, b = Agent(make("a")), Agent(make("b"))
+    async with running(leader, a, b):
+        await until(serving(leader, 2))
+        assert len(leader.plan.stages) == 3
+        assert {s.agent_id for s in leader.plan.stages} == {leader.id, a.id, b.id}
+        prompt = ByteTokenizer().encode("abc hello")
+        data = await complete(leader, [1, *prompt], n=12)
+        ref = parts.reference(prompt, 12)
+        assert data["choices"][0]["text"] == ByteTokenizer().decode(ref)
+        assert data["stats"]["new_tokens"] == 12
+        view = leader.cluster_view()
+        assert [m["role"] for m in view["members"]] == ["leader", "member", "member"]
+        assert {st["agent_id"] for st in view["stages"]} == {leader.id, a.id, b.id}
+        member_statuses = [leader.statuses[x.id] for x in (a, b)]
+        assert all(st.source in ("fetched", "cache") for st in member_statuses)  # no model copy on members
+
+
+async def test_a_second_leader_is_refused_with_a_clear_message(make):
+    first = Agent(make("one", leader=True), tokenizer=ByteTokenizer())
+    async with running(first):
+        await until(lambda: first.started.is_set())
+        await asyncio.sleep(0.5)
+        second = Agent(make("two", leader=True), tokenizer=ByteTokenizer())
+        with pytest.raises(ConfigError, match="already has a leader"):
+            await asyncio.wait_for(second.run(), 20)
+        assert first.started.is_set()
+
+
+async def test_a_stranger_without_the_secret_cannot_join(make):
+    leader = Agent(make("lead", leader=True, secret="correct horse battery"), tokenizer=ByteTokenizer())
+    async with running(leader):
+        await until(lambda: leader.info is not None and leader.started.is_set())
+        peer = f"127.0.0.1:{leader.info.port}"
+        stranger = Agent(make("x", secret="wrong horse battery", peers=(peer,), mdns=False))
+        nobody = Agent(make("y", peers=(peer,), mdns=False))
+        friend = Agent(make("f", secret="correct horse battery", peers=(peer,), mdns=False))
+        async with running(stranger, nobody, friend):
+            await until(lambda: friend.id in leader.membership.members)
+            await asyncio.sleep(0.5)
+        assert stranger.id not in leader.membership.members
+        assert nobody.id not in leader.membership.members
+
+
+def test_config_layers_profile_flags_and_environment(tmp_path):
+    profile = tmp_path / "edge.toml"
+    profile.write_text('cluster = "home"\nname = "pi"\n[profile]\nmemory_mb = 512\n[emulation]\nslowdown = 2.0\n')
+    cfg = load(profile, {"port": 4000, "emulation": {"link_mbps": 50.0}, "name": None},
+               env={"FLOWSPEC_SECRET": "from-the-environment", "FLOWSPEC_STATE_DIR": str(tmp_path / "s")})
+    assert (cfg.cluster, cfg.name, cfg.port, cfg.profile.memory_mb) == ("home", "pi", 4000, 512)
+    assert (cfg.emulation.slowdown, cfg.emulation.link_mbps) == (2.0, 50.0)
+    assert cfg.secret_bytes == b"from-the-environment"
+    assert "from-the-environment" not in repr(cfg)
+    assert cfg.state_dir == tmp_path / "s"
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        load(None, {"peers": ["nohost"]}, env={})
+    with pytest.raises(ConfigError, match="cluster name"):
+        load(None, {"cluster": "bad name!"}, env={})
