@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "flowspec_p2p.commands.generate",
     "flowspec_p2p.commands.plan",
     "flowspec_p2p.commands.agent",
+    "flowspec_p2p.commands.cluster",
     "flowspec_p2p.commands.draft",
     "flowspec_p2p.commands.bench_hop",
 ]
