@@ -19,6 +19,8 @@ COMMAND_MODULES = [
     "flowspec_p2p.commands.cluster",
     "flowspec_p2p.commands.draft",
     "flowspec_p2p.commands.bench_hop",
+    "flowspec_p2p.commands.bench_spec",
+    "flowspec_p2p.commands.tune",
 ]
 
 

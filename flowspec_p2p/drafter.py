@@ -118,6 +118,9 @@ class TreeDrafter(ABC):
             scores += front_scores.tolist()
             # 2. expand the frontier level by level; keep the global top-k of the k*k children
             for level in range(2, levels + 1):
+                frontier, front_scores = _worth_expanding(frontier, front_scores, scores, shape.total_tokens - 1)
+                if not frontier:
+                    break
                 vals, ids = self._expand(frontier, tokens, parents, depth).topk(k, dim=-1)  # [m, k]
                 cu = front_scores[:, None] + vals.to(torch.float64)  # [m, k] cumulative log-prob
                 base = len(tokens)
@@ -261,6 +264,19 @@ class OracleDrafter(TreeDrafter):
     @torch.inference_mode()
     def draft(self, shape: TreeShape) -> DraftTree:
         return super().draft(shape)
+
+
+def _worth_expanding(
+    frontier: list[int], front_scores: torch.Tensor, scores: list[float], keep: int
+) -> tuple[list[int], torch.Tensor]:
+    """Drop frontier nodes none of whose descendants can make the rerank: if ``keep`` candidates already score
+    at least s, a descendant (score <= its ancestor's, created later, so it loses ties) of a node scoring <= s
+    never ranks among the best ``keep``. The drafted tree is unchanged; only wasted forwards are skipped."""
+    if len(scores) - 1 < keep:
+        return frontier, front_scores
+    threshold = torch.tensor(scores[1:], dtype=torch.float64).topk(keep).values[-1]
+    alive = front_scores > threshold  # [m]
+    return [f for f, a in zip(frontier, alive.tolist(), strict=True) if a], front_scores[alive]
 
 
 def _log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .drafter import Drafter, TreeShape
+from .draft import DraftBundle, find_draft
+from .drafter import Drafter, HeadDrafter, TreeShape
+from .errors import ConfigError
 from .generate import PREFILL_CHUNK, GenStats, check_context
 from .kv_cache import KVCache
 from .sampling import SamplingParams, choose, target_probs
@@ -54,6 +56,21 @@ def tuned_tree(target_fingerprint: str | None, path: Path | None = None) -> Tree
     except (KeyError, TypeError, ValueError):
         log.warning("ignoring malformed tree tuning file %s", p)
         return DEFAULT_TREE
+
+
+def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | None = None) -> tuple[HeadDrafter, dict]:
+    """The EAGLE head at ``draft`` (a stem, .json or .safetensors), or the shipped/cached head trained for this
+    target (``draft.find_draft``). -> (drafter, the head's metadata)"""
+    stem = Path(draft) if draft is not None else find_draft(target_fingerprint)
+    if stem is None:
+        raise ConfigError(
+            f"no draft head for this model (fingerprint {target_fingerprint}); "
+            "train one with `flowspec draft train` or pass --draft PATH"
+        )
+    bundle = DraftBundle.load(stem, dtype=target.dtype)
+    if bundle.meta.get("target_fingerprint") != target_fingerprint:
+        log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
+    return HeadDrafter(bundle.head, target, bundle.draft_vocab), bundle.meta
 
 
 def prefill_features(model: Shard, cache: KVCache, prompt: Sequence[int]) -> torch.Tensor:

@@ -209,3 +209,22 @@ def test_expansion_from_a_new_root_appends_to_the_pruned_tree(tiny_llama):
     assert torch.equal(merged.tokens[: len(pruned)], pruned.tokens)
     assert new == range(len(pruned), len(merged))
     assert len(merged) > len(pruned)
+
+
+@pytest.mark.parametrize("shape", SHAPES[2:], ids=lambda s: f"{s.total_tokens}-{s.depth}-{s.top_k}-{s.order}")
+def test_skipping_hopeless_frontier_nodes_leaves_the_tree_unchanged(tiny_llama, shape, monkeypatch):
+    """Frontier nodes whose descendants cannot make the rerank are not run; the EAGLE-2 tree stays the same."""
+    import flowspec_p2p.drafter as drafter_mod
+
+    target = tiny_target(tiny_llama)
+    trees = []
+    for prune in (True, False):
+        if not prune:
+            monkeypatch.setattr(drafter_mod, "_worth_expanding", lambda f, s, *_: (f, s))
+        for seed in range(3):
+            drafter = HeadDrafter(random_head(target, seed), target)
+            start(drafter, target, PROMPT)
+            trees.append(drafter.draft(shape))
+    for a, b in zip(trees[:3], trees[3:], strict=True):
+        assert a.token_list == b.token_list
+        assert a.parent_list == b.parent_list

@@ -183,3 +183,34 @@ def test_default_model_with_the_shipped_head_matches_autoregressive_greedy(reque
             i = min(len(out), len(ref)) if i is None else i
             assert top2_gap(shard, prompt + ref[:i]) < 1e-3, f"diverged at {i} without a near-tie"
     assert sum(taus) / len(taus) > 1.2
+
+
+# -- the tuner's teacher-forced acceptance ------------------------------------------------------------------
+
+
+def test_teacher_forced_tau_equals_the_decoders_tau(tiny_llama):
+    """One nested pool per position predicts, for every shape, exactly the steps SpecDecoder takes (T=0)."""
+    from flowspec_p2p.bench_spec import simulate_tau, teacher_forced_lengths
+
+    target = tiny_target(tiny_llama)
+    head = trained_head(tiny_llama)
+    shapes = [TreeShape(total_tokens=n, depth=d, top_k=k) for n, d, k in [(4, 3, 1), (8, 4, 2), (12, 3, 3), (6, 2, 3)]]
+    for prompt in PROMPTS:
+        reply, _ = run(ARDecoder(target), prompt, 30)
+        lengths = teacher_forced_lengths(target, HeadDrafter(head, target), prompt, reply, shapes)
+        for s in shapes:
+            _, stats = run(SpecDecoder(target, HeadDrafter(head, target), s), prompt, 30)
+            assert simulate_tau(lengths[s], len(reply)) == (stats.tau, stats.steps)
+
+
+def test_tune_ranks_candidate_trees_on_a_tiny_model(tiny_llama):
+    from flowspec_p2p import bench_spec
+
+    target = tiny_target(tiny_llama)
+    drafter = HeadDrafter(trained_head(tiny_llama), target)
+    result = bench_spec.tune(target, drafter, PROMPTS[:1], 12, progress=False)
+    best = TreeShape(**result["best"])
+    assert result["candidates"][0]["shape"] == best.model_dump()
+    assert result["forward_curve"]["1"] == 1.0
+    assert all(r["tau"] >= 1.0 for r in result["candidates"])
+    assert "best" in bench_spec.tune_markdown(result).split("\n")[-2].lower()

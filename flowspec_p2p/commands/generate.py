@@ -30,7 +30,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="no chat template: continue PROMPT as plain text")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32 (default), float64, bfloat16")
     p.add_argument("--stats", action="store_true", help="print one JSON line of statistics to stderr at the end")
+    add_spec_arguments(p)
     p.set_defaults(func=run)
+
+
+def add_spec_arguments(p: argparse.ArgumentParser, *, mode: bool = True) -> None:
+    """--mode, --draft and the tree budget (shared with bench-spec)."""
+    if mode:
+        p.add_argument(
+            "--mode",
+            choices=["ar", "spec"],
+            default="ar",
+            help="ar: one target forward per token (default); spec: EAGLE-2 speculative decoding with a draft "
+            "head (same output; faster only where a tree forward costs little more than one token)",
+        )
+    p.add_argument(
+        "--draft", default=None, help="draft head (stem, .json or .safetensors; default: the one shipped for --model)"
+    )
+    p.add_argument("--tree-tokens", type=int, default=None, help="tree budget in nodes, root included (default: tuned)")
+    p.add_argument("--tree-depth", type=int, default=None, help="deepest drafted token (default: tuned)")
+    p.add_argument("--tree-topk", type=int, default=None, help="children per expanded node (default: tuned)")
+
+
+def tree_shape(args: argparse.Namespace, target_fingerprint: str):
+    """The tuned tree for this device (`flowspec tune-tree`, else the shipped default) with any flag overrides."""
+    from ..spec import tuned_tree
+
+    shape = tuned_tree(target_fingerprint)
+    overrides = {"total_tokens": args.tree_tokens, "depth": args.tree_depth, "top_k": args.tree_topk}
+    return shape.model_validate({**shape.model_dump(), **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def make_decoder(args: argparse.Namespace, lm):
+    if args.mode == "ar":
+        return ARDecoder(lm.shard)
+    from ..spec import SpecDecoder, load_drafter
+
+    fingerprint = lm.fingerprint()
+    drafter, _ = load_drafter(lm.shard, fingerprint, args.draft)
+    return SpecDecoder(lm.shard, drafter, tree_shape(args, fingerprint))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             {"role": "user", "content": args.prompt}
         ]
         prompt = tok.chat(messages)
-    decoder = ARDecoder(lm.shard)
+    decoder = make_decoder(args, lm)
     stats = GenStats(mode=decoder.mode)
     chunks = decoder(prompt, params, args.max_tokens, tok.stop_ids, stats)
     for delta in stream_text(chunks, tok, args.stop):
@@ -53,5 +91,5 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats:
-        print(json.dumps(stats.as_dict()), file=sys.stderr)
+        sys.stderr.write(json.dumps(stats.as_dict()) + "\n")
     return 0
