@@ -74,6 +74,12 @@ class LeaderSettings(FrozenModel):
     retry_after_s: int = Field(2, ge=1)  # Retry-After for 503s
     prefill_chunk: int = Field(128, ge=1)  # prompt tokens per prefill Forward (chunks are pipelined)
     wire_dtype: str = "float16"  # activations the leader itself sends (when it embeds for stage 1)
+    tree_margin: int = Field(256, ge=0)  # KV slots a stage needs beyond max_context for pending draft-tree nodes
+
+    @property
+    def stage_capacity(self) -> int:
+        """KV capacity every stage (StageCore ``capacity``) needs for requests this leader accepts."""
+        return self.max_context + self.tree_margin
 
 
 @dataclass

@@ -45,7 +45,7 @@ class LoopbackRing:
         self.cluster = cluster
         self.epoch = epoch
         self.run_leader = run_leader  # False: someone else runs leader.run() (e.g. api.create_app)
-        capacity = capacity or leader.settings.max_context
+        capacity = capacity or leader.settings.stage_capacity
         self.workers = [
             StageWorker(StageCore(s, index=i + 1, capacity=capacity, wire_dtype=wire_dtype), compute=compute)
             for i, s in enumerate(shards)
