@@ -323,6 +323,22 @@ def _parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict, list[_GGUFTensor]]:
     return meta, tensors
 
 
+DEQUANT_CHUNK_BLOCKS = 1 << 16  # 2M weights (8 MB of float32) per step
+
+
+def _dequantize_blocks(blocks: torch.Tensor, name: str) -> torch.Tensor:
+    """blocks: [n, bytes per block] uint8 of type Q8_0 | Q4_0 | Q4_1 -> [n, 32] float32 (gguf.quants' formulas)."""
+    d = blocks[:, :2].contiguous().view(torch.float16).float()  # [n, 1] scale
+    if name == "Q8_0":
+        return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+    qs = blocks[:, -16:]  # [n, 16]: element j in the low nibble of byte j, element 16 + j in the high one
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # [n, 32]
+    if name == "Q4_0":
+        return d * (q.to(torch.int8) - 8).float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()  # [n, 1] Q4_1 minimum
+    return d * q.float() + m
+
+
 def dequantize(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> torch.Tensor:
     """GGML bytes -> float32 tensor of ``shape``. raw: [nbytes] uint8.
 
@@ -337,19 +353,11 @@ def dequantize(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> torch.Tensor
     elif name in ("F16", "BF16"):
         out = raw.view(torch.float16 if name == "F16" else torch.bfloat16).float()
     elif name in ("Q8_0", "Q4_0", "Q4_1"):
-        _, size = GGML_QUANT_SIZES[qtype]
-        blocks = raw.view(-1, size)  # [n_blocks, bytes per block]: f16 scale d (Q4_1: then f16 min m), quants
-        d = blocks[:, :2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
-        if name == "Q8_0":
-            out = blocks[:, 2:].contiguous().view(torch.int8).float() * d
-        else:
-            qs = blocks[:, -16:]  # [n_blocks, 16]: element j in the low nibble of byte j, element 16 + j in the high
-            q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # [n_blocks, 32]
-            if name == "Q4_0":
-                out = d * (q.to(torch.int8) - 8).float()
-            else:
-                m = blocks[:, 2:4].contiguous().view(torch.float16).float()  # [n_blocks, 1]
-                out = d * q.float() + m
+        block, size = GGML_QUANT_SIZES[qtype]
+        blocks = raw.view(-1, size)  # [n_blocks, bytes per block]
+        out = torch.empty(blocks.shape[0], block)  # [n_blocks, 32]
+        for a in range(0, blocks.shape[0], DEQUANT_CHUNK_BLOCKS):  # in chunks: temporaries stay small
+            out[a : a + DEQUANT_CHUNK_BLOCKS] = _dequantize_blocks(blocks[a : a + DEQUANT_CHUNK_BLOCKS], name)
     else:
         block, size = GGML_QUANT_SIZES[qtype]
         rows = raw.numpy().reshape(*shape[:-1], shape[-1] // block * size)

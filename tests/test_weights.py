@@ -244,8 +244,12 @@ def test_gguf_header_parse_agrees_with_gguf_reader(tmp_path, tiny_llama):
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_1"])
-def test_dequantize_is_bit_identical_to_gguf_py(qtype):
+def test_dequantize_is_bit_identical_to_gguf_py(qtype, monkeypatch):
     import gguf
+
+    from flowspec_p2p import weights
+
+    monkeypatch.setattr(weights, "DEQUANT_CHUNK_BLOCKS", 5)  # 12 blocks: several chunks and a partial one
 
     t = gguf.GGMLQuantizationType[qtype]
     data = np.random.default_rng(0).normal(size=(6, 64)).astype(np.float32) * 3
