@@ -47,6 +47,22 @@ class DraftHead(nn.Module):
         self.block = DecoderBlock(cfg, input_norm=False)
         self.max_position = max_position
         self._rotary: Rotary | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self, seed: int = 0, std: float = 0.02) -> DraftHead:
+        """Random init for training: fc and the block's matrices ~ N(0, std), biases zero, norms one."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in (self.fc.weight, self.block.wqkv, self.block.wo, self.block.w13, self.block.w2):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            for p in (self.fc.bias, self.block.bqkv):
+                if p is not None:
+                    p.zero_()
+            self.block.mlp_norm.weight.fill_(1.0)
+        return self
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
     def rotary(self) -> Rotary:
         dtype = self.fc.weight.dtype
@@ -68,7 +84,7 @@ class DraftHead(nn.Module):
     ) -> torch.Tensor:
         """-> predicted features f^_t+1 [batch, n, hidden]. Appends to ``cache`` when given."""
         x = self.fc(torch.cat([next_embeds, features], dim=-1))
-        b, n, _ = x.shape
+        _b, n, _ = x.shape
         cos, sin = self.rotary().gather(positions)
         start = 0 if cache is None else cache.reserve(n)
         attn_mask, causal = None, False
@@ -94,14 +110,18 @@ class DraftBundle:
     draft_vocab: torch.Tensor | None  # [V_d] int64 target token ids, or None for the full vocabulary
     meta: dict
 
-    def save(self, stem: Path) -> None:
-        """Write ``stem.safetensors`` (weights, draft vocabulary) and ``stem.json`` (metadata)."""
+    def save(self, stem: Path, dtype: torch.dtype = torch.float32) -> None:
+        """Write ``stem.safetensors`` (weights in ``dtype``, draft vocabulary) and ``stem.json`` (metadata).
+        ``load`` restores any stored dtype to the one it is asked for (float16 halves the file)."""
+        stem = Path(stem)
         stem.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in self.head.state_dict().items()}
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in self.head.state_dict().items()}
         if self.draft_vocab is not None:
             tensors["draft_vocab"] = self.draft_vocab.to(torch.int64).contiguous()
         save_file(tensors, str(stem.with_suffix(".safetensors")))
-        meta = {**self.meta, "format": FORMAT_VERSION, "target_config": json.loads(self.head.cfg.canonical_json())}
+        meta = {**self.meta, "format": FORMAT_VERSION, "weights_dtype": str(dtype).removeprefix("torch."),
+                "draft_vocab_size": None if self.draft_vocab is None else int(self.draft_vocab.numel()),
+                "target_config": json.loads(self.head.cfg.canonical_json())}
         stem.with_suffix(".json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
     @classmethod
@@ -117,7 +137,7 @@ class DraftBundle:
         tensors = load_file(str(stem.with_suffix(".safetensors")))
         vocab = tensors.pop("draft_vocab", None)
         head = DraftHead(cfg)
-        head.load_state_dict(tensors)
+        head.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
         return cls(head.to(dtype).eval(), vocab, meta)
 
 

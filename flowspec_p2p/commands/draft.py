@@ -1,0 +1,145 @@
+"""``flowspec draft ...``: train the EAGLE-style draft head for a target, from prompts to a shipped bundle.
+
+    flowspec draft train     everything below in order (each step resumes where it stopped)
+    flowspec draft data      self-distillation: the target answers the prompt pool; its features are stored
+    flowspec draft fit       train the head on the stored features (checkpoints, held-out split)
+    flowspec draft eval      held-out top-1 per unrolled depth and chain acceptance
+    flowspec draft export    write the bundle (weights + JSON metadata) where `find_draft` looks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from ..tokenizer import cache_dir
+
+log = logging.getLogger(__name__)
+
+EPILOG = """\
+steps (all resumable; state lives in the run folder, default ~/.cache/flowspec_p2p/train/<run>):
+  data    the target (SmolLM2 by default) answers ShareGPT + synthetic prompts (no Spec-Bench prompt) with
+          batched KV-cached generation; features of every position go to float16 shards under <run>/features
+  fit     trains fc + one decoder block with the EAGLE loss (feature SmoothL1 + soft cross-entropy against
+          the target's distribution over the draft vocabulary), unrolled over its own predictions (EAGLE-3
+          training-time test); checkpoints in <run>/ckpt
+  eval    held-out top-1 per unrolled depth, chain acceptance per depth
+  export  DraftBundle (float16 weights + metadata) -> ~/.cache/flowspec_p2p/drafts or --out
+
+example (a long background job, 1 thread):
+  nohup flowspec draft train --run main --prompts 20000 > /dev/null 2>&1 &
+"""
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    return Path(args.run_dir) if args.run_dir else cache_dir() / "train" / args.run
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "draft",
+        help="train and export the EAGLE-style draft head",
+        description=__doc__.split("\n\n", 1)[1],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    steps = p.add_subparsers(dest="step", metavar="STEP")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--run", default="default", help="run name (folder under ~/.cache/flowspec_p2p/train)")
+    common.add_argument("--run-dir", default=None, help="explicit run folder (overrides --run)")
+    common.add_argument("--model", default=None, help="target GGUF file or HF folder (default: packaged SmolLM2)")
+    common.add_argument("--threads", type=int, default=1, help="torch threads (default 1: shared machines)")
+    common.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument("--prompts", type=int, default=20000, help="pool prompts to answer (default 20000)")
+    data.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap (default 256)")
+    data.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default 512)")
+    data.add_argument("--batch", type=int, default=24, help="generation batch rows (default 24)")
+    data.add_argument("--sampled-fraction", type=float, default=0.2,
+                      help="share of answers sampled at T=1 instead of greedy (default 0.2)")
+
+    fit = argparse.ArgumentParser(add_help=False)
+    fit.add_argument("--steps", type=int, default=2000, help="optimiser steps in total (default 2000)")
+    fit.add_argument("--tokens-per-step", type=int, default=4096, help="answer targets per step (default 4096)")
+    fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    fit.add_argument("--unroll", type=int, default=3, help="training-time-test steps (default 3)")
+    fit.add_argument("--draft-vocab", type=int, default=16384,
+                     help="draft vocabulary: most frequent answer tokens (default 16384; 0 = full)")
+    fit.add_argument("--feature-weight", type=float, default=0.1, help="SmoothL1 feature loss weight (default 0.1)")
+    fit.add_argument("--noise", type=float, default=0.05, help="input feature noise, x feature RMS (default 0.05)")
+
+    out = argparse.ArgumentParser(add_help=False)
+    out.add_argument("--out", default=None, help="export folder (default ~/.cache/flowspec_p2p/drafts; the "
+                     "package's shipped head lives in flowspec_p2p/assets)")
+    out.add_argument("--name", default="eagle-head", help="bundle file stem (default eagle-head)")
+    out.add_argument("--no-eval", action="store_true", help="export without (re)evaluating")
+
+    for name, parents, helptext in [
+        ("train", [common, data, fit, out], "data, then fit, then eval and export (each resumes)"),
+        ("data", [common, data], "self-distil: generate answers and store the target's features"),
+        ("fit", [common, fit], "train the head on the stored features (resumes from <run>/ckpt/last.pt)"),
+        ("eval", [common, fit], "held-out top-1 per unrolled depth and chain acceptance of the latest checkpoint"),
+        ("export", [common, fit, out], "evaluate and write the bundle (float16 weights + metadata)"),
+    ]:
+        sp = steps.add_parser(name, parents=parents, help=helptext, description=helptext)
+        sp.set_defaults(func=globals()[f"run_{name}"])
+    p.set_defaults(func=lambda a: (p.print_help(sys.stderr), 2)[1])
+
+
+def _data_config(args: argparse.Namespace):
+    from ..train.data import DataConfig
+
+    return DataConfig(run_dir=_run_dir(args), model=args.model, prompts=args.prompts,
+                      max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                      batch=args.batch, sampled_fraction=args.sampled_fraction, threads=args.threads)
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from ..train.data import generate_data
+
+    store = generate_data(_data_config(args), progress=not args.no_progress)
+    sys.stdout.write(json.dumps({"conversations": store.conversations, "tokens": store.tokens}) + "\n")
+    return 0
+
+
+def _fit_config(args: argparse.Namespace):
+    from ..train.fit import FitConfig
+
+    return FitConfig(run_dir=_run_dir(args), model=args.model, steps=args.steps, tokens_per_step=args.tokens_per_step,
+                     lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab,
+                     feature_weight=args.feature_weight, noise=args.noise, threads=args.threads)
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from ..train.fit import fit
+
+    fit(_fit_config(args), progress=not args.no_progress)
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from ..train.export import run_eval as evaluate
+
+    result = evaluate(_fit_config(args), progress=not args.no_progress)
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from ..train.export import export, run_eval
+
+    cfg = _fit_config(args)
+    evaluation = None if args.no_eval else run_eval(cfg, progress=not args.no_progress)
+    stem = export(cfg, Path(args.out) if args.out else None, args.name, evaluation)
+    sys.stdout.write(f"{stem}\n")
+    return 0
+
+
+def run_train(args: argparse.Namespace) -> int:
+    run_data(args)
+    run_fit(args)
+    return run_export(args)

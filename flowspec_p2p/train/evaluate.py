@@ -1,0 +1,85 @@
+"""Held-out evaluation of a draft head on stored features.
+
+    top1[k]          step-k top-1 agreement with the target over the draft vocabulary (teacher-forced tokens,
+                     the head's own features; EAGLE's "k-alpha"), on every held-out answer target
+    chain            greedy chain drafting on the greedy (T=0) held-out conversations: from each start, the
+                     number of leading steps whose draft token (mapped to target ids) equals the target's
+                     greedy token. accept[k] = P(step k accepted | steps < k accepted); a chain of depth D
+                     yields tau = 1 + E[min(accepted, D)] tokens per target forward (bonus included)
+    t1_accept[k]     mean target probability (T=1) of the step-k draft token given a correct prefix: the
+                     acceptance rate of a one-token draft at temperature 1
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from ..draft import DraftHead
+from .corpus import Corpus, make_example
+from .fit import FitConfig, Frozen, StepStats, example_loss
+from .unroll import unrolled
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, corpus: Corpus, idx: list[int], fz: Frozen, cfg: FitConfig, depth: int | None = None,
+             progress: bool = False) -> dict:
+    depth = depth or max(cfg.unroll, 4)
+    ecfg = cfg.model_copy(update={"unroll": depth})
+    head.eval()
+    topk = StepStats()
+    accepted: list[torch.Tensor] = []  # per start: accepted chain length (0..depth)
+    t1_sum = [0.0] * depth
+    t1_n = [0] * depth
+    loss_sum, loss_n = 0.0, 0
+    for i in tqdm(idx, desc="eval", unit="conv", disable=not progress, dynamic_ncols=True):
+        tokens, feats, p = corpus.conversation(i)
+        ex = make_example(tokens, feats, p, fz.in_vocab, ecfg.max_prompt_context, 10**9)
+        if ex is None:
+            continue
+        loss, s = example_loss(head, ex, fz, ecfg, train=False)
+        topk.add(s)
+        loss_sum += float(loss)
+        loss_n += s.targets[0] if s.targets else 0
+        # chains: every start i whose depth targets all lie in the answer (draft vocab not required)
+        raw = make_example(tokens, feats, p, None, ecfg.max_prompt_context, 10**9)
+        n = raw.features.shape[0]
+        nxt = torch.zeros(n + depth - 1, dtype=torch.long)
+        m = min(n + depth - 1, raw.tokens.numel() - 1)
+        nxt[:m] = raw.tokens[1 : m + 1]
+        outs = unrolled(head, raw.features.float(), fz.embed[nxt], raw.offset, depth)
+        starts = torch.nonzero(raw.valid[: max(0, n - depth + 1)])[:, 0]  # [s]
+        if starts.numel() == 0:
+            continue
+        hits = []
+        for k, g in enumerate(outs):
+            logits = g[starts] @ fz.lm_head  # [s, V_d]
+            draft = logits.argmax(-1)
+            if fz.vocab is not None:
+                draft = fz.vocab[draft]
+            truth = raw.tokens[starts + k + 2]  # x_{c+i+k+2}: the token f_{c+i+k+1} chooses
+            hits.append(draft == truth)
+            probs = (raw.targets[starts + k].float() @ fz.full_head).softmax(-1)  # [s, vocab]: full target dist
+            pk = probs.gather(1, draft[:, None])[:, 0]
+            ok = torch.stack(hits[:k]).all(0) if k else torch.ones_like(pk, dtype=torch.bool)
+            t1_sum[k] += float(pk[ok].sum())
+            t1_n[k] += int(ok.sum())
+        if float(corpus.temperature[i]) == 0.0:
+            h = torch.stack(hits, 1).int()  # [s, depth]
+            accepted.append(h.cumprod(1).sum(1))
+    acc = torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long)
+    chain_accept = []
+    for k in range(depth):
+        reached = int((acc >= k).sum())
+        chain_accept.append(round(int((acc >= k + 1).sum()) / reached, 4) if reached else 0.0)
+    return {
+        "heldout_conversations": len(idx),
+        "heldout_targets": topk.targets[0] if topk.targets else 0,
+        "heldout_loss": round(loss_sum / max(1, loss_n), 4),
+        "heldout_top1": [round(a, 4) for a in topk.accuracy()],
+        "chain_starts": int(acc.numel()),
+        "chain_accept": chain_accept,
+        "chain_tau": {d: round(1 + float(acc.clamp(max=d).float().mean()), 4) if acc.numel() else 1.0
+                      for d in range(1, depth + 1)},
+        "t1_accept": [round(s / n, 4) if n else 0.0 for s, n in zip(t1_sum, t1_n, strict=True)],
+    }

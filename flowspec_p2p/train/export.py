@@ -1,0 +1,97 @@
+"""Export a trained head as a ``DraftBundle`` (float16 weights + JSON metadata) where ``find_draft`` looks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..draft import DraftBundle, DraftHead
+from ..errors import ConfigError
+from ..tokenizer import cache_dir
+from .corpus import load_corpus
+from .evaluate import evaluate
+from .fit import FitConfig, load_target, prepare
+from .store import FeatureStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAME = "eagle-head"
+
+
+def load_checkpoint(cfg: FitConfig, target_cfg) -> tuple[DraftHead, dict]:
+    path = cfg.run_dir / "ckpt" / "last.pt"
+    if not path.is_file():
+        raise ConfigError(f"no checkpoint at {path}: run `flowspec draft fit` first")
+    state = torch.load(path, weights_only=False)
+    head = DraftHead(target_cfg)
+    head.load_state_dict(state["head"])
+    return head.eval(), state
+
+
+def run_eval(cfg: FitConfig, depth: int | None = None, progress: bool = True) -> dict:
+    """Evaluate the run's latest checkpoint on its held-out split; also written to ``<run>/eval.json``."""
+    torch.set_num_threads(cfg.threads)
+    target = load_target(cfg.model)
+    store = FeatureStore(cfg.run_dir / "features")
+    corpus, _, held, fz = prepare(cfg, store, target)
+    head, state = load_checkpoint(cfg, target.cfg)
+    t0 = time.perf_counter()
+    result = {"step": state["step"], **evaluate(head, corpus, held, fz, cfg, depth, progress)}
+    log.info("evaluated step %d on %d held-out conversations in %.0f s", state["step"], len(held),
+             time.perf_counter() - t0)
+    (cfg.run_dir / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME, evaluation: dict | None = None,
+           dtype: torch.dtype = torch.float16) -> Path:
+    """Write ``<out_dir>/<name>.safetensors|.json``; -> the stem. Default folder: ~/.cache/flowspec_p2p/drafts."""
+    store = FeatureStore(cfg.run_dir / "features")
+    fingerprint = store.manifest.get("target_fingerprint")
+    if not fingerprint:
+        raise ConfigError(f"{store.root} does not record its target's fingerprint")
+    target = load_target(cfg.model)
+    head, state = load_checkpoint(cfg, target.cfg)
+    vocab_path = cfg.run_dir / "draft_vocab.pt"
+    vocab = torch.load(vocab_path) if cfg.draft_vocab and vocab_path.is_file() else None
+    if evaluation is None and (cfg.run_dir / "eval.json").is_file():
+        evaluation = json.loads((cfg.run_dir / "eval.json").read_text())
+        if evaluation.get("step") != state["step"]:
+            log.warning("eval.json is from step %s, the checkpoint from step %d", evaluation.get("step"),
+                        state["step"])
+    corpus = load_corpus(store)
+    train = state.get("config", {})
+    meta = {
+        "target_fingerprint": fingerprint,
+        "architecture": "eagle1 (fc 2H->H + 1 decoder block, no input norm), trained with EAGLE-3 training-time test",
+        "parameters": head.num_parameters(),
+        "data": {
+            "conversations": len(corpus),
+            "tokens": int(corpus.tokens.numel()),
+            "answer_tokens": corpus.answer_tokens(),
+            "source": "ShareGPT V3 first turns + synthetic math/code/summary prompts (no Spec-Bench prompt), "
+                      "answers by the target (self-distillation)",
+        },
+        "training": {
+            "steps": state["step"],
+            "epochs": round(state["seen_tokens"] / max(1, corpus.answer_tokens()), 3),
+            "target_tokens_seen": state["seen_tokens"],
+            **{k: train[k] for k in ("tokens_per_step", "lr", "unroll", "step_decay", "token_weight",
+                                      "feature_weight", "noise", "draft_vocab") if k in train},
+        },
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "reproduce": "flowspec draft train (see flowspec draft --help)",
+    }
+    if evaluation:
+        meta["heldout"] = evaluation
+        meta["heldout_top1"] = evaluation.get("heldout_top1")
+        meta["chain_accept"] = evaluation.get("chain_accept")
+        meta["tau_chain"] = evaluation.get("chain_tau")
+    stem = (out_dir or cache_dir() / "drafts") / name
+    DraftBundle(head, vocab, meta).save(stem, dtype=dtype)
+    log.info("exported %s (%.1f MB)", stem, stem.with_suffix(".safetensors").stat().st_size / 1e6)
+    return stem

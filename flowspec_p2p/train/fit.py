@@ -1,0 +1,274 @@
+"""Training the draft head on stored target features (never running the target).
+
+Loss per conversation (EAGLE-1 §4.2 plus EAGLE-3's training-time test, see ``unroll``), summed over unrolled
+steps k with weight ``step_decay``**k and over the masked targets j (``corpus.make_example``):
+
+    token    soft cross-entropy  -sum_v p_j(v) log q_j(v)   over the draft vocabulary, where
+             p_j = softmax(f_j @ W_d) is the target's distribution and q_j = softmax(g_j @ W_d) the head's
+             (W_d: the target's frozen LM head, restricted to the draft vocabulary)
+    feature  SmoothL1(g_j, f_j), averaged over the hidden dimension
+    noise    step-0 input features get uniform noise of half-width ``noise`` x (feature RMS)
+
+AdamW with linear warmup and cosine decay, gradient-norm clipping, and a checkpoint (head, optimiser, data
+order) in ``<run>/ckpt/last.pt`` every ``ckpt_every`` steps: a restarted fit continues where it stopped, on
+whatever the store holds by then.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from tqdm import tqdm
+
+from ..draft import DraftHead
+from ..errors import ConfigError
+from ..shard import Shard
+from ..types import FrozenModel, LayerRange
+from ..weights import open_source
+from .corpus import Corpus, Example, answer_token_counts, draft_vocab_from_counts, load_corpus, make_example
+from .store import FeatureStore
+from .unroll import unrolled
+
+log = logging.getLogger(__name__)
+
+
+class FitConfig(FrozenModel):
+    run_dir: Path
+    model: str | None = None
+    steps: int = Field(2000, ge=1)  # optimiser steps (a total: a resumed fit stops there too)
+    tokens_per_step: int = Field(4096, ge=1)  # loss targets (step 0) per optimiser step
+    lr: float = Field(1e-3, gt=0)
+    warmup: int = Field(100, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    unroll: int = Field(3, ge=1)  # training-time-test steps
+    step_decay: float = Field(0.8, gt=0)
+    token_weight: float = Field(1.0, ge=0)
+    feature_weight: float = Field(0.1, ge=0)
+    noise: float = Field(0.05, ge=0)  # uniform half-width, relative to the feature RMS
+    draft_vocab: int = Field(16384, ge=0)  # 0 = the full vocabulary
+    max_prompt_context: int = Field(64, ge=0)  # prompt pairs kept before the answer
+    max_len: int = Field(384, ge=2)  # pairs per example
+    ckpt_every: int = Field(25, ge=1)
+    seed: int = 0
+    threads: int = Field(1, ge=1)
+
+
+@dataclass
+class Frozen:
+    """The target's pieces the head trains against: embedding, and the LM head restricted to the draft vocab."""
+
+    embed: torch.Tensor  # [vocab, hidden]
+    lm_head: torch.Tensor  # [hidden, V_d]
+    full_head: torch.Tensor  # [hidden, vocab]
+    vocab: torch.Tensor | None  # [V_d] target ids, or None = all
+    in_vocab: torch.Tensor | None  # [vocab] bool
+    feature_rms: float
+
+    @classmethod
+    def build(cls, target: Shard, vocab: torch.Tensor | None, feature_rms: float) -> Frozen:
+        assert target.embed is not None
+        assert target.head_t is not None
+        head_t = target.head_t.float()
+        in_vocab = None
+        if vocab is not None:
+            head_t = head_t[:, vocab]
+            in_vocab = torch.zeros(target.cfg.vocab_size, dtype=torch.bool)
+            in_vocab[vocab] = True
+        return cls(target.embed.weight.detach().float(), head_t.contiguous(), target.head_t.float(), vocab, in_vocab,
+                   feature_rms)
+
+
+@dataclass
+class StepStats:
+    loss: float = 0.0
+    targets: list[int] = field(default_factory=list)  # per unrolled step
+    top1: list[int] = field(default_factory=list)  # draft argmax == target argmax (draft vocab)
+
+    def add(self, other: StepStats) -> None:
+        self.loss += other.loss
+        n = max(len(self.targets), len(other.targets))
+        self.targets = [a + b for a, b in zip(_pad(self.targets, n), _pad(other.targets, n), strict=True)]
+        self.top1 = [a + b for a, b in zip(_pad(self.top1, n), _pad(other.top1, n), strict=True)]
+
+    def accuracy(self) -> list[float]:
+        return [c / t if t else 0.0 for c, t in zip(self.top1, self.targets, strict=True)]
+
+
+def _pad(xs: list[int], n: int) -> list[int]:
+    return xs + [0] * (n - len(xs))
+
+
+def load_target(model: str | None) -> Shard:
+    """Only the embedding, final norm and LM head of the target (no layers): what training needs."""
+    src = open_source(model)
+    return Shard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True, dtype=torch.float32)
+
+
+def example_loss(
+    head: DraftHead, ex: Example, fz: Frozen, cfg: FitConfig, train: bool
+) -> tuple[torch.Tensor, StepStats]:
+    """Weighted loss summed over the example's targets (see module doc), and per-step top-1 counts."""
+    n = ex.features.shape[0]
+    steps = cfg.unroll
+    feats = ex.features.float()  # [n, hidden]
+    if train and cfg.noise > 0:
+        feats = feats + (torch.rand_like(feats) * 2 - 1) * (cfg.noise * fz.feature_rms)
+    nxt = torch.zeros(n + steps - 1, dtype=torch.long)
+    m = min(n + steps - 1, ex.tokens.numel() - 1)
+    nxt[:m] = ex.tokens[1 : m + 1]
+    embeds = fz.embed[nxt]  # [n + steps - 1, hidden]
+    outs = unrolled(head, feats, embeds, ex.offset, steps)
+    rows = ex.valid.nonzero()[:, 0]  # [m] target rows taking part
+    stats = StepStats(targets=[0] * steps, top1=[0] * steps)
+    total = feats.new_zeros(())
+    if rows.numel() == 0:
+        return total, stats
+    target_f = ex.targets[rows].float()  # [m, hidden]
+    with torch.no_grad():
+        p = (target_f @ fz.lm_head).softmax(-1)  # [m, V_d]
+        p_top = p.argmax(-1)
+    for k, g in enumerate(outs):
+        sel = rows >= k  # step k's row i predicts target row i + k
+        if not bool(sel.any()):
+            continue
+        gk = g[rows[sel] - k]  # [m_k, hidden]
+        logq = (gk @ fz.lm_head).log_softmax(-1)  # [m_k, V_d]
+        ce = -(p[sel] * logq).sum(-1)  # [m_k]
+        reg = F.smooth_l1_loss(gk, target_f[sel], reduction="none").mean(-1)  # [m_k]
+        total = total + cfg.step_decay**k * (cfg.token_weight * ce.sum() + cfg.feature_weight * reg.sum())
+        stats.targets[k] = int(sel.sum())
+        stats.top1[k] = int((logq.argmax(-1) == p_top[sel]).sum())
+    stats.loss = float(total.detach())
+    return total, stats
+
+
+def lr_at(step: int, cfg: FitConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def feature_rms(corpus: Corpus, sample: int = 200_000) -> float:
+    f = corpus.features[:: max(1, corpus.features.shape[0] // sample)].float()
+    return float(f.pow(2).mean().sqrt())
+
+
+def prepare(cfg: FitConfig, store: FeatureStore, target: Shard) -> tuple[Corpus, list[int], list[int], Frozen]:
+    """Load the corpus, split it, fix the draft vocabulary (saved in the run, reused on resume)."""
+    corpus = load_corpus(store)
+    if len(corpus) == 0:
+        raise ConfigError(f"the feature store {store.root} is empty: run `flowspec draft data` first")
+    train, held = corpus.split()
+    vocab_path = cfg.run_dir / "draft_vocab.pt"
+    vocab = None
+    if cfg.draft_vocab:
+        if vocab_path.is_file():
+            vocab = torch.load(vocab_path)
+            if vocab.numel() != min(cfg.draft_vocab, target.cfg.vocab_size):
+                log.warning("%s has %d tokens, not %d: recomputing", vocab_path, vocab.numel(), cfg.draft_vocab)
+                vocab = None
+        if vocab is None:
+            counts = answer_token_counts(corpus, train, target.cfg.vocab_size)
+            vocab = draft_vocab_from_counts(counts, cfg.draft_vocab)
+            cover = float(counts[vocab].sum() / counts.sum().clamp(min=1))
+            log.info("draft vocabulary: %d tokens cover %.2f%% of answer tokens", vocab.numel(), 100 * cover)
+            vocab_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(vocab, vocab_path)
+    rms = feature_rms(corpus)
+    return corpus, train, held, Frozen.build(target, vocab, rms)
+
+
+def _save_ckpt(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
+    """Train (or continue training) the head of ``cfg.run_dir``; -> the trained head."""
+    torch.set_num_threads(cfg.threads)
+    target = load_target(cfg.model)
+    store = FeatureStore(cfg.run_dir / "features")
+    corpus, train_idx, held_idx, fz = prepare(cfg, store, target)
+    log.info("corpus: %d conversations (%d held out), %d answer tokens; feature RMS %.3f", len(corpus),
+             len(held_idx), corpus.answer_tokens(), fz.feature_rms)
+    head = DraftHead(target.cfg).reset_parameters(cfg.seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    ckpt = cfg.run_dir / "ckpt" / "last.pt"
+    step, epoch, cursor, seen_tokens = 0, 0, 0, 0
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, epoch, cursor, seen_tokens = state["step"], state["epoch"], state["cursor"], state["seen_tokens"]
+        log.info("resuming from %s at step %d (epoch %d)", ckpt, step, epoch)
+    keys = sorted(corpus.keys[i] for i in train_idx)
+    by_key = {corpus.keys[i]: i for i in train_idx}
+
+    def order(ep: int) -> list[str]:
+        ks = keys.copy()
+        random.Random(cfg.seed * 1000 + ep).shuffle(ks)
+        return ks
+
+    perm = order(epoch)
+    bar = tqdm(total=cfg.steps, initial=step, desc="fit", unit="step", disable=not progress, dynamic_ncols=True)
+    running = StepStats()
+    t0, session_tokens = time.perf_counter(), 0
+    head.train()
+    while step < cfg.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        stats = StepStats()
+        while not stats.targets or stats.targets[0] < cfg.tokens_per_step:
+            if cursor >= len(perm):
+                epoch, cursor = epoch + 1, 0
+                perm = order(epoch)
+            key = perm[cursor]
+            cursor += 1
+            ex = make_example(*corpus.conversation(by_key[key]), fz.in_vocab, cfg.max_prompt_context, cfg.max_len)
+            if ex is None:
+                continue
+            loss, s = example_loss(head, ex, fz, cfg, train=True)
+            if s.targets and s.targets[0]:
+                (loss / cfg.tokens_per_step).backward()
+            stats.add(s)
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        seen_tokens += stats.targets[0]
+        session_tokens += stats.targets[0]
+        running = stats if step == 1 else _ema(running, stats)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats.loss / max(1, stats.targets[0]):.3f}", ep=epoch,
+                        top1="/".join(f"{a:.2f}" for a in running.accuracy()), refresh=False)
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            _save_ckpt(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
+                              "cursor": cursor, "seen_tokens": seen_tokens, "config": cfg.model_dump(mode="json")})
+            log.info("step %d: loss/token %.4f, train top-1 per step %s, %.0f targets/s", step,
+                     stats.loss / max(1, stats.targets[0]), [round(a, 3) for a in stats.accuracy()],
+                     session_tokens / (time.perf_counter() - t0))
+    bar.close()
+    head.eval()
+    return head
+
+
+def _ema(old: StepStats, new: StepStats, keep: float = 0.9) -> StepStats:
+    out = StepStats(loss=keep * old.loss + (1 - keep) * new.loss)
+    n = max(len(old.targets), len(new.targets))
+    out.targets = [round(keep * a + (1 - keep) * b) for a, b in zip(_pad(old.targets, n), _pad(new.targets, n),
+                                                                     strict=True)]
+    out.top1 = [round(keep * a + (1 - keep) * b) for a, b in zip(_pad(old.top1, n), _pad(new.top1, n), strict=True)]
+    return out

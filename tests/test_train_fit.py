@@ -1,0 +1,154 @@
+"""EAGLE data alignment, the unrolled (training-time-test) forward, and a short fit that learns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowspec_p2p.draft import DraftBundle, DraftHead, find_draft
+from flowspec_p2p.shard import Shard
+from flowspec_p2p.train.batchgen import BatchGenerator, Request
+from flowspec_p2p.train.corpus import load_corpus, make_example
+from flowspec_p2p.train.evaluate import evaluate
+from flowspec_p2p.train.export import export, load_checkpoint
+from flowspec_p2p.train.fit import FitConfig, example_loss, fit, load_target, prepare
+from flowspec_p2p.train.store import FeatureStore
+from flowspec_p2p.train.unroll import unrolled
+from flowspec_p2p.types import LayerRange
+from flowspec_p2p.weights import model_fingerprint, open_source
+
+
+def test_example_pairs_feature_t_with_token_t_plus_1():
+    t, p, h = 20, 6, 4
+    tokens = torch.arange(100, 100 + t)  # x_j = 100 + j
+    feats = torch.arange(t - 1).float()[:, None].expand(t - 1, h)  # f_j = j
+    ex = make_example(tokens, feats, p, None, max_prompt_context=2, max_len=100)
+    c = ex.offset
+    assert c == p - 1 - 2
+    n = ex.features.shape[0]
+    assert n == t - 2 - c  # pairs c..T-3
+    for i in range(n):
+        assert ex.features[i, 0] == c + i  # f_{c+i}
+        assert ex.tokens[i + 1] == 100 + c + i + 1  # paired with x_{c+i+1}
+        assert ex.targets[i, 0] == c + i + 1  # predicts f_{c+i+1} ...
+        assert ex.tokens[i + 2] == 100 + c + i + 2  # ... whose greedy token is x_{c+i+2}
+        assert bool(ex.valid[i]) == (c + i + 1 >= p)  # only features that predict answer tokens
+    in_vocab = torch.ones(200, dtype=torch.bool)
+    in_vocab[100 + p + 3] = False  # target f_{p+2} predicts x_{p+3}: not draftable
+    ex2 = make_example(tokens, feats, p, in_vocab, 2, 100)
+    assert not ex2.valid[p + 2 - c - 1]
+    assert ex2.valid[p + 1 - c - 1]
+
+
+@pytest.fixture(scope="module")
+def peaked_llama(tmp_path_factory):
+    """A tiny llama with larger weights than the shared fixture: its next-token distributions are peaked, so a
+    head has something to learn (near-uniform targets leave the soft cross-entropy at its entropy floor)."""
+    from tests.conftest import build_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("peaked") / "llama"
+    build_tiny_checkpoint(folder, "llama", seed=5, initializer_range=0.4)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(peaked_llama):
+    src = open_source(peaked_llama)
+    shard = Shard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
+                              dtype=torch.float64).eval()
+    return src, shard
+
+
+def test_unrolled_steps_equal_chain_drafting_with_a_kv_cache(tiny):
+    src, _ = tiny
+    head = DraftHead(src.config).reset_parameters(seed=3, std=0.2).double()
+    g = torch.Generator().manual_seed(0)
+    n, steps, h = 7, 3, src.config.hidden_size
+    feats = torch.randn(n, h, generator=g, dtype=torch.float64)
+    embeds = torch.randn(n + steps - 1, h, generator=g, dtype=torch.float64)
+    outs = unrolled(head, feats, embeds, offset=5, steps=steps)
+    for i in range(n):  # chain from start i: context pairs 0..i, then the head's own features
+        cache = head.new_cache(32)
+        x = head(feats[None, : i + 1], embeds[None, : i + 1], torch.arange(5, 6 + i)[None], cache)[0, -1]
+        torch.testing.assert_close(outs[0][i], x)
+        for k in range(1, steps):
+            x = head(x[None, None], embeds[None, i + k : i + k + 1], torch.tensor([[5 + i + k]]), cache)[0, 0]
+            torch.testing.assert_close(outs[k][i], x)
+
+
+@pytest.fixture(scope="module")
+def run(tiny, tmp_path_factory):
+    """A self-distilled store from the tiny model, as `flowspec draft data` writes it."""
+    src, shard = tiny
+    root = tmp_path_factory.mktemp("run")
+    store = FeatureStore(root / "features", hidden=src.config.hidden_size, target_fingerprint=model_fingerprint(src))
+    g = torch.Generator().manual_seed(1)
+    reqs = [Request(f"k{i}", torch.randint(3, 96, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g)
+                    .tolist(), temperature=0.0 if i % 4 else 1.0, seed=i) for i in range(40)]
+    gen = BatchGenerator(shard, batch=8, max_new_tokens=20, stop_ids=frozenset(), max_prompt=16, stop_loops=False)
+    for item in gen.run(reqs):
+        store.add(item)
+        if store.pending_tokens > 300:
+            store.flush()
+    store.flush()
+    return root
+
+
+def _cfg(root, model, **kw) -> FitConfig:
+    base = dict(run_dir=root, model=str(model), steps=30, tokens_per_step=96, lr=1e-2, warmup=3, draft_vocab=64,
+                max_prompt_context=4, ckpt_every=10, feature_weight=0.1, noise=0.0)
+    return FitConfig(**{**base, **kw})
+
+
+def _mean_loss(head, corpus, fz, cfg) -> tuple[float, float]:
+    """-> (loss per target, step-0 top-1) over the whole corpus"""
+    tot, n, hits = 0.0, 0, 0
+    with torch.no_grad():
+        for i in range(len(corpus)):
+            ex = make_example(*corpus.conversation(i), fz.in_vocab, cfg.max_prompt_context, cfg.max_len)
+            loss, s = example_loss(head, ex, fz, cfg, train=False)
+            tot, n, hits = tot + float(loss), n + s.targets[0], hits + s.top1[0]
+    return tot / n, hits / n
+
+
+def test_fit_reduces_the_loss_resumes_and_exports(run, peaked_llama, tiny, tmp_path):
+    src, _ = tiny
+    cfg = _cfg(run, peaked_llama, steps=15)
+    corpus, _, _held, fz = prepare(cfg, FeatureStore(run / "features"), load_target(cfg.model))
+    assert fz.vocab is not None
+    assert fz.vocab.numel() == 64
+    before = _mean_loss(DraftHead(src.config).reset_parameters(cfg.seed), corpus, fz, cfg)
+    fit(cfg, progress=False)
+    cfg = _cfg(run, peaked_llama, steps=30)  # continues from the step-15 checkpoint
+    head = fit(cfg, progress=False)
+    assert torch.load(run / "ckpt" / "last.pt", weights_only=False)["step"] == 30
+    after = _mean_loss(head, corpus, fz, cfg)
+    assert after[0] < 0.9 * before[0], (before, after)  # loss per target
+    assert after[1] > before[1] + 0.2, (before, after)  # step-0 top-1
+
+    result = evaluate(head, corpus, list(range(8)), fz, cfg, depth=3)
+    assert len(result["heldout_top1"]) == 3
+    assert len(result["chain_accept"]) == 3
+    assert 1.0 <= result["chain_tau"][3] <= 4.0
+
+    stem = export(cfg, tmp_path / "drafts", "tiny-head", evaluation=result)
+    assert find_draft(model_fingerprint(src), [tmp_path / "drafts"]) == stem
+    assert find_draft("someone-else", [tmp_path / "drafts"]) is None
+    bundle = DraftBundle.load(stem)
+    assert bundle.meta["training"]["steps"] == 30
+    assert bundle.meta["heldout_top1"] == result["heldout_top1"]
+    assert bundle.meta["data"]["conversations"] == len(corpus)
+    assert torch.equal(bundle.draft_vocab, fz.vocab)
+    trained, _ = load_checkpoint(cfg, src.config)
+    for (name, a), b in zip(trained.state_dict().items(), bundle.head.state_dict().values(), strict=True):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a.half().float(), msg=name)
+
+
+def test_corpus_split_is_stable_and_disjoint(run):
+    corpus = load_corpus(FeatureStore(run / "features"))
+    train, held = corpus.split(heldout_per_mille=200)
+    assert not set(train) & set(held)
+    assert len(train) + len(held) == len(corpus)
+    assert held
+    assert corpus.split(heldout_per_mille=200) == (train, held)
