@@ -145,6 +145,72 @@ def _stats():
     return GenStats(mode="spec")
 
 
+# -- sampling end to end on a toy vocabulary --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """A 5-token model (hidden 16) sharp enough that drafts are often accepted at several levels."""
+    from flowspec_p2p.shard import Shard
+    from flowspec_p2p.types import LayerRange
+    from flowspec_p2p.weights import open_source
+
+    from .conftest import build_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("toy5")
+    build_tiny_checkpoint(
+        folder,
+        "llama",
+        seed=11,
+        vocab_size=5,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.6,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    src = open_source(folder)
+    return Shard.from_source(src, LayerRange(start=0, end=2), embed=True, head=True, dtype=torch.float64).eval()
+
+
+def test_sampled_speculation_follows_the_target_distribution(toy):
+    """The joint law of the first three reply tokens (temperature 1.2, top-k 4) matches the target's, computed
+    exactly by enumeration; chi-square over 2000 replies, rare cells pooled."""
+    import itertools
+
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from flowspec_p2p.sampling import target_probs
+
+    prompt, vocab, draws = [1, 3, 0], 5, 2000
+    params = SamplingParams(temperature=1.2, top_k=4)
+    exact = np.zeros(vocab**3)
+    with torch.inference_mode():
+        for i, seq in enumerate(itertools.product(range(vocab), repeat=3)):
+            probs = target_probs(toy.logits(toy(torch.tensor([prompt + list(seq[:2])]), None)[0]), params)
+            n = len(prompt)
+            exact[i] = float(probs[n - 1, seq[0]] * probs[n, seq[1]] * probs[n + 1, seq[2]])
+    spec = SpecDecoder(toy, OracleDrafter(toy), TreeShape(total_tokens=8, depth=3, top_k=3))
+    counts = np.zeros(vocab**3)
+    multi = 0
+    for i in range(draws):
+        out, stats = run(spec, prompt, 3, params.model_copy(update={"seed": i}))
+        counts[(out[0] * vocab + out[1]) * vocab + out[2]] += 1
+        multi += stats.steps < 3
+    assert multi > draws // 4, "the draft must often be accepted past the root's children"
+    expected = exact * draws
+    assert counts[expected == 0].sum() == 0  # top-p removed these continuations
+    big, rare = expected >= 5, (expected > 0) & (expected < 5)
+    obs, exp = counts[big], expected[big]
+    if rare.any():
+        obs, exp = np.append(obs, counts[rare].sum()), np.append(exp, expected[rare].sum())
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
 # -- the real model with the shipped head (float32) ---------------------------------------------------------
 
 
