@@ -2,6 +2,8 @@
 token for token (float64) with perfect, random and partial drafts; the bookkeeping takes every path (continue,
 restart, dead segments); sampling keeps the target's distribution."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from flowspec_p2p.shard import Shard
 from flowspec_p2p.types import LayerRange
 from flowspec_p2p.weights import open_source
 
+from .fake_ring import sync_pipeline
 from .ring_fixtures import F64, tiny_parts
 
 GREEDY = SamplingParams()
@@ -78,29 +81,48 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("drafter_kind", ["perfect", "random", "partial"])
-@pytest.mark.parametrize("n_stages", [3, 4])
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize(("drafter_kind", "n_stages", "config"), [
+    *[(d, n, "default") for d in ("perfect", "random", "partial") for n in (3, 4)],
+    *[(d, n, c) for d, n, c in [("perfect", 4, "tiny-segments"), ("partial", 3, "tiny-segments"),
+                                ("partial", 4, "wide"), ("random", 3, "wide")]],
+])
 async def test_greedy_flowspec_equals_single_device_autoregressive(parts, four_stages, drafter_kind, n_stages,
                                                                    config):
     stages = parts.stages if n_stages == 3 else four_stages
     leader = Leader(parts.head, None, drafter=drafter_for(drafter_kind, parts), modes=[AR, flowspec_spec(
         CONFIGS[config])], settings=LeaderSettings(max_context=200, prefill_chunk=4, step_timeout_s=20.0))
-    totals = {"continues": 0, "restarts": 0, "nodes_dead": 0}
-    async with LoopbackRing(stages, leader, hops="memory", wire_dtype=F64) as ring:
+    totals = {"continues": 0, "restarts": 0, "walks": 0}
+    pipeline, cores = sync_pipeline(stages, leader, F64)
+    async with asyncio.TaskGroup() as tg:
+        demux = tg.create_task(leader.run())
+        await leader.set_pipeline(pipeline)
         for prompt in PROMPTS:
             out, stats = await run(leader, prompt, 48)
             assert out == parts.reference(prompt, 48), (drafter_kind, prompt)
             assert stats.new_tokens == 48
             for k in totals:
                 totals[k] += stats.extra[k]
-            if drafter_kind == "perfect":
-                assert stats.tau > 0.5 and stats.extra["restarts"] <= stats.extra["walks"] // 4
-        assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
-    if drafter_kind != "perfect":
+        demux.cancel()
+    assert all(c.counters["errors"] == 0 for c in cores)
+    assert all(not c.requests for c in cores), "every request released on every stage"
+    if drafter_kind == "perfect":  # the tree always holds the target's choice, unless it ran out of depth
+        assert totals["restarts"] <= totals["walks"] // 4
+    else:
         assert totals["restarts"] > 0
     if drafter_kind != "random":
         assert totals["continues"] > 0
+
+
+@pytest.mark.parametrize("hops", ["memory", "ws"])
+async def test_flowspec_over_the_async_ring_equals_single_device(parts, hops):
+    """The same through real stage workers (threads, queues, and websockets on port 0)."""
+    leader = Leader(parts.head, None, drafter=drafter_for("partial", parts), modes=[flowspec_spec(CONFIGS["wide"])],
+                    settings=LeaderSettings(max_context=200, prefill_chunk=4, step_timeout_s=20.0))
+    async with LoopbackRing(parts.stages, leader, hops=hops, wire_dtype=F64) as ring:
+        out, stats = await run(leader, PROMPTS[0], 40)
+        assert out == parts.reference(PROMPTS[0], 40)
+        assert stats.extra["prunes"] > 0
+        assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
 
 
 async def test_stop_token_and_budget_end_the_reply_exactly(parts):
