@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 HOP_GOAL_MS = 1.0
 SINGLE = "single-device ar"  # the reference row of bench-ring
+MODE_COLORS = {SINGLE: "#bbbbbb", "ar": "#888888", "chunk": "#4c72b0", "flowspec": "#dd8452"}
 GREEDY = SamplingParams(temperature=0.0)
 RING_PROMPTS = (
     "Explain why the sky is blue in two sentences.",
@@ -96,7 +98,7 @@ async def bench_hop(tokens: int = 16, hidden: int = 576, dtype: str = "float16",
         "tokens": tokens, "hidden": hidden, "dtype": dtype, "iters": iters, "frame_bytes": len(frame),
         "median_ms": round(med, 4), "p90_ms": round(_quantile(hops, 0.9) * 1e3, 4),
         "encode_us": round(statistics.median(enc) * 1e6, 1), "decode_us": round(statistics.median(dec) * 1e6, 1),
-        "goal_ms": HOP_GOAL_MS, "meets_goal": med < HOP_GOAL_MS,
+        "goal_ms": HOP_GOAL_MS, "meets_goal": med < HOP_GOAL_MS, "load_average": os.getloadavg()[0],
     }
 
 
@@ -200,7 +202,8 @@ async def bench_ring(*, stages: int = 3, modes: tuple[str, ...] = ("ar", "chunk"
     return {
         "setup": {"stages": stages, "layers": [str(s.layers) for s in shards], "wire_dtype": wire, "hops": hops,
                   "prompts": len(texts), "max_tokens": max_tokens, "temperature": 0.0, "drafter": draft_desc,
-                  "emulation": f"{link.describe()}; {compute.describe()}", "torch_threads": torch.get_num_threads()},
+                  "emulation": f"{link.describe()}; {compute.describe()}", "torch_threads": torch.get_num_threads(),
+                  "load_average": os.getloadavg()[0]},
         "modes": summary,
         "per_prompt": per_mode,
         "stages": stage_snaps,
@@ -249,8 +252,8 @@ def write_hop_report(results: list[dict], out: Path) -> None:
     ax.bar([i + 0.2 for i in x], [r["p90_ms"] for r in results], width=0.4, label="p90")
     ax.axhline(HOP_GOAL_MS, color="red", linestyle="--", linewidth=1, label=f"goal {HOP_GOAL_MS:g} ms")
     ax.set_xticks(list(x), labels)
-    ax.set_ylabel("ms per hop (encode + websocket + decode)")
-    ax.set_title(f"Per-hop overhead on loopback, hidden {results[0]['hidden']}")
+    ax.set_ylabel("ms per hop")
+    ax.set_title(f"encode + loopback websocket + decode, hidden {results[0]['hidden']}", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "hop.png", dpi=120)
@@ -280,13 +283,13 @@ def write_ring_report(result: dict, out: Path) -> None:
     modes = list(result["modes"])
     fig, ax = plt.subplots(figsize=(5, 3.2))
     vals = [result["modes"][m]["decode_tokens_per_s_median"] for m in modes]
-    palette = ["#bbbbbb", "#888888", "#4c72b0", "#dd8452", "#55a868"]
-    bars = ax.bar([m.replace(" ", "\n") for m in modes], vals, color=palette[: len(modes)])
+    bars = ax.bar([m.replace(" ", "\n") for m in modes], vals, color=[MODE_COLORS.get(m, "#55a868") for m in modes])
     for b, m in zip(bars, modes, strict=True):
         ax.annotate(f"{result['modes'][m]['speedup_vs_ar']:.2f}x, τ {result['modes'][m]['tau_mean']:.2f}",
                     (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("decode tokens/s (median)")
-    ax.set_title(f"{s['stages']}-stage loopback ring, {s['wire_dtype']} wire", fontsize=10)
+    drafter = s["drafter"].split(" (")[0]
+    ax.set_title(f"{s['stages']}-stage loopback ring, {s['wire_dtype']} wire; drafter: {drafter}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "ring.png", dpi=120)
     plt.close(fig)
