@@ -33,7 +33,7 @@ from .verify import LazyRows, Verdict, verify_greedy, verify_sampling
 log = logging.getLogger(__name__)
 
 # The default tree for SmolLM2-135M on the 2-core CPU this project was built on, from `flowspec tune-tree`
-# (target forward cost vs. tree size x teacher-forced acceptance of the shipped head; see docs/spec.md).
+# (target forward cost vs. tree size x teacher-forced acceptance of the shipped head).
 DEFAULT_TREE = TreeShape(total_tokens=12, depth=5, top_k=4)
 TUNING_FILE = "tree_tuning.json"  # under cache_dir(): written by `flowspec tune-tree`, read by the CLI
 
