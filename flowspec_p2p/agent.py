@@ -45,6 +45,7 @@ from .control import (
     CONTROL_PATH,
     INFO_PATH,
     MAX_CONTROL_BYTES,
+    TIMELINE_PATH,
     Ack,
     Activate,
     Bye,
@@ -140,6 +141,7 @@ class Agent:
         self.update: PlanUpdate | None = None  # of the serving epoch
         self.epoch = 0  # last epoch started
         self.transition: Transition | None = None
+        self.planning = False
         self.broken: str | None = None  # why the serving pipeline is unusable
         self.recoveries: list[dict] = []
         self.ring_starts: dict[str, float] = {}
@@ -194,6 +196,7 @@ class Agent:
         self.ring = RingServer(self.id, cfg.cluster)
         self.ring.install(app)
         app.router.add_get(INFO_PATH, self._http_info)
+        app.router.add_get(TIMELINE_PATH, self._http_timeline)
         app.router.add_post(CONTROL_PATH, self._http_control)
         if cfg.leader:
             from .weight_server import WeightServer
@@ -319,6 +322,20 @@ class Agent:
 
     async def _http_info(self, request: web.Request) -> web.Response:
         return web.Response(text=self.info.model_dump_json(), content_type="application/json")
+
+    async def _http_timeline(self, request: web.Request) -> web.Response:
+        """This agent's stage: busy intervals (worker.timeline) ending after ``?since=`` (unix time), for charts."""
+        try:
+            since = float(request.query["since"]) if "since" in request.query else None
+        except ValueError:
+            raise web.HTTPBadRequest(text="since must be a unix time") from None
+        active = self.stage_host.active if self.stage_host else None
+        worker = active.worker if active else None
+        body = {"agent_id": self.id, "epoch": active.epoch if active else None,
+                "stage": worker.core.index if worker else None,
+                "layers": str(active.node.layers) if active and active.node else None,
+                "intervals": worker.timeline(since) if worker else []}
+        return web.json_response(body)
 
     async def _http_control(self, request: web.Request) -> web.Response:
         if self.cfg.leader and self.membership is None:
@@ -518,18 +535,20 @@ class Agent:
             if not (changed or first or rebuild):
                 continue
             self.membership = membership_mod.apply(self.membership, Planned(at=now))
+            self.planning = True  # until the new plan is kept or its transition has started
             try:
                 new = await asyncio.to_thread(_plan, membership_mod.devices(self.membership), self.model_spec, opts)
+                infeasible = None
+                if self._can_keep(new):
+                    self.plan = new
+                else:
+                    await self._start_transition(new, now)
             except PlanInfeasible as e:
                 if str(e) != infeasible:
                     log.error("no plan: %s", e)
                 infeasible = str(e)
-                continue
-            infeasible = None
-            if self._can_keep(new):
-                self.plan = new
-                continue
-            await self._start_transition(new, now)
+            finally:
+                self.planning = False
 
     def _can_keep(self, new: Plan) -> bool:
         if self.plan is None or self.broken is not None or self.transition is not None:
@@ -683,7 +702,7 @@ class Agent:
             "transition": None if t is None else {"epoch": t.epoch, "phase": t.phase, "trigger": t.trigger,
                                                   "loaded": sorted(t.loaded), "ready": sorted(t.ready)},
             "broken": self.broken,
-            "pending": self.membership.changed_at is not None,
+            "pending": self.membership.changed_at is not None or self.planning,
             "recoveries": self.recoveries,
             "emulation": self.cfg.emulation.model_dump(),
         }

@@ -1,7 +1,8 @@
 """Control-plane messages between agents, and request signing with the cluster's shared secret.
 
 The control plane is plain HTTP: every agent serves ``POST /control`` (one JSON message in, one JSON message
-out) and ``GET /control/info`` (its ``PeerInfo``, for static peers). The data plane (transport.py) is separate.
+out), ``GET /control/info`` (its ``PeerInfo``, for static peers) and ``GET /control/timeline`` (its stage's busy
+intervals, for charts). The data plane (transport.py) is separate.
 
     member -> leader   Hello        "I am here, this is what I offer"     -> Welcome | Refused
     member -> leader   Heartbeat    every HEARTBEAT_INTERVAL_S (cluster.py), with its stage state -> Ack
@@ -39,6 +40,7 @@ from .types import FrozenModel, LayerRange
 CONTROL_VERSION = 1
 CONTROL_PATH = "/control"
 INFO_PATH = "/control/info"
+TIMELINE_PATH = "/control/timeline"
 AUTH_HEADER = "X-Flowspec-Auth"
 MAX_CLOCK_SKEW_S = 120.0
 MAX_CONTROL_BYTES = 4 * 1024 * 1024

@@ -217,6 +217,24 @@ class LocalCluster:
         with urllib.request.urlopen(self.api_url + "/cluster", timeout=HTTP_TIMEOUT_S) as r:
             return json.loads(r.read())
 
+    def timelines(self, since: float | None = None) -> list[dict]:
+        """Every live agent's stage busy intervals (``GET /control/timeline``; time.time() stamps, comparable
+        across these processes), for per-stage timeline charts. Agents without a stage report none."""
+        from .control import AUTH_HEADER, TIMELINE_PATH, sign
+
+        out = []
+        query = "" if since is None else f"?since={since!r}"
+        for a in self.agents:
+            info = a.info() if a.alive else None
+            if info is None:
+                continue
+            path = TIMELINE_PATH + query
+            headers = {AUTH_HEADER: sign(self.secret.encode(), "GET", path)}
+            req = urllib.request.Request(info["url"] + path, headers=headers)
+            with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
+                out.append({"agent": a.index, **json.loads(r.read())})
+        return out
+
     def terminate(self, index: int) -> None:
         """Stop agent ``index`` gracefully (SIGTERM: it says goodbye)."""
         self._signal(index, signal.SIGTERM)

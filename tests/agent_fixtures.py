@@ -64,7 +64,7 @@ async def start(tasks: dict, a: Agent):
     return tasks[a]
 
 
-async def until(cond, timeout_s: float = 30.0):
+async def until(cond, timeout_s: float = 90.0):
     async with asyncio.timeout(timeout_s):
         while not cond():  # noqa: ASYNC110 - polling another component's state
             await asyncio.sleep(0.05)
@@ -73,11 +73,11 @@ async def until(cond, timeout_s: float = 30.0):
 def serving(leader: Agent, members: int, epoch_after: int = 0):
     return lambda: (leader.update is not None and leader.transition is None and leader.broken is None
                     and leader.update.epoch > epoch_after and len(leader.membership.members) == members
-                    and leader.membership.changed_at is None)
+                    and leader.membership.changed_at is None and not leader.planning)
 
 
 async def complete(leader: Agent, prompt, n: int = 12) -> list[int]:
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         body = {"prompt": ByteTokenizer().decode(prompt[1:]), "max_tokens": n, "temperature": 0}
         async with s.post(leader.api_url + "/v1/completions", json=body) as r:
             data = await r.json()

@@ -46,7 +46,7 @@ async def test_a_second_leader_is_refused_with_a_clear_message(make):
         assert first.started.is_set()
 
 
-async def test_a_stranger_without_the_secret_cannot_join(make):
+async def test_a_stranger_without_the_secret_cannot_join(make, parts):
     leader = Agent(make("lead", leader=True, secret="correct horse battery"), tokenizer=ByteTokenizer())
     async with running(leader):
         await until(lambda: leader.info is not None and leader.started.is_set())
@@ -55,8 +55,11 @@ async def test_a_stranger_without_the_secret_cannot_join(make):
         nobody = Agent(make("y", peers=(peer,), mdns=False))
         friend = Agent(make("f", secret="correct horse battery", peers=(peer,), mdns=False))
         async with running(stranger, nobody, friend):
-            await until(lambda: friend.id in leader.membership.members)
-            await asyncio.sleep(0.5)
+            await until(serving(leader, 1))  # ring links and weight fetches are signed too
+            assert friend.id in leader.plan.agents
+            prompt = ByteTokenizer().encode("secret")
+            data = await complete(leader, [1, *prompt], 6)
+            assert data["choices"][0]["text"] == ByteTokenizer().decode(parts.reference(prompt, 6))
         assert stranger.id not in leader.membership.members
         assert nobody.id not in leader.membership.members
 

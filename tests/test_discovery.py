@@ -99,3 +99,16 @@ async def test_static_peers_work_without_multicast(monkeypatch):
     assert ev.info == leader
     assert ev.via == "static"
     assert ("10.0.0.2", 10) in asked
+
+
+def test_default_addresses_leave_out_docker_vpn_loopback_and_link_local(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    adapters = [NS(nice_name=n, name=n, ips=[NS(ip=ip)]) for n, ip in [
+        ("lo", "127.0.0.1"), ("docker0", "172.17.0.1"), ("br-3f2a", "172.18.0.1"), ("tun0", "10.8.0.2"),
+        ("wg0", "10.9.0.2"), ("eth0", "192.168.1.5"), ("wlan0", "169.254.3.4"), ("eth1", ("fe80::1", 0, 2))]]
+    monkeypatch.setattr(discovery, "_adapters", lambda: adapters)
+    monkeypatch.setattr(discovery, "bindable", lambda a: True)
+    assert discovery.default_addresses() == ["192.168.1.5"]
+    monkeypatch.setattr(discovery, "bindable", lambda a: False)  # never advertise what cannot be bound
+    assert discovery.default_addresses() == ["127.0.0.1"]

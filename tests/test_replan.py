@@ -3,6 +3,8 @@ that vanishes each yield a new plan, and serving continues with the same greedy 
 
 import asyncio
 
+import aiohttp
+
 from flowspec_p2p.agent import Agent
 
 from .agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, start, until
@@ -43,3 +45,35 @@ async def test_replans_on_join_graceful_leave_and_a_vanished_member(make, parts)
 
 async def _silent():
     return None
+
+
+async def test_a_request_in_flight_when_its_stage_vanishes_ends_with_an_error_and_serving_resumes(make, parts):
+    leader = Agent(make("lead", leader=True, profile={"gflops": 1.0, "memory_mb": 2000.0}), tokenizer=ByteTokenizer())
+    slow = Agent(make("slow", profile={"gflops": 50.0, "memory_mb": 2000.0}, emulation={"slowdown": 40.0}))
+    async with running(leader, slow) as tasks:
+        await until(serving(leader, 1))
+        assert slow.id in leader.plan.agents
+        epoch = leader.update.epoch
+        body = {"prompt": "abc", "max_tokens": 120, "temperature": 0, "stream": True, "decoding": "ar"}
+        events = []
+        timeout = aiohttp.ClientTimeout(total=30)
+        url = leader.api_url + "/v1/completions"
+        async with aiohttp.ClientSession(timeout=timeout) as s, s.post(url, json=body) as r:
+            assert r.status == 200
+            t0 = asyncio.get_running_loop().time()
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:  # mid-stream: the stage vanishes without a goodbye
+                    slow._goodbye = _silent
+                    tasks[slow].cancel()
+            took = asyncio.get_running_loop().time() - t0
+        assert took < 15  # ended, did not hang
+        assert '"error"' in events[-1] or '"error"' in events[-2]
+        await until(serving(leader, 0, epoch))
+        assert leader.plan.agents == (leader.id,)
+        prompt = ByteTokenizer().encode("abc")
+        data = await complete(leader, [1, *prompt], 8)
+        assert data["choices"][0]["text"] == ByteTokenizer().decode(parts.reference(prompt, 8))
