@@ -61,10 +61,10 @@ class KVCache:
         k, v: [batch, kv_heads, n, head_dim]
         """
         n = k.shape[2]
-        end = start + n
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        kl, vl = self.k[layer], self.v[layer]  # [batch, kv_heads, capacity, head_dim]
+        kl.narrow(2, start, n).copy_(k)  # narrow: cheaper to dispatch than tuple indexing
+        vl.narrow(2, start, n).copy_(v)
+        return kl.narrow(2, 0, start + n), vl.narrow(2, 0, start + n)
 
     def advance(self, n: int) -> None:
         """Mark ``n`` freshly written entries (all layers) as pending."""
@@ -81,7 +81,8 @@ class KVCache:
         idx = torch.as_tensor(indices, dtype=torch.long)  # [m]
         m = idx.numel()
         if m:
-            assert idx.min() >= 0 and idx.max() < self.pending, (idx.tolist(), self.pending)
+            assert idx.min() >= 0, idx.tolist()
+            assert idx.max() < self.pending, (idx.tolist(), self.pending)
             assert bool((idx[1:] > idx[:-1]).all()), "keep() needs strictly increasing indices"
             src = idx + self.committed
             dst = slice(self.committed, self.committed + m)
