@@ -114,7 +114,7 @@ def _mean_loss(head, corpus, fz, cfg) -> tuple[float, float]:
 def test_fit_reduces_the_loss_resumes_and_exports(run, peaked_llama, tiny, tmp_path):
     src, _ = tiny
     cfg = _cfg(run, peaked_llama, steps=15)
-    corpus, _, _held, fz = prepare(cfg, FeatureStore(run / "features"), load_target(cfg.model))
+    corpus, _, _, fz = prepare(cfg, load_target(cfg.model))
     assert fz.vocab is not None
     assert fz.vocab.numel() == 64
     before = _mean_loss(DraftHead(src.config).reset_parameters(cfg.seed), corpus, fz, cfg)

@@ -17,6 +17,7 @@ store grows).
 
 from __future__ import annotations
 
+import json
 import zlib
 from dataclasses import dataclass
 
@@ -58,13 +59,11 @@ class Corpus:
         return train, held
 
 
-def load_corpus(store: FeatureStore) -> Corpus:
-    """Every stored conversation, concatenated (features stay float16: ~1.2 KB per token for H=576)."""
+def load_corpus(*stores: FeatureStore) -> Corpus:
+    """Every conversation of ``stores``, concatenated (features stay float16: ~1.2 KB per token for H=576)."""
     keys, toks, feats, tl, fl, pl, temps = [], [], [], [], [], [], []
-    for name in store.shard_names():
+    for store, name in [(st, n) for st in stores for n in st.shard_names()]:
         t = store.load_shard(name)
-        import json
-
         keys += json.loads((store.root / f"{name}.keys.json").read_text())
         toks.append(t["tokens"].long())
         feats.append(t["features"])
@@ -72,7 +71,7 @@ def load_corpus(store: FeatureStore) -> Corpus:
         fl.append(t["feat_off"][1:] - t["feat_off"][:-1])
         pl.append(t["prompt_len"].long())
         temps.append(t["temperature"])
-    hidden = store.manifest["hidden"]
+    hidden = stores[0].manifest["hidden"]
     if not keys:
         z = torch.zeros(0, dtype=torch.long)
         return Corpus([], z, torch.zeros(0, hidden, dtype=torch.float16), torch.zeros(1, dtype=torch.long),

@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..tokenizer import cache_dir
 from .corpus import load_corpus
 from .evaluate import evaluate
-from .fit import FitConfig, load_target, prepare
+from .fit import FitConfig, load_target, prepare, stores
 from .store import FeatureStore
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,7 @@ def run_eval(cfg: FitConfig, depth: int | None = None, progress: bool = True) ->
     """Evaluate the run's latest checkpoint on its held-out split; also written to ``<run>/eval.json``."""
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.model)
-    store = FeatureStore(cfg.run_dir / "features")
-    corpus, _, held, fz = prepare(cfg, store, target)
+    corpus, _, held, fz = prepare(cfg, target)
     head, state = load_checkpoint(cfg, target.cfg)
     t0 = time.perf_counter()
     result = {"step": state["step"], **evaluate(head, corpus, held, fz, cfg, depth, progress)}
@@ -63,7 +62,8 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
         if evaluation.get("step") != state["step"]:
             log.warning("eval.json is from step %s, the checkpoint from step %d", evaluation.get("step"),
                         state["step"])
-    corpus = load_corpus(store)
+    corpus = load_corpus(*stores(cfg))
+    fixed = [i for i in range(len(corpus)) if float(corpus.temperature[i]) < 0]
     train = state.get("config", {})
     meta = {
         "target_fingerprint": fingerprint,
@@ -73,8 +73,11 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
             "conversations": len(corpus),
             "tokens": int(corpus.tokens.numel()),
             "answer_tokens": corpus.answer_tokens(),
+            "teacher_forced_conversations": len(fixed),
+            "teacher_forced_answer_tokens": corpus.answer_tokens(fixed),
             "source": "ShareGPT V3 first turns + synthetic math/code/summary prompts (no Spec-Bench prompt), "
-                      "answers by the target (self-distillation)",
+                      "answers written by the target (self-distillation, greedy and T=1), plus ShareGPT's "
+                      "recorded answers teacher-forced through the target",
         },
         "training": {
             "steps": state["step"],

@@ -61,6 +61,7 @@ class FitConfig(FrozenModel):
     ckpt_every: int = Field(25, ge=1)
     seed: int = 0
     threads: int = Field(1, ge=1)
+    use_fixed: bool = True  # also train on the teacher-forced store (<run>/fixed) when there is one
 
 
 @dataclass
@@ -164,12 +165,22 @@ def feature_rms(corpus: Corpus, sample: int = 200_000) -> float:
     return float(f.pow(2).mean().sqrt())
 
 
-def prepare(cfg: FitConfig, store: FeatureStore, target: Shard) -> tuple[Corpus, list[int], list[int], Frozen]:
-    """Load the corpus, split it, fix the draft vocabulary (saved in the run, reused on resume)."""
-    corpus = load_corpus(store)
+def stores(cfg: FitConfig) -> list[FeatureStore]:
+    """The run's self-distilled store, then its teacher-forced one (if any and wanted)."""
+    out = [FeatureStore(cfg.run_dir / "features")]
+    if cfg.use_fixed and (cfg.run_dir / "fixed" / "manifest.json").is_file():
+        out.append(FeatureStore(cfg.run_dir / "fixed"))
+    return out
+
+
+def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int], Frozen]:
+    """Load the corpus, split it, fix the draft vocabulary (saved in the run, reused on resume).
+    -> corpus, training indices, held-out indices (self-distilled conversations only), frozen target parts"""
+    corpus = load_corpus(*stores(cfg))
     if len(corpus) == 0:
-        raise ConfigError(f"the feature store {store.root} is empty: run `flowspec draft data` first")
+        raise ConfigError(f"no features in {cfg.run_dir}: run `flowspec draft data` first")
     train, held = corpus.split()
+    held = [i for i in held if float(corpus.temperature[i]) >= 0]
     vocab_path = cfg.run_dir / "draft_vocab.pt"
     vocab = None
     if cfg.draft_vocab:
@@ -200,8 +211,7 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
     """Train (or continue training) the head of ``cfg.run_dir``; -> the trained head."""
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.model)
-    store = FeatureStore(cfg.run_dir / "features")
-    corpus, train_idx, held_idx, fz = prepare(cfg, store, target)
+    corpus, train_idx, held_idx, fz = prepare(cfg, target)
     log.info("corpus: %d conversations (%d held out), %d answer tokens; feature RMS %.3f", len(corpus),
              len(held_idx), corpus.answer_tokens(), fz.feature_rms)
     head = DraftHead(target.cfg).reset_parameters(cfg.seed)
