@@ -53,6 +53,7 @@ class ClusterOptions(FrozenModel):
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=0, ge=0, le=65535)  # 0 = any free port (see LocalCluster.api_url)
     model: Path | None = None  # the leader's model (default: the packaged SmolLM2-135M)
+    draft: Path | None = None  # the leader's draft head (default: the one installed for the model, if any)
     members_have_model: bool = False  # give members their own copy instead of fetching from the leader
     threads: int | None = Field(default=None, ge=1)  # torch threads per agent (default: max(1, cores // n))
     gflops: float | None = Field(default=None, gt=0)  # compute score of every agent (default: measured once)
@@ -140,6 +141,8 @@ class LocalCluster:
             args += ["--leader", "--api-host", o.api_host, "--api-port", str(o.api_port)]
             if o.model is not None:
                 args += ["--model", str(o.model)]
+            if o.draft is not None:
+                args += ["--draft", str(o.draft)]
             flags |= {"--context": o.context, "--stages": o.stages, "--leader-layers": o.leader_layers,
                       "--wire-dtype": o.wire_dtype}
         elif o.members_have_model:
@@ -268,7 +271,10 @@ class LocalCluster:
             try:
                 a.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("agent%d did not stop in time; killing it", a.index)
+                log.warning("agent%d did not stop in time; killing it (stacks in %s)", a.index, a.log_path)
+                with contextlib.suppress(ProcessLookupError):
+                    a.popen.send_signal(signal.SIGUSR1)  # the agent dumps its stacks to its log
+                    time.sleep(0.5)
                 a.popen.kill()
                 a.popen.wait()
         if self._own_root:

@@ -266,8 +266,7 @@ class StageHost:
         if a is None or a.task is None:
             return
         a.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await a.task
+        await asyncio.wait([a.task])  # never swallows a cancellation of the caller itself
 
     async def _guard(self, worker: StageWorker) -> None:
         try:

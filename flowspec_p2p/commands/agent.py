@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import signal
 from pathlib import Path
@@ -30,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="this device's own model copy (GGUF file or HF folder); members without one fetch their "
                    "layers from the leader; the leader defaults to the packaged SmolLM2-135M")
+    p.add_argument("--draft", type=Path, default=None,
+                   help="(leader) draft head bundle (stem, .json or .safetensors; default: the one installed for "
+                   "the model, if any)")
     p.add_argument("--interface", action="append", default=None, dest="interfaces", metavar="IP_OR_NAME",
                    help="pin mDNS and the agent server to this interface (repeatable; default: LAN interfaces "
                    "without docker/VPN/link-local ones)")
@@ -55,13 +59,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gflops", type=float, default=None, help="use this compute score instead of measuring")
     p.add_argument("--link-mbps", type=float, default=None, help="emulate this link bandwidth (Mbit/s)")
     p.add_argument("--link-latency-ms", type=float, default=None, help="emulate this one-way link latency")
-    p.add_argument("--slowdown", type=float, default=None, help="emulate a device this many times slower")
+    p.add_argument("--slowdown", type=float, default=None,
+                   help="emulate a device this many times slower (a stage's and the leader's own compute)")
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> config_mod.AgentConfig:
     overrides = {
-        "cluster": args.cluster, "name": args.name, "leader": args.leader, "model": args.model,
+        "cluster": args.cluster, "name": args.name, "leader": args.leader, "model": args.model, "draft": args.draft,
         "interfaces": args.interfaces, "peers": args.peers, "mdns": args.mdns, "port": args.port,
         "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
         "secret": args.secret, "wire_dtype": args.wire_dtype,
@@ -91,5 +96,6 @@ async def serve(cfg: config_mod.AgentConfig) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..__main__ import run_async
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every stack to stderr
     run_async(serve(config_from_args(args)))
     return 0
