@@ -58,11 +58,13 @@ log = logging.getLogger(__name__)
 class FlowSpecConfig(FrozenModel):
     """Tree budgets and segment sizing. Defaults tuned for a CPU pipeline (small trees, short segments)."""
 
-    init: TreeShape = TreeShape(total_tokens=16, depth=6, top_k=4, order="score")
-    expand: TreeShape = TreeShape(total_tokens=8, depth=5, top_k=4, order="score")
+    # Drafting cost grows with depth x top_k (one draft-head forward per level), not with total_tokens: the
+    # expansion keeps its whole candidate pool, and the leader sends the best-scored *new* nodes first.
+    init: TreeShape = TreeShape(total_tokens=32, depth=6, top_k=4, order="score")
+    expand: TreeShape = TreeShape(total_tokens=32, depth=6, top_k=4, order="score")
     in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
-    segment_cap: int = Field(8, ge=1)  # nodes per segment at most
-    max_unsent: int = Field(64, ge=1)  # drafted-but-unsent nodes kept at most (drop the lowest-scored beyond)
+    segment_cap: int = Field(6, ge=1)  # nodes per segment at most
+    max_unsent: int = Field(48, ge=1)  # drafted-but-unsent nodes kept at most (the lowest-scored are dropped)
 
 
 @dataclass
@@ -118,6 +120,7 @@ class FlowState:
             rows = list(range(m))
         else:
             raise AssertionError(f"segment {seg.tag} returned {m} rows; sent {seg.sent_rows}, {len(seg.nodes)} live")
+        assert not set(rows) & set(msg.dead), f"segment {seg.tag}: a live row came back dead"
         self.counters["nodes_returned"] += len(seg.nodes)
         self.counters["nodes_dead"] += seg.sent_rows - len(seg.nodes)
         v = self.verified
@@ -151,14 +154,16 @@ class FlowState:
         self.counters["prunes"] += 1
         return a, keep_sent, tokens, feats
 
-    def trim_unsent(self, max_unsent: int) -> None:
-        """Bound the drafted-but-unsent part: keep its ``max_unsent`` best-scored nodes (parent-closed)."""
-        n = len(self.tree)
-        if n - self.sent <= max_unsent:
+    def rank_unsent(self, max_unsent: int) -> None:
+        """Order the drafted-but-unsent nodes by descending score (the stages know nothing of them yet, so they may
+        be re-indexed) and keep the ``max_unsent`` best. Scores never increase along a path and ties go to the
+        lower index, so parents still come first and the kept set is parent-closed."""
+        n, a = len(self.tree), self.sent
+        if n - a <= 1:
             return
         scores = self.tree.scores.tolist()
-        unsent = sorted(range(self.sent, n), key=lambda i: (-scores[i], i))[:max_unsent]
-        self.tree = self.tree.select(list(range(self.sent)) + sorted(unsent))  # best-first is parent-closed
+        best = sorted(range(a, n), key=lambda i: (-scores[i], i))[:max_unsent]
+        self.tree = self.tree.select([*range(a), *best], keep_order=True)
 
 
 class _Rows:
@@ -207,6 +212,7 @@ async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) 
         tree = await ctx.compute(drafter.draft, cfg.init.capped(budget - stats.new_tokens - 1))
         draft_s += time.perf_counter() - td
         state = FlowState(tree=tree, committed=len(ctx.prompt))
+        state.rank_unsent(cfg.max_unsent)
 
         async def fill() -> None:
             """Keep ``in_flight`` segments in the ring while unsent nodes exist."""
@@ -250,7 +256,7 @@ async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) 
                     await ctx.compute(drafter.feed, acc_tokens, acc_feats, verdict.token)
                     shape = cfg.expand.capped(budget - stats.new_tokens - 1)
                     state.tree, _ = await ctx.compute(expand, drafter, state.tree, shape)
-                    state.trim_unsent(cfg.max_unsent)
+                    state.rank_unsent(cfg.max_unsent)
                     draft_s += time.perf_counter() - td
             await fill()
     finally:

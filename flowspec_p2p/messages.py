@@ -11,6 +11,10 @@ nodes it has processed but that are not committed). A ``Forward`` carries, per n
 (-1: the node hangs directly off the committed prefix) and its absolute position (= committed + depth, checked).
 Each stage derives the attention mask from the parents: a node sees the committed prefix, its ancestors, itself.
 
+Look-ahead (early cancellation): a stage that finds a ``Prune`` queued behind a ``Forward`` of the same request
+skips the rows that prune will discard (marked in ``Forward.dead``; their tensors are zeros and they take no KV
+slot). The first prune after a forward is the same at every stage (FIFO), so every stage agrees on the dead rows.
+
 Tensors travel beside the header (see codec.py), named:
     tokens    int64 [m]            to a stage that holds the embedding
     hidden    float16/bfloat16/float32 [m, hidden]   between stages
@@ -47,6 +51,7 @@ class Forward(FrozenModel):
     positions: list[int]  # per node: absolute position = committed + depth
     commit: bool = False  # commit the nodes right after the forward (prefill chunks, autoregressive steps)
     tag: int = 0  # the leader's segment id, echoed back unchanged
+    dead: list[int] = []  # rows (offsets in this message) a queued Prune already discards: not computed, zeros
     tensors: list[TensorSpec] = []
 
 

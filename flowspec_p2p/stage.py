@@ -3,10 +3,13 @@ messages (messages.py) applied strictly in arrival order. No asyncio, no I/O: th
 
 Invariant (flowspec-algorithm.md §5.3), for every request on every stage after every message:
 
-    KV slots = [committed prefix | pending tree nodes 0 .. P-1, in tree-index order]
+    KV slots = [committed prefix | pending tree nodes 0 .. P-1 that are live, in tree-index order]
 
-and ``parents[i]`` / ``depth[i]`` describe pending node i (parent -1 = hangs off the committed prefix). A node's
-position is committed + depth; it attends to the committed prefix, its pending ancestors and itself.
+and ``parents[i]`` / ``depth[i]`` / ``slot[i]`` describe pending node i (parent -1 = hangs off the committed
+prefix; slot = its offset in the pending KV region, or None for a *dead* node: one a queued prune discards, which
+this stage skipped — see messages.py, look-ahead). A node's position is committed + depth; it attends to the
+committed prefix, its pending ancestors and itself. Dead nodes are never anyone's ancestor (prunes keep
+ancestor-closed sets), and the next prune removes them from the indexing.
 """
 
 from __future__ import annotations
@@ -43,19 +46,24 @@ class RequestState:
     cache: KVCache
     parents: list[int] = field(default_factory=list)  # per pending node
     depth: list[int] = field(default_factory=list)  # per pending node
+    slot: list[int | None] = field(default_factory=list)  # per pending node: pending KV offset, None if dead
     next_seq: int = 0
 
 
-def ancestor_mask(committed: int, parents: list[int], first: int) -> torch.Tensor:
-    """Visibility of the nodes ``first ..`` over [committed prefix | pending nodes]. -> bool [m, committed + len]"""
+def ancestor_mask(committed: int, parents: list[int], first: int, slot: list[int | None] | None = None,
+                  rows: list[int] | None = None) -> torch.Tensor:
+    """Visibility of new nodes over [committed prefix | pending KV]. Nodes ``first + r`` for r in ``rows`` (default
+    all from ``first``); ``slot`` maps a node to its pending KV offset (default: the node index itself).
+    -> bool [len(rows), committed + width], width = number of pending slots including the new ones."""
     n = len(parents)
-    m = n - first
-    mask = torch.zeros(m, committed + n, dtype=torch.bool)
+    rows = list(range(n - first)) if rows is None else rows
+    width = n if slot is None else 1 + max((s for s in slot if s is not None), default=-1)
+    mask = torch.zeros(len(rows), committed + width, dtype=torch.bool)
     mask[:, :committed] = True
-    for i in range(m):
+    for r, i in enumerate(rows):
         j = first + i
         while j != -1:
-            mask[i, committed + j] = True
+            mask[r, committed + (j if slot is None else slot[j])] = True
             j = parents[j]
     return mask
 
@@ -78,15 +86,16 @@ class StageCore:
 
     # ------------------------------------------------------------------------------------------ dispatch
 
-    def handle(self, msg, tensors: Tensors) -> tuple[object, Tensors]:
-        """Apply one message. Errors specific to a request become a StageError passed on; they never raise."""
+    def handle(self, msg, tensors: Tensors, upcoming: list | tuple = ()) -> tuple[object, Tensors]:
+        """Apply one message. Errors specific to a request become a StageError passed on; they never raise.
+        ``upcoming``: messages queued behind this one (look-ahead: a Forward skips rows a queued Prune discards)."""
         if isinstance(msg, StageError):
             self.requests.pop(msg.request_id, None)
             return msg, {}
         try:
             state = self._state(msg)
             if isinstance(msg, Forward):
-                out = self._forward(state, msg, tensors)
+                out = self._forward(state, msg, tensors, _next_prune(msg.request_id, upcoming))
             elif isinstance(msg, Prune):
                 self._prune(state, msg)
                 out = (msg, {})
@@ -125,46 +134,70 @@ class StageCore:
 
     # ---------------------------------------------------------------------------------------- messages
 
-    def _forward(self, state: RequestState, msg: Forward, tensors: Tensors) -> tuple[Forward, Tensors]:
+    def _forward(self, state: RequestState, msg: Forward, tensors: Tensors, ahead: Prune | None
+                 ) -> tuple[Forward, Tensors]:
         cache = state.cache
         m = len(msg.parents)
+        first = msg.first
         if m == 0 or len(msg.positions) != m:
             raise ProtocolError(f"forward needs one parent and one position per node (got {m}, {len(msg.positions)})")
-        if msg.first != cache.pending:
-            raise ProtocolError(f"forward starts at node {msg.first} but this stage holds {cache.pending} pending nodes")
-        if msg.commit and cache.pending:
-            raise ProtocolError("a committing forward needs an empty pending tree")
+        if first != len(state.parents):
+            raise ProtocolError(f"forward starts at node {first} but this stage holds {len(state.parents)} pending")
+        if msg.commit and (state.parents or msg.dead):
+            raise ProtocolError("a committing forward needs an empty pending tree and no dead rows")
+        if any(not 0 <= r < m for r in msg.dead):
+            raise ProtocolError(f"dead rows {msg.dead} out of range")
+        parents = state.parents + list(msg.parents)
         depth = list(state.depth)
         for i, p in enumerate(msg.parents):
-            if not -1 <= p < msg.first + i:
-                raise ProtocolError(f"node {msg.first + i} has invalid parent {p}")
+            if not -1 <= p < first + i:
+                raise ProtocolError(f"node {first + i} has invalid parent {p}")
             d = 0 if p == -1 else depth[p] + 1
             if msg.positions[i] != cache.committed + d:
-                raise ProtocolError(f"node {msg.first + i}: position {msg.positions[i]} != {cache.committed + d}")
+                raise ProtocolError(f"node {first + i}: position {msg.positions[i]} != {cache.committed + d}")
             depth.append(d)
         if msg.commit and not is_chain(msg.parents, 0):
             raise ProtocolError("a committing forward must be a plain chain")
-        if cache.length + m > cache.capacity:
+
+        # dead rows: marked upstream, or discarded by the prune queued behind this forward (look-ahead)
+        dead = set(msg.dead)
+        if ahead is not None and not msg.commit:
+            kept = set(ahead.keep)
+            dead |= {i for i in range(m) if first + i not in kept}
+        slot = list(state.slot)
+        live = []
+        for i, p in enumerate(msg.parents):
+            if p >= 0 and slot[p] is None and i not in dead:
+                raise ProtocolError(f"node {first + i} is live but its parent {p} is dead")
+            if i in dead:
+                slot.append(None)
+            else:
+                slot.append(cache.pending + len(live))
+                live.append(i)
+        if cache.length + len(live) > cache.capacity:
             raise ContextOverflow(f"request {msg.request_id} exceeds this stage's KV capacity {cache.capacity}")
 
+        name = "features" if self.shard.has_head else "hidden"
+        out = torch.zeros(m, self.shard.cfg.hidden_size, dtype=self.wire_dtype)  # [m, hidden]
         x = self._input(msg, tensors, m)  # [1, m] ids or [1, m, hidden]
-        parents = state.parents + list(msg.parents)
-        mask = None
-        if not (cache.pending == 0 and is_chain(msg.parents, 0)):
-            mask = ancestor_mask(cache.committed, parents, msg.first)[None]  # [1, m, committed + P + m]
-        positions = torch.tensor([msg.positions], dtype=torch.long)  # [1, m]
-        with torch.inference_mode():
-            out = self.shard(x, cache, positions=positions, mask=mask)[0]  # [m, hidden]
-        state.parents, state.depth = parents, depth
+        if live:
+            mask = None
+            if dead or not (cache.pending == 0 and is_chain(msg.parents, 0)):
+                mask = ancestor_mask(cache.committed, parents, first, slot, live)[None]  # [1, n_live, C + slots]
+            idx = torch.tensor(live)
+            positions = torch.tensor([[msg.positions[i] for i in live]], dtype=torch.long)  # [1, n_live]
+            with torch.inference_mode():
+                y = self.shard(x[:, idx], cache, positions=positions, mask=mask)[0]  # [n_live, hidden]
+            out[idx] = y.to(self.wire_dtype)
+        state.parents, state.depth, state.slot = parents, depth, slot
         if msg.commit:
             cache.commit(m)
-            state.parents, state.depth = [], []
+            state.parents, state.depth, state.slot = [], [], []
         self.counters["forwards"] += 1
-        self.counters["tokens"] += m
-        name = "features" if self.shard.has_head else "hidden"
-        out = out.to(self.wire_dtype)
+        self.counters["tokens"] += len(live)
+        self.counters["skipped"] = self.counters.get("skipped", 0) + m - len(live)
         spec = TensorSpec(name=name, dtype=DTYPE_NAMES[self.wire_dtype], shape=tuple(out.shape))
-        return msg.model_copy(update={"tensors": [spec]}), {name: out}
+        return msg.model_copy(update={"tensors": [spec], "dead": sorted(dead)}), {name: out}
 
     def _input(self, msg: Forward, tensors: Tensors, m: int) -> torch.Tensor:
         hidden = self.shard.cfg.hidden_size
@@ -183,12 +216,14 @@ class StageCore:
     def _prune(self, state: RequestState, msg: Prune) -> None:
         cache = state.cache
         keep, a = msg.keep, msg.accept
-        pending = cache.pending
+        pending = len(state.parents)
         if any(k < 0 or k >= pending for k in keep) or any(y <= x for x, y in zip(keep, keep[1:], strict=False)):
             raise ProtocolError(f"prune keeps {keep}: need strictly increasing indices below {pending}")
         if a > len(keep):
             raise ProtocolError(f"prune accepts {a} of only {len(keep)} kept nodes")
-        parents = state.parents
+        parents, slot = state.parents, state.slot
+        if any(slot[k] is None for k in keep):
+            raise ProtocolError("prune keeps a node this stage skipped as dead")
         for i in range(a):  # the accepted nodes form a chain hanging off the committed prefix
             want = -1 if i == 0 else keep[i - 1]
             if parents[keep[i]] != want:
@@ -205,13 +240,26 @@ class StageCore:
             else:
                 raise ProtocolError(f"kept node {old} lost its parent {p}")
             new_depth.append(state.depth[old] - a)
-        cache.keep(keep)
+        cache.keep([slot[k] for k in keep])
         cache.commit(a)
         state.parents, state.depth = new_parents, new_depth
+        state.slot = list(range(len(new_parents)))
         self.counters["prunes"] += 1
 
     def _reset(self, state: RequestState, msg: Reset) -> None:
         if msg.length > state.cache.committed:
             raise ProtocolError(f"reset to {msg.length} beyond the committed prefix {state.cache.committed}")
         state.cache.truncate(msg.length)
-        state.parents, state.depth = [], []
+        state.parents, state.depth, state.slot = [], [], []
+
+
+def _next_prune(request_id: str, upcoming) -> Prune | None:
+    """The first Prune of ``request_id`` among the queued messages, unless a Reset/Release/Error comes first."""
+    for m in upcoming:
+        if getattr(m, "request_id", None) != request_id:
+            continue
+        if isinstance(m, Prune):
+            return m
+        if isinstance(m, Reset | Release | StageError):
+            return None
+    return None

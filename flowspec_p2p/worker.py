@@ -88,11 +88,20 @@ class StageWorker:
             if self.successor is not None:
                 await self.successor.close()
 
+    async def _next(self, backlog: deque) -> object:
+        """The next inbound event; everything already queued moves to ``backlog`` so forwards can look ahead."""
+        if not backlog:
+            backlog.append(await self.inbox.get())
+        while not self.inbox.empty():
+            backlog.append(self.inbox.get_nowait())
+        self.counters["max_queue"] = max(self.counters["max_queue"], len(backlog))
+        return backlog.popleft()
+
     async def _compute_loop(self, executor: ThreadPoolExecutor) -> None:
         loop = asyncio.get_running_loop()
+        backlog: deque = deque()
         while True:
-            ev = await self.inbox.get()
-            self.counters["max_queue"] = max(self.counters["max_queue"], self.inbox.qsize() + 1)
+            ev = await self._next(backlog)
             if isinstance(ev, LinkDown):
                 self._link_down(ev)
                 continue
@@ -103,7 +112,8 @@ class StageWorker:
             if isinstance(msg, Forward):
                 start = time.time()
                 t0 = time.perf_counter()
-                out = await loop.run_in_executor(executor, self.core.handle, msg, ev.tensors)
+                upcoming = [e.msg for e in backlog if isinstance(e, Frame)]  # look-ahead (stage.py)
+                out = await loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming)
                 compute_s = time.perf_counter() - t0
                 wait = self.compute.extra_wait(compute_s)
                 if wait > 0:

@@ -150,7 +150,7 @@ async def test_a_silent_stage_fails_the_request_after_the_step_timeout(parts):
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
         core = ring.workers[1].core
         real = core.handle
-        core.handle = lambda msg, t: (release.wait(5), real(msg, t))[1]  # hangs (in the worker thread)
+        core.handle = lambda *a: (release.wait(5), real(*a))[1]  # hangs (in the worker thread)
         try:
             with pytest.raises(PeerGone, match=r"no reply from the pipeline within 0\.3 s"):
                 async with asyncio.timeout(3):

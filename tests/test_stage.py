@@ -27,9 +27,10 @@ def pipeline(tiny_llama):
     return stages, whole
 
 
-def run(stages, msg, tensors=None):
-    for s in stages:
-        msg, tensors = s.handle(msg, tensors or {})
+def run(stages, msg, tensors=None, ahead=None, sees=()):
+    """Pass ``msg`` through the chain; stages whose index is in ``sees`` find ``ahead`` queued behind it."""
+    for i, s in enumerate(stages):
+        msg, tensors = s.handle(msg, tensors or {}, [ahead] if ahead is not None and i in sees else [])
         if isinstance(msg, StageError):
             return msg, tensors
     return msg, tensors
@@ -48,9 +49,12 @@ def reference(whole, committed, tokens, parents):
         return whole(torch.tensor([tokens]), cache, positions=pos, mask=mask)[0]
 
 
-def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline):
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline, lookahead):
+    """Random trees grown segment by segment, random prunes; with ``lookahead`` some stages see the next prune
+    queued behind a forward and skip the rows it discards (the rest learn them from ``Forward.dead``)."""
     stages, whole = pipeline
-    rng = random.Random(0)
+    rng = random.Random(0 if not lookahead else 1)
     rid, seq = "r1", 0
     committed = [rng.randrange(96) for _ in range(9)]
     out, t = run(stages, Forward(request_id=rid, seq=seq, first=0, parents=[-1] + list(range(8)),
@@ -68,14 +72,7 @@ def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline):
         depth = []
         for p in parents:
             depth.append(0 if p == -1 else depth[p] + 1)
-        msg = Forward(request_id=rid, seq=seq, first=first, parents=parents[first:],
-                      positions=[len(committed) + d for d in depth[first:]])
-        seq += 1
-        out, t = run(stages, msg, {"tokens": torch.tensor(tokens[first:])})
-        assert isinstance(out, Forward), out
-        ref = reference(whole, committed, tokens, parents)
-        assert (t["features"] - ref[first:]).abs().max() <= 1e-10
-        # prune: accept a root-to-node path hanging off the committed prefix, keep one subtree below its end
+        # choose the prune that will follow (accept a path off the committed prefix, keep one subtree below it)
         roots = [i for i, p in enumerate(parents) if p == -1]
         path = [rng.choice(roots)]
         while rng.random() < 0.6:
@@ -95,7 +92,25 @@ def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline):
                 sub.add(x)
                 stack += [i for i, p in enumerate(parents) if p == x]
         keep = sorted(set(acc) | sub)
-        out, _ = run(stages, Prune(request_id=rid, seq=seq, accept=len(acc), keep=keep))
+        prune = Prune(request_id=rid, seq=seq + 1, accept=len(acc), keep=keep)
+        msg = Forward(request_id=rid, seq=seq, first=first, parents=parents[first:],
+                      positions=[len(committed) + d for d in depth[first:]])
+        seq += 1
+        skippable = any(i >= first and i not in keep for i in range(len(parents)))
+        sees = {rng.randrange(3)} if lookahead and skippable else ()
+        out, t = run(stages, msg, {"tokens": torch.tensor(tokens[first:])}, ahead=prune, sees=sees)
+        assert isinstance(out, Forward), out
+        ref = reference(whole, committed, tokens, parents)
+        dead = set(out.dead)
+        if sees:
+            assert dead == {r for r in range(len(parents) - first) if first + r not in keep}
+        else:
+            assert not dead
+        live = [r for r in range(len(parents) - first) if r not in dead]
+        if live:
+            assert (t["features"][live] - ref[first:][live]).abs().max() <= 1e-10
+        assert not t["features"][sorted(dead)].any()
+        out, _ = run(stages, prune)
         seq += 1
         assert isinstance(out, Prune), out
         committed += [tokens[i] for i in acc]
@@ -116,6 +131,8 @@ def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline):
     out, t = run(stages, Forward(request_id=rid, seq=seq, first=first, parents=[-1],
                                  positions=[len(committed)]), {"tokens": torch.tensor([5])})
     assert (t["features"] - reference(whole, committed, tokens, parents)[first:]).abs().max() <= 1e-10
+    if lookahead:
+        assert sum(s.counters.get("skipped", 0) for s in stages) > 0, "look-ahead never skipped a row"
     out, _ = run(stages, Release(request_id=rid, seq=seq + 1))
     assert isinstance(out, Release) and all(rid not in s.requests for s in stages)
 
