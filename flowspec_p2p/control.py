@@ -122,8 +122,8 @@ class RingNode(_Msg):
     port: int
     layers: LayerRange
     embed: bool
-    head: bool
-    fingerprint: str  # range fingerprint (weights.range_fingerprint) of exactly this stage's tensors
+    head: bool  # the last stage: applies the final norm and returns features (the LM head stays on the leader)
+    fingerprint: str  # weight_server.stage_fingerprint of exactly this stage's tensors
 
     @property
     def url(self) -> str:

@@ -238,20 +238,26 @@ class LocalCluster:
                 out.append({"agent": a.index, **json.loads(r.read())})
         return out
 
-    def terminate(self, index: int) -> None:
-        """Stop agent ``index`` gracefully (SIGTERM: it says goodbye)."""
-        self._signal(index, signal.SIGTERM)
+    def terminate(self, index: int, wait: bool = True) -> None:
+        """Stop agent ``index`` gracefully (SIGTERM: it says goodbye); ``wait`` for it to exit."""
+        self._signal(index, signal.SIGTERM, wait)
 
-    def kill(self, index: int) -> None:
+    def kill(self, index: int, wait: bool = True) -> None:
         """Make agent ``index`` vanish (SIGKILL: no goodbye, no mDNS removal)."""
-        self._signal(index, signal.SIGKILL)
+        self._signal(index, signal.SIGKILL, wait)
 
-    def _signal(self, index: int, sig: int) -> None:
+    def _signal(self, index: int, sig: int, wait: bool) -> None:
         a = self.agents[index]
         if a.alive:
             a.popen.send_signal(sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                a.popen.wait(STOP_TIMEOUT_S)
+            if wait:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    a.popen.wait(STOP_TIMEOUT_S)
+
+    def wait_exit(self, index: int, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        a = self.agents[index]
+        if a.popen is not None:
+            a.popen.wait(timeout_s)
 
     def restart(self, index: int) -> None:
         """Start agent ``index`` again (same state folder, so the same agent id)."""

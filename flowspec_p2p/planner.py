@@ -6,7 +6,7 @@ No asyncio, no I/O (``describe_model`` only reads tensor sizes and the config of
 Glossary (used the same way in cluster.py, agent.py and the rendering below):
 
     stage        a device holding a contiguous, half-open range of decoder layers ``[start, end)``. Stage 1 also
-                 holds the token embedding (it receives token ids), the last stage the final norm (+ LM head copy)
+                 holds the token embedding (it receives token ids), the last stage the final norm
     leader       the device serving the API. As in FlowSpec (flowspec-algorithm.md §1.1) it holds the embedding,
                  the LM head and the draft head, and may *also* be stage 1 when that is faster
     step         one pipeline step: ``tokens_per_step`` tokens (a segment) pass through every stage
@@ -63,7 +63,8 @@ class ModelSpec(FrozenModel):
     num_layers: int = Field(ge=1)
     layer_bytes: tuple[int, ...]  # per layer, runtime dtype
     embed_bytes: int  # token embedding table (stage 1 and the leader)
-    head_bytes: int  # final norm + LM head (the last stage and the leader)
+    head_bytes: int  # final norm + LM head (the leader)
+    norm_bytes: int = 0  # the final norm alone (the last stage)
     draft_bytes: int = 0  # draft head (the leader)
     kv_bytes_per_token: int  # K + V of one token in one layer, runtime dtype
     hidden_size: int
@@ -160,6 +161,7 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
         layer_bytes=(layer * dtype_bytes,) * cfg.num_layers,
         embed_bytes=v * h * dtype_bytes,
         head_bytes=(v * h + h) * dtype_bytes,
+        norm_bytes=h * dtype_bytes,
         draft_bytes=draft_params * dtype_bytes,
         kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),
         hidden_size=h,
@@ -203,7 +205,7 @@ class _Costs:
         """Memory a stage needs besides its layers' weights and KV."""
         if d.leader:  # the leader holds embedding, head and draft anyway
             return self.leader_extra_bytes() + self.act
-        return self.act + (self.m.embed_bytes if embed else 0) + (self.m.head_bytes if head else 0)
+        return self.act + (self.m.embed_bytes if embed else 0) + (self.m.norm_bytes if head else 0)
 
     def range_bytes(self, start: int, end: int) -> int:
         return self.prefix[end] - self.prefix[start] + (end - start) * self.kv_per_layer

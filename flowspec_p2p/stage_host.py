@@ -37,8 +37,8 @@ from .model import parse_dtype
 from .shard import Shard
 from .stage import StageCore
 from .transport import CLOSE_SHUTDOWN, RING_PATH, Hello, Link, LinkDown, QueueSender, RingServer, Sender
-from .weight_server import fetch_range
-from .weights import EMBED, HEAD, NORM, ROPE_FREQS, layer_tensor_names, range_fingerprint
+from .weight_server import fetch_range, stage_fingerprint
+from .weights import EMBED, NORM, ROPE_FREQS, layer_tensor_names
 from .worker import StageWorker
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class StageHost:
                 log.warning("own model copy does not match the leader's layers %s; fetching them", node.layers)
         if src is None:
             src, fetched = await fetch_range(self.session, update.leader.url, node.layers, embed=node.embed,
-                                             head=node.head, cache_dir=self.cache_dir,
+                                             norm=node.head, cache_dir=self.cache_dir,
                                              expected_fingerprint=node.fingerprint)
             how = "fetched" if fetched else "cache"
         donors = [h.shard for h in (self.active, self.prepared)
@@ -300,13 +300,14 @@ async def connect_with_retry(url: str, hello: Hello, session: aiohttp.ClientSess
 
 def _fingerprint_or_empty(source, node: RingNode) -> str:
     try:
-        return range_fingerprint(source, node.layers, embed=node.embed, head=node.head)
+        return stage_fingerprint(source, node.layers, embed=node.embed, norm=node.head)
     except FlowSpecError:
         return ""
 
 
 def build_shard(source, node: RingNode, dtype: torch.dtype, donors: list[Shard] = ()) -> Shard:
-    """The shard of ``node``. Decoder blocks, embedding and head that a donor shard (this agent's running or
+    """The shard of ``node`` (``node.head``: it applies the final norm and returns features; it holds no LM head).
+    Decoder blocks, embedding and norm that a donor shard (this agent's running or
     prepared one, of the same model) already holds are shared, not loaded again: a re-plan that moves a range
     boundary loads only the layers that are new here. Weights are read-only at inference, so sharing is safe."""
     cfg = source.config
@@ -327,12 +328,10 @@ def build_shard(source, node: RingNode, dtype: torch.dtype, donors: list[Shard] 
                 shard.embed = donor.embed
             else:
                 shard.embed.weight.copy_(source.load(EMBED))
-        if node.head:
-            donor = next((d for d in donors if d.norm is not None and d.head_t is not None), None)
+        if node.head:  # the final norm only: the LM head stays on the leader (shard.head_t remains None)
+            donor = next((d for d in donors if d.norm is not None), None)
             if donor is not None:
-                shard.norm, shard.head_t = donor.norm, donor.head_t
+                shard.norm = donor.norm
             else:
                 shard.norm.weight.copy_(source.load(NORM))
-                w = source.load(EMBED if cfg.tie_embeddings else HEAD)  # [vocab, hidden]
-                shard.head_t = w.to(dtype).t().contiguous()
     return shard.eval()

@@ -1,11 +1,13 @@
 """Weights reach devices without a hub: the leader serves exactly the tensors of a range; a member fetches them.
 
-    GET /weights/manifest?start=A&end=B&embed=0|1&head=0|1   -> Manifest: config, per tensor size + SHA-256
+    GET /weights/manifest?start=A&end=B&embed=0|1&norm=0|1   -> Manifest: config, per tensor size + SHA-256
                                                                  + storage info, and the range fingerprint
     GET /weights/tensor/{name}                                -> the tensor's *stored* bytes (quantised GGUF
                                                                  blocks stay quantised: ~6x smaller than float32)
 
-The fetching side (``fetch_range``) checks each tensor's bytes against its SHA-256, recomputes the range
+A stage needs its layers, the token embedding if it is stage 1, and the final norm if it is the last stage
+(``stage_tensor_names``); the LM head stays on the leader (as in FlowSpec), so the last stage neither fetches nor
+holds it. The fetching side (``fetch_range``) checks each tensor's bytes against its SHA-256, recomputes the range
 fingerprint from those digests and compares it with the one the plan names (weights.range_fingerprint), and keeps
 every verified tensor under ``<state dir>/tensors/<sha256>.bin`` (content-addressed: a re-plan that hands a member
 a range it held before costs no transfer). The result is a ``FetchedSource``: a WeightSource over the cache,
@@ -28,7 +30,7 @@ from pydantic import Field
 from .arch import ModelConfig
 from .errors import PeerGone, WeightsError
 from .types import FrozenModel, LayerRange
-from .weights import _ST_DTYPES, ROPE_FREQS, fingerprint, gguf_tensor_from_raw, shard_tensor_names
+from .weights import _ST_DTYPES, NORM, ROPE_FREQS, fingerprint, gguf_tensor_from_raw, shard_tensor_names
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +52,24 @@ class Manifest(FrozenModel):
     config: ModelConfig
     layers: LayerRange
     embed: bool
-    head: bool
-    fingerprint: str  # weights.fingerprint over exactly shard_tensor_names(config, layers, embed, head)
+    norm: bool
+    fingerprint: str  # weights.fingerprint over exactly stage_tensor_names(config, layers, embed, norm)
     tensors: tuple[TensorEntry, ...]  # those names, plus rope_freqs where the model has it
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+
+def stage_tensor_names(cfg: ModelConfig, layers: LayerRange, *, embed: bool, norm: bool) -> list[str]:
+    """The tensors a pipeline stage holds: its layers, the embedding (stage 1), the final norm (the last stage)."""
+    return shard_tensor_names(cfg, layers, embed=embed, head=False) + ([NORM] if norm else [])
+
+
+def stage_fingerprint(source, layers: LayerRange, *, embed: bool, norm: bool) -> str:
+    """weights.fingerprint of exactly a stage's tensors in ``source`` (hashes only those stored bytes)."""
+    names = stage_tensor_names(source.config, layers, embed=embed, norm=norm)
+    return fingerprint(source.config, {n: hashlib.sha256(source.raw_bytes(n)).hexdigest() for n in names})
 
 
 # ------------------------------------------------------------------------------------------------- serving
@@ -76,22 +89,22 @@ class WeightServer:
             d = self._digests[name] = hashlib.sha256(self.source.raw_bytes(name)).hexdigest()
         return d
 
-    def range_fingerprint(self, layers: LayerRange, *, embed: bool, head: bool) -> str:
-        names = shard_tensor_names(self.source.config, layers, embed=embed, head=head)
+    def range_fingerprint(self, layers: LayerRange, *, embed: bool, norm: bool) -> str:
+        names = stage_tensor_names(self.source.config, layers, embed=embed, norm=norm)
         return fingerprint(self.source.config, {n: self.digest(n) for n in names})
 
-    def manifest(self, layers: LayerRange, *, embed: bool, head: bool) -> Manifest:
+    def manifest(self, layers: LayerRange, *, embed: bool, norm: bool) -> Manifest:
         cfg = self.source.config
         if layers.end > cfg.num_layers:
             raise WeightsError(f"layer range {layers} exceeds the model's {cfg.num_layers} layers")
-        names = shard_tensor_names(cfg, layers, embed=embed, head=head)
+        names = stage_tensor_names(cfg, layers, embed=embed, norm=norm)
         extra = [ROPE_FREQS] if ROPE_FREQS in self.source.names() else []
         entries = tuple(
             TensorEntry(name=n, nbytes=len(self.source.raw_bytes(n)), sha256=self.digest(n),
                         info=self.source.raw_info(n))
             for n in [*names, *extra]
         )
-        return Manifest(config=cfg, layers=layers, embed=embed, head=head,
+        return Manifest(config=cfg, layers=layers, embed=embed, norm=norm,
                         fingerprint=fingerprint(cfg, {n: self.digest(n) for n in names}), tensors=entries)
 
     def install(self, app: web.Application) -> None:
@@ -102,11 +115,11 @@ class WeightServer:
         q = request.query
         try:
             layers = LayerRange(start=int(q["start"]), end=int(q["end"]))
-            embed, head = q.get("embed", "0") == "1", q.get("head", "0") == "1"
+            embed, norm = q.get("embed", "0") == "1", q.get("norm", "0") == "1"
         except (KeyError, ValueError) as e:
-            raise web.HTTPBadRequest(text=f"manifest needs start, end (integers), embed, head: {e}") from None
+            raise web.HTTPBadRequest(text=f"manifest needs start, end (integers), embed, norm: {e}") from None
         try:
-            manifest = await asyncio.to_thread(self.manifest, layers, embed=embed, head=head)
+            manifest = await asyncio.to_thread(self.manifest, layers, embed=embed, norm=norm)
         except WeightsError as e:
             raise web.HTTPBadRequest(text=str(e)) from None
         return web.Response(text=manifest.model_dump_json(), content_type="application/json")
@@ -181,7 +194,7 @@ def _cached(path: Path, sha256: str) -> bool:
 
 def verify_manifest(manifest: Manifest, expected_fingerprint: str | None) -> None:
     """The manifest's digests must give the range fingerprint the plan names."""
-    names = shard_tensor_names(manifest.config, manifest.layers, embed=manifest.embed, head=manifest.head)
+    names = stage_tensor_names(manifest.config, manifest.layers, embed=manifest.embed, norm=manifest.norm)
     entries = {t.name: t for t in manifest.tensors}
     missing = [n for n in names if n not in entries]
     if missing:
@@ -198,13 +211,13 @@ async def fetch_range(
     layers: LayerRange,
     *,
     embed: bool,
-    head: bool,
+    norm: bool,
     cache_dir: Path,
     expected_fingerprint: str | None = None,
 ) -> tuple[FetchedSource, int]:
     """Fetch (or find in the cache) exactly the tensors of a range; verify them. -> (source, bytes transferred)"""
     params = {"start": str(layers.start), "end": str(layers.end), "embed": "1" if embed else "0",
-              "head": "1" if head else "0"}
+              "norm": "1" if norm else "0"}
     timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
     try:
         async with session.get(base_url + MANIFEST_PATH, params=params, timeout=timeout) as r:

@@ -8,8 +8,7 @@ import uuid
 import aiohttp
 import pytest
 
-from flowspec_p2p import agent as agent_mod
-from flowspec_p2p import cluster, discovery
+from flowspec_p2p import cluster, coordinator, discovery
 from flowspec_p2p.agent import Agent
 from flowspec_p2p.config import AgentConfig
 
@@ -20,8 +19,8 @@ PROMPT = [1, 40, 41, 42, 10, 11, 12, 50, 51, 52, 60]
 
 @pytest.fixture(name="quick_timing", autouse=True)
 def quick_timing_fixture(monkeypatch):
-    monkeypatch.setattr(agent_mod, "LEADER_PROBE_S", 0.3)
-    monkeypatch.setattr(agent_mod, "INITIAL_PLAN_DELAY_S", 0.8)
+    monkeypatch.setattr(coordinator, "LEADER_PROBE_S", 0.3)
+    monkeypatch.setattr(coordinator, "INITIAL_PLAN_DELAY_S", 0.8)
     monkeypatch.setattr(cluster, "HEARTBEAT_INTERVAL_S", 0.2)
     monkeypatch.setattr(cluster, "HEARTBEAT_TIMEOUT_S", 1.0)
     monkeypatch.setattr(cluster, "REPLAN_DEBOUNCE_S", 0.2)
@@ -71,9 +70,12 @@ async def until(cond, timeout_s: float = 90.0):
 
 
 def serving(leader: Agent, members: int, epoch_after: int = 0):
-    return lambda: (leader.update is not None and leader.transition is None and leader.broken is None
-                    and leader.update.epoch > epoch_after and len(leader.membership.members) == members
-                    and leader.membership.changed_at is None and not leader.planning)
+    def check() -> bool:
+        c = leader.coordinator
+        return (c is not None and c.update is not None and c.transition is None and c.broken is None
+                and c.update.epoch > epoch_after and len(c.membership.members) == members
+                and c.membership.changed_at is None and not c.planning)
+    return check
 
 
 async def complete(leader: Agent, prompt, n: int = 12) -> list[int]:

@@ -21,17 +21,17 @@ async def test_three_agents_find_each_other_fetch_their_layers_and_serve(make, p
     a, b = Agent(make("a")), Agent(make("b"))
     async with running(leader, a, b):
         await until(serving(leader, 2))
-        assert len(leader.plan.stages) == 3
-        assert {s.agent_id for s in leader.plan.stages} == {leader.id, a.id, b.id}
+        assert len(leader.coordinator.plan.stages) == 3
+        assert {s.agent_id for s in leader.coordinator.plan.stages} == {leader.id, a.id, b.id}
         prompt = ByteTokenizer().encode("abc hello")
         data = await complete(leader, [1, *prompt], n=12)
         ref = parts.reference(prompt, 12)
         assert data["choices"][0]["text"] == ByteTokenizer().decode(ref)
         assert data["stats"]["new_tokens"] == 12
-        view = leader.cluster_view()
+        view = leader.coordinator.view()
         assert [m["role"] for m in view["members"]] == ["leader", "member", "member"]
         assert {st["agent_id"] for st in view["stages"]} == {leader.id, a.id, b.id}
-        member_statuses = [leader.statuses[x.id] for x in (a, b)]
+        member_statuses = [leader.coordinator.statuses[x.id] for x in (a, b)]
         assert all(st.source in ("fetched", "cache") for st in member_statuses)  # no model copy on members
 
 
@@ -56,12 +56,12 @@ async def test_a_stranger_without_the_secret_cannot_join(make, parts):
         friend = Agent(make("f", secret="correct horse battery", peers=(peer,), mdns=False))
         async with running(stranger, nobody, friend):
             await until(serving(leader, 1))  # ring links and weight fetches are signed too
-            assert friend.id in leader.plan.agents
+            assert friend.id in leader.coordinator.plan.agents
             prompt = ByteTokenizer().encode("secret")
             data = await complete(leader, [1, *prompt], 6)
             assert data["choices"][0]["text"] == ByteTokenizer().decode(parts.reference(prompt, 6))
-        assert stranger.id not in leader.membership.members
-        assert nobody.id not in leader.membership.members
+        assert stranger.id not in leader.coordinator.membership.members
+        assert nobody.id not in leader.coordinator.membership.members
 
 
 def test_config_layers_profile_flags_and_environment(tmp_path):

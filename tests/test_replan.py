@@ -20,27 +20,28 @@ async def test_replans_on_join_graceful_leave_and_a_vanished_member(make, parts)
     ref = ByteTokenizer().decode(parts.reference(prompt, 6))
     async with running(leader, a) as tasks:
         await until(serving(leader, 1))
-        e1 = leader.update.epoch
+        e1 = leader.coordinator.update.epoch
         b = Agent(make("b"))
         await start(tasks, b)  # a join
         await until(serving(leader, 2, e1))
-        e2 = leader.update.epoch
-        assert b.id in leader.plan.agents
+        e2 = leader.coordinator.update.epoch
+        assert b.id in leader.coordinator.plan.agents
         assert (await complete(leader, [1, *prompt], 6))["choices"][0]["text"] == ref
         b.stop()  # graceful: Bye
         await tasks[b]
         await until(serving(leader, 1, e2))
-        e3 = leader.update.epoch
-        assert b.id not in leader.plan.agents
-        assert leader.membership.members.keys() == {a.id}
+        e3 = leader.coordinator.update.epoch
+        assert b.id not in leader.coordinator.plan.agents
+        assert leader.coordinator.membership.members.keys() == {a.id}
         assert (await complete(leader, [1, *prompt], 6))["choices"][0]["text"] == ref
         a._goodbye = _silent  # vanish: no Bye (its sockets and mDNS record still go away)
         tasks[a].cancel()
         await asyncio.gather(tasks[a], return_exceptions=True)
         await until(serving(leader, 0, e3))
-        assert leader.plan.agents == (leader.id,)
+        assert leader.coordinator.plan.agents == (leader.id,)
         assert (await complete(leader, [1, *prompt], 6))["choices"][0]["text"] == ref
-        assert [r["epoch"] for r in leader.recoveries][-3:] == [e2, e3, leader.update.epoch]
+        c = leader.coordinator
+        assert [r["epoch"] for r in c.recoveries][-3:] == [e2, e3, c.update.epoch]
 
 
 async def _silent():
@@ -52,8 +53,8 @@ async def test_a_request_in_flight_when_its_stage_vanishes_ends_with_an_error_an
     slow = Agent(make("slow", profile={"gflops": 50.0, "memory_mb": 2000.0}, emulation={"slowdown": 40.0}))
     async with running(leader, slow) as tasks:
         await until(serving(leader, 1))
-        assert slow.id in leader.plan.agents
-        epoch = leader.update.epoch
+        assert slow.id in leader.coordinator.plan.agents
+        epoch = leader.coordinator.update.epoch
         body = {"prompt": "abc", "max_tokens": 120, "temperature": 0, "stream": True, "decoding": "ar"}
         events = []
         timeout = aiohttp.ClientTimeout(total=30)
@@ -73,7 +74,7 @@ async def test_a_request_in_flight_when_its_stage_vanishes_ends_with_an_error_an
         assert took < 15  # ended, did not hang
         assert '"error"' in events[-1] or '"error"' in events[-2]
         await until(serving(leader, 0, epoch))
-        assert leader.plan.agents == (leader.id,)
+        assert leader.coordinator.plan.agents == (leader.id,)
         prompt = ByteTokenizer().encode("abc")
         data = await complete(leader, [1, *prompt], 8)
         assert data["choices"][0]["text"] == ByteTokenizer().decode(parts.reference(prompt, 8))

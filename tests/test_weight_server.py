@@ -8,11 +8,13 @@ import pytest
 import torch
 from aiohttp import web
 
+from flowspec_p2p.control import RingNode
 from flowspec_p2p.errors import WeightsError
 from flowspec_p2p.shard import Shard
+from flowspec_p2p.stage_host import build_shard
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weight_server import WeightServer, fetch_range
-from flowspec_p2p.weights import open_source, range_fingerprint
+from flowspec_p2p.weight_server import WeightServer, fetch_range, stage_fingerprint
+from flowspec_p2p.weights import open_source
 
 
 async def serve(app: web.Application):
@@ -38,21 +40,26 @@ async def tiny_server(tiny_llama):
 async def test_a_fetched_range_builds_the_same_shard_as_a_local_copy(tiny_server, tmp_path):
     source, _, url = tiny_server
     rng = LayerRange(start=1, end=3)
-    expected = range_fingerprint(source, rng, embed=False, head=True)
+    expected = stage_fingerprint(source, rng, embed=False, norm=True)
     async with aiohttp.ClientSession() as s:
-        fetched, n = await fetch_range(s, url, rng, embed=False, head=True, cache_dir=tmp_path,
+        fetched, n = await fetch_range(s, url, rng, embed=False, norm=True, cache_dir=tmp_path,
                                        expected_fingerprint=expected)
         assert n == fetched.manifest.nbytes > 0
-        assert not any(".layers.0." in name or ".layers.3." in name for name in fetched.names())  # only the range
-        _, n2 = await fetch_range(s, url, rng, embed=False, head=True, cache_dir=tmp_path,
-                                      expected_fingerprint=expected)
+        names = fetched.names()
+        assert not any(".layers.0." in name or ".layers.3." in name for name in names)  # only the range ...
+        assert "model.embed_tokens.weight" not in names  # ... and no LM head: it stays on the leader
+        assert "model.norm.weight" in names
+        _, n2 = await fetch_range(s, url, rng, embed=False, norm=True, cache_dir=tmp_path,
+                                  expected_fingerprint=expected)
         assert n2 == 0  # served from the content-addressed cache
-    a = Shard.from_source(source, rng, embed=False, head=True, dtype=torch.float64)
-    b = Shard.from_source(fetched, rng, embed=False, head=True, dtype=torch.float64)
-    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        assert na == nb
-        assert torch.equal(pa, pb)
-    assert torch.equal(a.head_t, b.head_t)
+    node = RingNode(agent_id="a", host="h", port=1, layers=rng, embed=False, head=True, fingerprint=expected)
+    local = build_shard(source, node, torch.float64)
+    remote = build_shard(fetched, node, torch.float64)
+    ref = Shard.from_source(source, rng, embed=False, head=True, dtype=torch.float64)
+    assert remote.head_t is None
+    x = torch.randn(1, 5, 64, dtype=torch.float64)  # [batch, n, hidden]
+    assert torch.equal(remote(x, None), ref(x, None))
+    assert torch.equal(local(x, None), ref(x, None))
 
 
 async def test_tampered_bytes_are_rejected(tiny_llama, tmp_path):
@@ -73,9 +80,9 @@ async def test_tampered_bytes_are_rejected(tiny_llama, tmp_path):
         rng = LayerRange(start=0, end=1)
         async with aiohttp.ClientSession() as s:
             with pytest.raises(WeightsError, match="SHA-256 mismatch"):
-                await fetch_range(s, url, rng, embed=True, head=False, cache_dir=tmp_path)
+                await fetch_range(s, url, rng, embed=True, norm=False, cache_dir=tmp_path)
             with pytest.raises(WeightsError, match="fingerprint mismatch"):
-                await fetch_range(s, url, LayerRange(start=1, end=2), embed=False, head=False, cache_dir=tmp_path,
+                await fetch_range(s, url, LayerRange(start=1, end=2), embed=False, norm=False, cache_dir=tmp_path,
                                   expected_fingerprint="0" * 32)
     finally:
         await runner.cleanup()
@@ -86,10 +93,10 @@ async def test_a_tampered_cache_file_is_fetched_again(tiny_server, tmp_path):
     source, _, url = tiny_server
     rng = LayerRange(start=0, end=1)
     async with aiohttp.ClientSession() as s:
-        await fetch_range(s, url, rng, embed=False, head=False, cache_dir=tmp_path)
+        await fetch_range(s, url, rng, embed=False, norm=False, cache_dir=tmp_path)
         victim = next((tmp_path / "tensors").iterdir())
         victim.write_bytes(b"garbage")
-        _, n = await fetch_range(s, url, rng, embed=False, head=False, cache_dir=tmp_path)
+        _, n = await fetch_range(s, url, rng, embed=False, norm=False, cache_dir=tmp_path)
     assert n == len(source.raw_bytes(next(iter(source.names())))) or n > 0
     assert hashlib.sha256(victim.read_bytes()).hexdigest() == victim.stem
 
@@ -103,8 +110,8 @@ async def test_quantised_gguf_blocks_travel_quantised_and_dequantise_identically
     try:
         rng = LayerRange(start=4, end=5)
         async with aiohttp.ClientSession() as s:
-            fetched, n = await fetch_range(s, url, rng, embed=False, head=False, cache_dir=tmp_path,
-                                           expected_fingerprint=range_fingerprint(source, rng, embed=False, head=False))
+            fetched, n = await fetch_range(s, url, rng, embed=False, norm=False, cache_dir=tmp_path,
+                                           expected_fingerprint=stage_fingerprint(source, rng, embed=False, norm=False))
     finally:
         await runner.cleanup()
     float32_bytes = source.config.layer_params() * 4
@@ -114,9 +121,6 @@ async def test_quantised_gguf_blocks_travel_quantised_and_dequantise_identically
 
 
 def test_a_rebuilt_shard_shares_the_blocks_it_already_had_and_loads_the_rest(tiny_llama):
-    from flowspec_p2p.control import RingNode
-    from flowspec_p2p.stage_host import build_shard
-
     source = open_source(tiny_llama)
     old = Shard.from_source(source, LayerRange(start=0, end=2), embed=True, head=False, dtype=torch.float64)
     node = RingNode(agent_id="a", host="h", port=1, layers=LayerRange(start=1, end=4), embed=False, head=True,
