@@ -28,6 +28,9 @@ async def test_replans_on_join_graceful_leave_and_a_vanished_member(make, parts)
         assert b.id in leader.coordinator.plan.agents
         assert (await complete(leader, [1, *prompt], 6))["choices"][0]["text"] == ref
         b.stop()  # graceful: Bye
+        await until(lambda: b.id not in leader.coordinator.membership.members)
+        # a request arriving while the cluster re-plans waits for the new pipeline (bounded) and is served
+        assert (await complete(leader, [1, *prompt], 6))["choices"][0]["text"] == ref
         await tasks[b]
         await until(serving(leader, 1, e2))
         e3 = leader.coordinator.update.epoch
