@@ -63,6 +63,7 @@ class AgentConfig(FrozenModel):
     name: str = ""  # a human label shown in /cluster; defaults to the host name
     leader: bool = False
     model: Path | None = None  # this device's own model copy; the leader defaults to the packaged model
+    draft: Path | None = None  # (leader) draft head bundle stem; default: the one trained for the model (find_draft)
     interfaces: tuple[str, ...] = ()  # IPs or interface names zeroconf (and the agent server) use
     peers: tuple[str, ...] = ()  # static HOST:PORT peers, where multicast is blocked
     mdns: bool = True
