@@ -439,7 +439,9 @@ def tune_markdown(result: dict, top: int = 12) -> str:
                 f"| {sh['total_tokens']} | {sh['depth']} | {sh['top_k']} | {r['tau']} | {r['step_cost']} "
                 f"| {r['est_speedup']} |"
             )
-        lines += ["", f"Best: {result['best']}"]
+        best = result["candidates"][0]["est_speedup"]
+        verdict = "" if best >= 1 else " (below 1: on this device speculation does not pay; keep --mode ar)"
+        lines += ["", f"Best: {result['best']}, estimated {best}x autoregressive{verdict}"]
     return "\n".join(lines) + "\n"
 
 
