@@ -213,8 +213,9 @@ class Agent:
         head = await asyncio.to_thread(
             lambda: Shard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True, dtype=dtype).eval())
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.load, src.path, src.config.eos_token_ids)
-        settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype)
-        self.leader = Leader(head, tokenizer, drafter=_drafter(self.model_fp, head), settings=settings,
+        settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
+                                  slowdown=cfg.emulation.slowdown)
+        self.leader = Leader(head, tokenizer, drafter=_drafter(self.model_fp, head, cfg.draft), settings=settings,
                              modes=_modes(), model_id=src.path.stem)
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
@@ -383,15 +384,18 @@ def _modes() -> list:
     return [*modes, FLOWSPEC]
 
 
-def _drafter(model_fp: str, head):
+def _drafter(model_fp: str, head, stem: Path | None = None):
+    """The leader's drafter: the head at ``stem``, else the one installed for ``model_fp``, else None."""
     from .draft import DraftBundle, find_draft
     from .drafter import HeadDrafter
 
-    stem = find_draft(model_fp)
+    stem = stem or find_draft(model_fp)
     if stem is None:
         log.info("no draft head for model %s: speculative modes are off", model_fp[:12])
         return None
     bundle = DraftBundle.load(stem, dtype=head.dtype)
+    if bundle.meta.get("target_fingerprint") != model_fp:
+        log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
     log.info("draft head %s", stem.name)
     return HeadDrafter(bundle.head, head, bundle.draft_vocab)
 

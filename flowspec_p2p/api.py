@@ -9,8 +9,10 @@
 
 Extensions to the OpenAI request body: ``decoding`` ("ar", "chunk", later "flowspec", "pipedec"; default: the
 leader's fastest available mode) and ``top_k``. Non-streamed responses carry a top-level ``stats`` object (mode,
-new_tokens, steps, tau, prefill_s, decode_s, ...); the last streamed chunk carries it too. ``temperature``
-defaults to 1.0 as in OpenAI's API (0 = greedy).
+new_tokens, steps, tau, prefill_s, decode_s, decode_started_at, decode_finished_at, ...); the last streamed chunk
+carries it too. For benchmarks, ``return_token_ids: true`` adds the generated ids to it (``token_ids``) and
+``return_leader_timeline: true`` the leader's compute intervals (``leader_intervals``, time.time() pairs).
+``temperature`` defaults to 1.0 as in OpenAI's API (0 = greedy).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for requests the client must
 fix (malformed JSON, wrong types, unknown mode, prompt over the context limit, max_tokens out of range), 503 with
@@ -82,6 +84,8 @@ class _Body(BaseModel):
     stream_options: dict | None = None
     n: int = Field(1, ge=1, le=1)
     decoding: str | None = Field(None, min_length=1, max_length=32)
+    return_token_ids: bool = False  # stats carry "token_ids": the generated ids (benchmarks compare modes by them)
+    return_leader_timeline: bool = False  # stats carry "leader_intervals": the leader's compute [start, end] pairs
 
     @field_validator("stop")
     @classmethod
@@ -200,6 +204,16 @@ class _Job:
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.finish_reason = "length"
+        self.token_ids: list[int] = []
+        self.leader_intervals: list[tuple[float, float]] | None = [] if body.return_leader_timeline else None
+
+    def stats_dict(self) -> dict:
+        d = self.stats.as_dict()
+        if self.body.return_token_ids:
+            d["token_ids"] = list(self.token_ids)
+        if self.leader_intervals is not None:
+            d["leader_intervals"] = [[round(a, 6), round(b, 6)] for a, b in self.leader_intervals]
+        return d
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text deltas; sets ``finish_reason``. Closing it stops the generation (and releases the stages)."""
@@ -207,9 +221,11 @@ class _Job:
         detok = Detokenizer(tok, self.body.stop_strings())
         stop_ids = tok.stop_ids
         chunks = self.leader.generate(self.prompt, params=self.body.sampling(), max_tokens=self.budget,
-                                      stop_ids=stop_ids, mode=self.spec.name, stats=self.stats)
+                                      stop_ids=stop_ids, mode=self.spec.name, stats=self.stats,
+                                      timeline=self.leader_intervals)
         async with contextlib.aclosing(chunks):
             async for ids in chunks:
+                self.token_ids += ids
                 text = detok.push(ids)
                 if ids and ids[-1] in stop_ids:
                     self.finish_reason = "stop"
@@ -248,7 +264,7 @@ class _Job:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.leader.model_id,
-                "choices": [choice], "usage": self.usage(), "stats": self.stats.as_dict()}
+                "choices": [choice], "usage": self.usage(), "stats": self.stats_dict()}
 
 
 async def _parse(request: web.Request, model: type[_Body]) -> _Body:
@@ -315,7 +331,7 @@ async def _stream(request: web.Request, job: _Job, retry: int) -> web.StreamResp
         async for text in deltas:
             await send(job.chunk(text))
         last = job.chunk(None, finish=job.finish_reason)
-        last["stats"] = job.stats.as_dict()
+        last["stats"] = job.stats_dict()
         await send(last)
         if job.body.include_usage():
             await send({**job.chunk(None), "choices": [], "usage": job.usage()})

@@ -75,6 +75,8 @@ class LeaderSettings(FrozenModel):
     prefill_chunk: int = Field(128, ge=1)  # prompt tokens per prefill Forward (chunks are pipelined)
     wire_dtype: str = "float16"  # activations the leader itself sends (when it embeds for stage 1)
     tree_margin: int = Field(256, ge=0)  # KV slots a stage needs beyond max_context for pending draft-tree nodes
+    slowdown: float = Field(1.0, ge=1.0, le=1000.0)  # emulated device (emulation.py): after computing t s in
+    # ``ModeContext.compute`` (drafting, LM head, verification) the leader waits (slowdown - 1) * t, as stages do
 
     @property
     def stage_capacity(self) -> int:
@@ -130,6 +132,7 @@ class ModeContext:
         self.seq = 0  # next sequence number of this request
         self.in_flight = 0  # forwards sent whose result has not come back
         self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
+        self.busy: list[tuple[float, float]] = []  # time.time() (start, end) of each compute, emulated wait included
 
     def fail(self, error: BaseException) -> None:
         if self.error is None:
@@ -225,8 +228,20 @@ class ModeContext:
         return choose(self.logits(features), self.params, self.gen)
 
     async def compute(self, fn: Callable, *args):
-        """Run ``fn(*args)`` on the leader's compute thread (keeps the event loop responsive)."""
-        return await asyncio.get_running_loop().run_in_executor(self.leader.executor, fn, *args)
+        """Run ``fn(*args)`` on the leader's compute thread (keeps the event loop responsive). With an emulated
+        slowdown s (``LeaderSettings.slowdown``) the leader then waits (s - 1) * t for t seconds of compute."""
+
+        def timed():
+            t0 = time.perf_counter()
+            return fn(*args), time.perf_counter() - t0
+
+        start = time.time()
+        out, compute_s = await asyncio.get_running_loop().run_in_executor(self.leader.executor, timed)
+        wait = (self.settings.slowdown - 1.0) * compute_s
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self.busy.append((start, time.time()))
+        return out
 
 
 async def prefill(ctx: ModeContext) -> torch.Tensor:
@@ -281,6 +296,16 @@ def builtin_modes() -> list[ModeSpec]:
     except ImportError:  # pragma: no cover - a checkout without the flowspec mode
         return modes
     return [*modes, flowspec_spec()]
+
+
+def _decode_window(stats: GenStats, busy: list[tuple[float, float]]) -> None:
+    """Stamp the decode window (the mode's ``decode_s`` ending now, as wall-clock time.time(), comparable with the
+    stages' timelines) and the leader's busy seconds within it into ``stats.extra``."""
+    end = time.time()
+    start = end - stats.decode_s
+    stats.extra["decode_started_at"] = start
+    stats.extra["decode_finished_at"] = end
+    stats.extra["leader_busy_s"] = round(sum(max(0.0, min(b, end) - max(a, start)) for a, b in busy), 4)
 
 
 class Leader:
@@ -405,9 +430,13 @@ class Leader:
         stop_ids: frozenset[int] | None = None,
         mode: str | None = None,
         stats: GenStats | None = None,
+        timeline: list[tuple[float, float]] | None = None,
     ) -> AsyncIterator[list[int]]:
         """Decode ``prompt`` through the pipeline: an async generator of committed-token chunks. ``stats`` is
-        filled as it goes (mode, tokens, steps, tau, prefill_s, decode_s). Close it to stop early."""
+        filled as it goes (mode, tokens, steps, tau, prefill_s, decode_s; extras ``decode_started_at`` and
+        ``decode_finished_at``, the decode window in time.time(), and ``leader_busy_s``, the leader's compute within
+        it). ``timeline``: if given, receives the leader's compute intervals (time.time() start, end). Close it to
+        stop early."""
         spec, budget = self.check(len(prompt), max_tokens, mode)
         stats = stats if stats is not None else GenStats(mode=spec.name)
         stats.mode = spec.name
@@ -433,6 +462,9 @@ class Leader:
             finally:
                 del self._active[rid]
                 self.counters[outcome] += 1
+                _decode_window(stats, ctx.busy)
+                if timeline is not None:
+                    timeline.extend(ctx.busy)
                 self.last_stats = stats.as_dict()
                 if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
                     with contextlib.suppress(FlowSpecError):
@@ -474,6 +506,7 @@ class Leader:
                                                 "takes": p.takes, **p.info},
             "modes": self.available_modes(),
             "default_mode": self.default_mode(),
+            "slowdown": self.settings.slowdown,
             "in_flight": list(self._active),
             "waiting": self._waiting,
             **self.counters,
