@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "flowspec_p2p.commands.bench_spec",
     "flowspec_p2p.commands.tune",
     "flowspec_p2p.commands.bench_core",
+    "flowspec_p2p.commands.bench",
 ]
 
 

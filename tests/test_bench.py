@@ -1,0 +1,304 @@
+"""`flowspec bench`'s arithmetic and reports on synthetic records (ξ, e2e, tau, utilization from busy intervals,
+speedups, greedy equality, the results.json keys, markdown, charts), its CLI, and the leader/API hooks it relies
+on (decode window, token ids, the leader's emulated slowdown). The end-to-end run is too slow for the suite."""
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from flowspec_p2p import bench_report as rep
+from flowspec_p2p.bench import (
+    Prompt,
+    check_resume,
+    default_slowdown,
+    load_prompts,
+    make_record,
+    plan_requests,
+    read_records,
+)
+from flowspec_p2p.errors import ConfigError
+
+MODES = ["ar", "chunk", "flowspec"]
+
+
+def rec(mode, dataset="gsm8k", line=30, t=0.0, tokens=20, decode=1.0, prefill=0.5, steps=None, busy=None,
+        window=None, ok=True, ids=None, **stats):
+    """A synthetic record as bench.make_record writes it."""
+    window = decode if window is None else window
+    busy = busy if busy is not None else [0.5 * window] * 4
+    return {"dataset": dataset, "line": line, "mode": mode, "temperature": t, "ok": ok, "new_tokens": tokens,
+            "decode_s": decode, "prefill_s": prefill, "steps": steps or tokens, "window_s": window,
+            "stage_busy_s": busy, "leader_busy_s": 0.1 * window, "token_ids": ids or list(range(tokens)),
+            "stats": stats}
+
+
+# ------------------------------------------------------------------------------------------- arithmetic
+
+
+def test_busy_time_counts_only_the_part_of_each_interval_inside_the_window():
+    iv = [(0.0, 1.0), (1.5, 2.5), (2.8, 4.0), (5.0, 6.0)]
+    assert rep.busy_within(iv, 0.5, 3.0) == pytest.approx(0.5 + 1.0 + 0.2)
+    assert rep.clip(iv, 0.5, 3.0) == [[0.0, 0.5], [1.0, 2.0], [2.3, 2.5]]
+    util, busy = rep.stage_utilization([iv, [(0.5, 3.0)], []], 0.5, 3.0)
+    assert busy == pytest.approx([1.7, 2.5, 0.0])
+    assert util == pytest.approx((1.7 + 2.5) / (3 * 2.5))
+    assert rep.stage_utilization([iv], 1.0, 1.0)[0] == 0.0
+
+
+def test_metrics_are_ratios_of_sums_decode_only_and_with_prefill():
+    rs = [rec("flowspec", tokens=30, decode=1.0, prefill=0.5, steps=11, walks=7, busy=[0.9, 0.8, 0.7, 0.6]),
+          rec("flowspec", tokens=10, decode=3.0, prefill=0.5, steps=5, walks=3, busy=[1.5, 1.5, 1.5, 1.5])]
+    m = rep.metrics(rs)
+    assert m["tokens_per_s"] == pytest.approx(40 / 4.0)  # not the mean of 30/s and 3.3/s
+    assert m["e2e_tokens_per_s"] == pytest.approx(40 / 5.0)
+    assert m["tau"] == pytest.approx(40 / 16)
+    assert m["tokens_per_round"] == pytest.approx((40 - 2) / (7 + 3))
+    assert m["utilization"] == pytest.approx((3.0 + 6.0) / (4 * 4.0))
+    assert m["stage_utilization"] == pytest.approx([2.4 / 4, 2.3 / 4, 2.2 / 4, 2.1 / 4])
+    assert m["leader_utilization"] == pytest.approx(0.1)
+    assert m["prompts"] == 2
+    chunk = rep.metrics([rec("chunk", tokens=21, steps=6)])  # rounds = steps - 1 without walks
+    assert chunk["tokens_per_round"] == pytest.approx(20 / 5)
+
+
+def test_only_prompts_every_mode_finished_are_compared():
+    rs = [rec(m, line=30) for m in MODES] + [rec("ar", line=31), rec("chunk", line=31)]  # flowspec missing
+    rs += [rec("ar", line=32), rec("chunk", line=32), rec("flowspec", line=32, ok=False)]
+    assert {(r["line"], r["mode"]) for r in rep.paired(rs, MODES)} == {(30, m) for m in MODES}
+
+
+def test_speedups_per_mode_and_per_dataset():
+    rs = []
+    for ds, fs in (("gsm8k", 3.0), ("qa", 1.5)):
+        rs += [rec("ar", ds, decode=4.0), rec("chunk", ds, decode=2.0), rec("flowspec", ds, decode=2.0 / fs)]
+    table = rep.summarize(rs, MODES, ["gsm8k", "qa"])
+    assert table["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert table["chunk"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert table["flowspec"]["per_dataset"]["gsm8k"]["speedup_vs_chunk"] == pytest.approx(3.0)
+    assert table["flowspec"]["per_dataset"]["qa"]["speedup_vs_chunk"] == pytest.approx(1.5)
+    assert table["flowspec"]["per_dataset"]["qa"]["speedup_vs_ar"] == pytest.approx(3.0)
+    overall = (40 / (2 / 3 + 2 / 1.5)) / (40 / 4.0)
+    assert table["flowspec"]["speedup_vs_chunk"] == pytest.approx(overall, rel=1e-3)
+
+
+def test_greedy_equality_counts_matching_prompts_and_locates_the_first_divergence():
+    rs = [rec("ar", line=30, ids=[1, 2, 3, 4]), rec("ar", line=31, ids=[5, 6, 7]),
+          rec("flowspec", line=30, ids=[1, 2, 3, 4]), rec("flowspec", line=31, ids=[5, 6, 9, 9]),
+          rec("chunk", line=30, ids=[1, 2, 3]), rec("chunk", line=31, ids=[5, 6, 7]),
+          rec("flowspec", line=32, t=1.0, ids=[0])]  # sampled: not compared
+    eq = rep.greedy_equality(rs, MODES)
+    assert eq["flowspec"]["matching"] == 1
+    assert eq["flowspec"]["compared"] == 2
+    assert eq["flowspec"]["first_divergence"] == {"dataset": "gsm8k", "line": 31, "position": 2, "ar": [7],
+                                                  "flowspec": [9, 9], "ar_tokens": 3, "flowspec_tokens": 4}
+    assert eq["chunk"]["first_divergence"]["position"] == 3  # a prefix: diverges where the shorter one ends
+    assert "ar" not in eq
+
+
+# ----------------------------------------------------------------------------------------------- reports
+
+
+SETUP = {"stages": 4, "link_mbps": 100.0, "link_latency_ms": 2.0, "slowdown": 5.0, "emulation": "emulated ...",
+         "model_fingerprint": "abc", "draft_fingerprint": "def", "prompts_per_dataset": {"gsm8k": 1, "qa": 1},
+         "temperatures": [0.0, 1.0], "max_tokens": 256, "host_cores": 2, "date": "2025-01-01", "git_commit": "x",
+         "datasets": ["gsm8k", "qa"], "modes": MODES}
+
+
+def synthetic_run():
+    rs = []
+    for t in (0.0, 1.0):
+        for ds in ("gsm8k", "qa"):
+            rs += [rec("ar", ds, t=t, decode=4.0), rec("chunk", ds, t=t, decode=2.0),
+                   rec("flowspec", ds, t=t, decode=1.0 + t, walks=8)]
+    return rs
+
+
+def test_results_json_has_the_contract_keys():
+    res = json.loads(json.dumps(rep.results(SETUP, synthetic_run())))
+    assert {"setup", "modes", "by_temperature", "greedy_equality"} <= set(res)
+    assert set(res["by_temperature"]) == {"0", "1"}
+    assert res["modes"] == res["by_temperature"]["0"]["modes"]
+    assert list(res["modes"]) == MODES
+    keys = {"tokens_per_s", "e2e_tokens_per_s", "tau", "utilization", "speedup_vs_chunk", "speedup_vs_ar"}
+    for block in res["by_temperature"].values():
+        for m in block["modes"].values():
+            assert keys | {"per_dataset"} <= set(m)
+            assert set(m["per_dataset"]) == {"gsm8k", "qa"}
+            for d in m["per_dataset"].values():
+                assert keys <= set(d)
+    assert res["modes"]["flowspec"]["speedup_vs_chunk"] == pytest.approx(2.0)
+    assert res["by_temperature"]["1"]["modes"]["flowspec"]["speedup_vs_chunk"] == pytest.approx(1.0)
+    assert res["greedy_equality"]["flowspec"]["matching"] == 2
+    for k in ("stages", "link_mbps", "link_latency_ms", "slowdown", "emulation", "model_fingerprint",
+              "draft_fingerprint", "prompts_per_dataset", "temperatures", "max_tokens", "host_cores", "date",
+              "git_commit"):
+        assert k in res["setup"]
+
+
+def test_markdown_has_a_table_per_temperature_with_speedups_and_the_setup():
+    md = rep.markdown(rep.results(SETUP, synthetic_run()))
+    assert "## T = 0" in md
+    assert "## T = 1" in md
+    assert "emulated" in md
+    assert "| flowspec | 20.00 | 13.33 |" in md  # ξ = 20 tokens / 1 s; e2e = 20 / 1.5 s
+    assert "| 2.00x | 4.00x |" in md  # flowspec vs chunk, vs ar at T=0
+    assert "| GSM8K |" in md
+    assert "flowspec vs chunk" in md
+    assert "2/2" in md  # greedy equality
+    assert "| flowspec | – | 0.50 | 16 |" in md  # diagnostics: forward ms unknown, prefill per prompt, walks
+    assert "Warning" not in md
+    assert "Warning" in rep.markdown(rep.results({**SETUP, "load_average": 3.5}, synthetic_run()))
+
+
+def test_charts_are_written(tmp_path):
+    from flowspec_p2p.charts import write_charts
+
+    rs = synthetic_run()
+    for r in rs[:3]:
+        r["timeline"] = {"stages": [[[0.0, 0.2], [0.4, 0.9]]] * 4, "leader": [[0.2, 0.4]]}
+        r["utilization"] = 0.7
+    res = rep.results(SETUP, rs)
+    written = write_charts(tmp_path, res, rs)
+    assert written == ["speedup.png", "timeline_T0.png", "timeline_T0_zoom.png"]
+    assert all((tmp_path / f).stat().st_size > 1000 for f in written)
+
+
+# ------------------------------------------------------------------------------------------------ runner
+
+
+def test_default_slowdown_keeps_the_devices_within_half_the_cores():
+    assert default_slowdown(4, cores=2) == 5.0
+    assert default_slowdown(4, cores=16) == 1.0
+    assert default_slowdown(3, cores=4) == 2.0
+
+
+def test_modes_are_interleaved_per_prompt_and_rotated():
+    prompts = [Prompt("gsm8k", i, i, "q") for i in (30, 31, 32)]
+    plan = plan_requests(prompts, MODES, (0.0, 1.0))
+    assert len(plan) == 18
+    assert [m for _, _, m in plan[:9]] == ["ar", "chunk", "flowspec", "chunk", "flowspec", "ar", "flowspec", "ar",
+                                           "chunk"]
+    assert [t for t, _, _ in plan] == [0.0] * 9 + [1.0] * 9
+
+
+def test_prompts_are_the_first_turn_of_the_chosen_lines(tmp_path):
+    lines = [json.dumps({"question_id": 100 + i, "turns": [f"q{i}", "second"]}) for i in range(40)]
+    (tmp_path / "qa.jsonl").write_text("\n".join(lines) + "\n")
+    got = load_prompts(tmp_path, ("qa",), 30, 20)
+    assert [(p.line, p.question_id, p.text) for p in got] == [(i, 100 + i, f"q{i}") for i in range(30, 40)]
+    with pytest.raises(ConfigError):
+        load_prompts(tmp_path, ("gsm8k",), 30, 1)
+
+
+def test_record_from_a_response_and_stage_timelines():
+    stats = {"mode": "flowspec", "prompt_tokens": 9, "new_tokens": 5, "steps": 3, "tau": 1.67, "prefill_s": 0.2,
+             "decode_s": 2.0, "decode_started_at": 100.0, "decode_finished_at": 102.0, "leader_busy_s": 0.3,
+             "walks": 2, "token_ids": [1, 2, 3, 4, 5], "leader_intervals": [[99.9, 100.1]]}
+    resp = {"choices": [{"finish_reason": "length"}], "stats": stats}
+    tls = [[{"start": 99.0, "end": 100.5, "compute_s": 0.1}, {"start": 101.0, "end": 101.5, "compute_s": 0.1}],
+           [{"start": 100.0, "end": 102.0, "compute_s": 0.4}]]
+    r = make_record(Prompt("qa", 30, 351, "q"), "flowspec", 0.0, resp, 2.3, tls, keep_timeline=True)
+    assert r["stage_busy_s"] == pytest.approx([1.0, 2.0])
+    assert r["utilization"] == pytest.approx(0.75)
+    assert r["stage_compute_s"] == pytest.approx([0.1, 0.4])  # forwards that start inside the window
+    assert r["stage_forwards"] == [1, 1]
+    assert r["token_ids"] == [1, 2, 3, 4, 5]
+    assert r["stats"] == {"mode": "flowspec", "walks": 2}
+    assert r["timeline"] == {"stages": [[[0.0, 0.5], [1.0, 1.5]], [[0.0, 2.0]]], "leader": [[0.0, 0.1]]}
+    assert r["seed"] == rep.seed_for("qa", 30)
+    m = rep.metrics([r])
+    assert m["tokens_per_round"] == pytest.approx(2.0)
+    assert m["stage_forward_ms"] == pytest.approx(250.0)
+    assert m["extras"] == {"walks": 2}
+
+
+def test_resume_reads_finished_records_and_refuses_another_setup(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(rec("ar")) + "\n" + '{"dataset": "gsm8k", "li')  # a torn last line
+    assert [r["mode"] for r in read_records(path)] == ["ar"]
+    check_resume(SETUP, dict(SETUP))
+    with pytest.raises(ConfigError, match="slowdown"):
+        check_resume(SETUP, {**SETUP, "slowdown": 2.0})
+
+
+def test_bench_help_and_defaults(capsys):
+    from flowspec_p2p.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--stages", "--link-mbps", "--link-latency-ms", "--slowdown", "--per-dataset", "--temperature",
+                 "--max-tokens", "--out", "--modes", "--resume"):
+        assert flag in text
+    a = parser.parse_args(["bench"])
+    assert (a.stages, a.link_mbps, a.link_latency_ms, a.per_dataset, a.max_tokens) == (4, 100.0, 2.0, 20, 256)
+    from flowspec_p2p.commands.bench import _floats
+
+    assert _floats(a.temperature, (0.0, 1.0)) == (0.0, 1.0)
+    assert _floats(["0,1", "0.7"], ()) == (0.0, 1.0, 0.7)
+
+
+# ------------------------------------------------------------------------------ leader and API hooks
+
+
+async def test_leader_compute_is_slowed_down_like_a_stage():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flowspec_p2p.generate import GenStats
+    from flowspec_p2p.leader import LeaderSettings, ModeContext, _decode_window
+    from flowspec_p2p.sampling import SamplingParams
+
+    leader = SimpleNamespace(head=None, drafter=None, settings=LeaderSettings(slowdown=3.0),
+                             executor=ThreadPoolExecutor(1))
+    ctx = ModeContext(leader, None, "r", [1], SamplingParams(), 4, frozenset(), GenStats("x"))
+    t0 = time.perf_counter()
+    assert await ctx.compute(time.sleep, 0.05) is None
+    assert time.perf_counter() - t0 >= 0.15 - 0.01  # 0.05 s of compute + 2 x 0.05 s emulated wait
+    (a, b), = ctx.busy
+    assert b - a >= 0.14
+    ctx.stats.decode_s = 0.1
+    _decode_window(ctx.stats, [(b - 0.2, b - 0.05)])
+    e = ctx.stats.extra
+    assert e["decode_finished_at"] - e["decode_started_at"] == pytest.approx(0.1)
+    assert 0.0 < e["leader_busy_s"] <= 0.1
+    leader.executor.shutdown()
+
+
+async def test_api_returns_token_ids_decode_window_and_leader_timeline_on_request(tiny_llama):
+    from flowspec_p2p.api import create_app
+    from flowspec_p2p.chunkpp import CHUNK
+    from flowspec_p2p.drafter import OracleDrafter
+    from flowspec_p2p.leader import AR, Leader, LeaderSettings
+    from flowspec_p2p.loopback import LoopbackRing
+
+    from .ring_fixtures import F64, ByteTokenizer, tiny_parts
+
+    parts = tiny_parts(tiny_llama)
+    leader = Leader(parts.head, ByteTokenizer(), drafter=OracleDrafter(parts.whole), modes=[AR, CHUNK],
+                    settings=LeaderSettings(max_context=200))
+    app = create_app(leader, lambda: {}, run_leader=False)
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "temperature": 0, "max_tokens": 10}
+    async with (LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64, capacity=200),
+                TestClient(TestServer(app)) as client):
+        plain = (await (await client.post("/v1/chat/completions", json={**body, "decoding": "ar"})).json())["stats"]
+        assert "token_ids" not in plain
+        assert "leader_intervals" not in plain
+        assert plain["decode_started_at"] <= plain["decode_finished_at"] <= time.time()
+        got = {}
+        for mode in ("ar", "chunk"):
+            r = await client.post("/v1/chat/completions", json={**body, "decoding": mode, "return_token_ids": True,
+                                                                 "return_leader_timeline": True})
+            got[mode] = (await r.json())["stats"]
+        await asyncio.sleep(0)
+    assert got["ar"]["token_ids"] == got["chunk"]["token_ids"]
+    assert len(got["ar"]["token_ids"]) == got["ar"]["new_tokens"]
+    s = got["chunk"]
+    assert s["decode_finished_at"] - s["decode_started_at"] == pytest.approx(s["decode_s"], abs=1e-3)
+    assert s["leader_intervals"]
+    assert all(a <= b for a, b in s["leader_intervals"])
+    assert s["leader_busy_s"] >= 0.0
