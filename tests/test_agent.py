@@ -78,3 +78,12 @@ def test_config_layers_profile_flags_and_environment(tmp_path):
         load(None, {"peers": ["nohost"]}, env={})
     with pytest.raises(ConfigError, match="cluster name"):
         load(None, {"cluster": "bad name!"}, env={})
+
+
+def test_the_example_agent_profiles_load():
+    from pathlib import Path
+
+    profiles = sorted((Path(__file__).resolve().parent.parent / "agents").glob("*.toml"))
+    assert len(profiles) >= 3
+    leaders = [load(p, env={}).leader for p in profiles]
+    assert sum(leaders) == 1
