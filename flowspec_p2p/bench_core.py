@@ -203,10 +203,12 @@ def agreement(lm: LoadedModel, hf, prompts: list[BenchPrompt], new_tokens: int, 
         mine, _ = generate_ids(ours, ids, GREEDY, new_tokens, tok.stop_ids)
         theirs = _hf_generate(hf, ids, new_tokens, sorted(tok.stop_ids), exact=False)
         seq = ids + mine
-        our_logits = shard.logits(shard(torch.tensor([seq]), None))[0, len(ids) - 1 :]  # [len(mine) + 1, vocab]
-        hf_logits = hf(torch.tensor([seq])).logits[0, len(ids) - 1 :]
+        hf_logits = hf(torch.tensor([seq])).logits[0, len(ids) - 1 :]  # [len(mine) + 1, vocab]
+        our_logits = shard.logits(shard(torch.tensor([seq]), None))[0, len(ids) - 1 :]  # one forward
+        step_logits = _stepwise_logits(shard, ids, mine)  # the decode path: prefill, then one token at a time
         row = {"dataset": p.dataset, "line": p.line, "prompt_tokens": len(ids), "ours_tokens": len(mine),
-               "transformers_tokens": len(theirs), "max_abs_dlogits": (our_logits - hf_logits).abs().max().item()}
+               "transformers_tokens": len(theirs), "max_abs_dlogits": (our_logits - hf_logits).abs().max().item(),
+               "max_abs_dlogits_decode": (step_logits - hf_logits).abs().max().item()}
         at = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
         if at is None and len(mine) != len(theirs):
             at = min(len(mine), len(theirs))
@@ -220,7 +222,17 @@ def agreement(lm: LoadedModel, hf, prompts: list[BenchPrompt], new_tokens: int, 
         rows.append(row)
     same = sum(r["diverged_at"] is None for r in rows)
     return {"new_tokens": new_tokens, "identical": same, "prompts": len(rows), "rows": rows,
-            "max_abs_dlogits": max(r["max_abs_dlogits"] for r in rows)}
+            "max_abs_dlogits": max(r["max_abs_dlogits"] for r in rows),
+            "max_abs_dlogits_decode": max(r["max_abs_dlogits_decode"] for r in rows)}
+
+
+def _stepwise_logits(shard, prompt: list[int], reply: list[int]) -> torch.Tensor:
+    """Logits as decoding computes them: the prompt's last position, then each reply token fed alone.
+    -> [len(reply) + 1, vocab]"""
+    cache = shard.new_cache(len(prompt) + len(reply))
+    out = [shard.logits(shard(torch.tensor([prompt]), cache)[0, -1])]
+    out += [shard.logits(shard(torch.tensor([[t]]), cache)[0, -1]) for t in reply]
+    return torch.stack(out)
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -342,15 +354,16 @@ def markdown(result: dict) -> str:
                 f"{b['floor_ms_at_copy_bandwidth']:.1f} ms); the other {b['aten_ops_per_step']} aten ops cost "
                 f"{b['other_ms_per_op_us']:.1f} us each on average.", ""]
     if a := result.get("agreement"):
-        out += [f"## Greedy agreement: {a['identical']}/{a['prompts']} identical ({a['new_tokens']} new tokens); "
-                f"max |dlogits| {a['max_abs_dlogits']:.2e}", "",
-                "| set | line | prompt | ours | transformers | diverged at | top-2 gap (ours / theirs) | max dlogits |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += [f"## Greedy agreement: {a['identical']}/{a['prompts']} identical ({a['new_tokens']} new tokens)", "",
+                f"max |dlogits| vs transformers over prompt + reply: {a['max_abs_dlogits']:.2e} (one forward), "
+                f"{a['max_abs_dlogits_decode']:.2e} (decode path: prefill, then one token at a time)", "",
+                "| set | line | prompt | ours | transformers | diverged at | top-2 gap (ours / theirs) | max dlogits "
+                "(forward / decode) |", "|---|---|---|---|---|---|---|---|"]
         for r in a["rows"]:
             gap = f"{r['ours_top2_gap']:.2e} / {r['transformers_top2_gap']:.2e}" if r["diverged_at"] is not None else ""
             out.append(f"| {r['dataset']} | {r['line']} | {r['prompt_tokens']} | {r['ours_tokens']} | "
                        f"{r['transformers_tokens']} | {r['diverged_at'] if r['diverged_at'] is not None else '-'} | "
-                       f"{gap} | {r['max_abs_dlogits']:.2e} |")
+                       f"{gap} | {r['max_abs_dlogits']:.2e} / {r['max_abs_dlogits_decode']:.2e} |")
         out.append("")
     if mem := result.get("memory"):
         out += ["## Peak RSS by range (fresh process each)", "", "| case | layers | tensors MB | peak RSS MB | "

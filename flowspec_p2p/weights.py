@@ -4,9 +4,11 @@ Every tensor is addressed by its canonical (HF) name, e.g. ``model.layers.3.self
 A device that holds layers ``[a, b)`` asks only for those names (plus embedding / norm / head where its role
 needs them), so only those tensors are ever dequantised or paged in:
 
-    GGUF         memory-mapped by the ``gguf`` package; each tensor dequantised on demand (numpy), and the
-                 q/k rows un-permuted (llama.cpp stores them interleaved for its rotary kernel).
-    safetensors  the header is parsed once; each tensor is a zero-copy view of the memory-mapped file.
+    GGUF         memory-mapped; the header parsed here (``gguf.GGUFReader`` takes seconds on the tokenizer
+                 arrays); each tensor dequantised on demand (torch for F32/F16/BF16/Q8_0/Q4_0/Q4_1, bit-identical
+                 to ``gguf.quants``, which handles the other types), and the q/k rows un-permuted (llama.cpp
+                 stores them interleaved for its rotary kernel).
+    safetensors  the header is parsed once; each tensor is read by name from the memory-mapped file.
 
 Fingerprints are SHA-256 digests of the *stored* bytes of each tensor (quantised bytes for GGUF), combined
 with the canonical config; two peers with equal fingerprints for a range run bit-identical weights.
@@ -148,6 +150,8 @@ class GGUFSource:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        if self.path.stat().st_size < 24:
+            raise WeightsError(f"{self.path} is too short to be a GGUF file")
         with open(self.path, "rb") as fh:
             # copy-on-write: a writable buffer lets torch view it without a copy or a warning; we never write
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)

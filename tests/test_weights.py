@@ -139,6 +139,9 @@ def test_open_source_errors_say_what_is_wrong(tmp_path, tiny_llama):
     (tmp_path / "fake.gguf").write_bytes(b"PK\3\4" + b"\0" * 60)
     with pytest.raises(WeightsError, match="not a GGUF file"):
         open_source(tmp_path / "fake.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(WeightsError, match="too short"):
+        open_source(tmp_path / "empty.gguf")
     with pytest.raises(WeightsError, match="truncated"):
         open_source(_write_gguf(tmp_path / "cut.gguf", tiny_llama, cut=100))
     with pytest.raises(WeightsError, match="has no tensor"):
