@@ -94,7 +94,7 @@ class DecoderBlock(nn.Module):
             if self.bqkv is not None:
                 self.bqkv.zero_()
 
-    def load_hf(self, t: dict[str, torch.Tensor], prefix: str) -> None:
+    def load_hf(self, t: Mapping[str, torch.Tensor], prefix: str) -> None:
         """Copy weights named like transformers' ``model.layers.{i}.`` (``prefix``) into the fused layout."""
         with torch.no_grad():
             if isinstance(self.attn_norm, RMSNorm):
