@@ -137,7 +137,7 @@ def test_fit_reduces_the_loss_resumes_and_exports(run, peaked_llama, tiny, tmp_p
     bundle = DraftBundle.load(stem)
     assert bundle.meta["training"]["steps"] == 30
     assert bundle.meta["heldout_top1"] == result["heldout_top1"]
-    assert bundle.meta["data"]["conversations"] == len(corpus)
+    assert bundle.meta["data"]["conversations"] == len(corpus.split(cfg.heldout_per_mille)[0])
     assert torch.equal(bundle.draft_vocab, fz.vocab)
     trained, _ = load_checkpoint(cfg, src.config)
     for (name, a), b in zip(trained.state_dict().items(), bundle.head.state_dict().values(), strict=True):

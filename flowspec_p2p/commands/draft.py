@@ -70,11 +70,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--steps", type=int, default=2000, help="optimiser steps in total (default 2000)")
     fit.add_argument("--tokens-per-step", type=int, default=4096, help="answer targets per step (default 4096)")
     fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    fit.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: steps / 20, <= 100)")
     fit.add_argument("--unroll", type=int, default=3, help="training-time-test steps (default 3)")
     fit.add_argument("--draft-vocab", type=int, default=16384,
                      help="draft vocabulary: most frequent answer tokens (default 16384; 0 = full)")
     fit.add_argument("--feature-weight", type=float, default=0.1, help="SmoothL1 feature loss weight (default 0.1)")
     fit.add_argument("--noise", type=float, default=0.05, help="input feature noise, x feature RMS (default 0.05)")
+    fit.add_argument("--heldout-per-mille", type=int, default=50,
+                     help="conversations held out for evaluation, per mille, by key hash (default 50)")
+    fit.add_argument("--no-fixed", action="store_true", help="ignore the teacher-forced store (<run>/fixed)")
 
     out = argparse.ArgumentParser(add_help=False)
     out.add_argument("--out", default=None, help="export folder (default ~/.cache/flowspec_p2p/drafts; the "
@@ -116,7 +120,9 @@ def _fit_config(args: argparse.Namespace):
 
     return FitConfig(run_dir=_run_dir(args), model=args.model, steps=args.steps, tokens_per_step=args.tokens_per_step,
                      lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab,
-                     feature_weight=args.feature_weight, noise=args.noise, threads=args.threads)
+                     feature_weight=args.feature_weight, noise=args.noise, threads=args.threads,
+                     heldout_per_mille=args.heldout_per_mille, use_fixed=not args.no_fixed,
+                     warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20))
 
 
 def run_fit(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ import torch
 
 from .store import FeatureStore
 
-HELDOUT_PER_MILLE = 25
+HELDOUT_PER_MILLE = 50
 
 
 @dataclass

@@ -62,26 +62,26 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
         if evaluation.get("step") != state["step"]:
             log.warning("eval.json is from step %s, the checkpoint from step %d", evaluation.get("step"),
                         state["step"])
-    corpus = load_corpus(*stores(cfg))
-    fixed = [i for i in range(len(corpus)) if float(corpus.temperature[i]) < 0]
     train = state.get("config", {})
+    data = state.get("data")
+    if data is None:  # a checkpoint from before fit recorded its data: describe the stores as they are now
+        corpus = load_corpus(*stores(cfg))
+        fixed = [i for i in range(len(corpus)) if float(corpus.temperature[i]) < 0]
+        data = {"conversations": len(corpus), "answer_tokens": corpus.answer_tokens(),
+                "teacher_forced_conversations": len(fixed), "teacher_forced_answer_tokens": corpus.answer_tokens(fixed)}
     meta = {
         "target_fingerprint": fingerprint,
         "architecture": "eagle1 (fc 2H->H + 1 decoder block, no input norm), trained with EAGLE-3 training-time test",
         "parameters": head.num_parameters(),
         "data": {
-            "conversations": len(corpus),
-            "tokens": int(corpus.tokens.numel()),
-            "answer_tokens": corpus.answer_tokens(),
-            "teacher_forced_conversations": len(fixed),
-            "teacher_forced_answer_tokens": corpus.answer_tokens(fixed),
+            **data,
             "source": "ShareGPT V3 first turns + synthetic math/code/summary prompts (no Spec-Bench prompt), "
                       "answers written by the target (self-distillation, greedy and T=1), plus ShareGPT's "
                       "recorded answers teacher-forced through the target",
         },
         "training": {
             "steps": state["step"],
-            "epochs": round(state["seen_tokens"] / max(1, corpus.answer_tokens()), 3),
+            "epochs": round(state["seen_tokens"] / max(1, data["answer_tokens"]), 3),
             "target_tokens_seen": state["seen_tokens"],
             **{k: train[k] for k in ("tokens_per_step", "lr", "unroll", "step_decay", "token_weight",
                                       "feature_weight", "noise", "draft_vocab") if k in train},

@@ -33,7 +33,15 @@ from ..errors import ConfigError
 from ..shard import Shard
 from ..types import FrozenModel, LayerRange
 from ..weights import open_source
-from .corpus import Corpus, Example, answer_token_counts, draft_vocab_from_counts, load_corpus, make_example
+from .corpus import (
+    HELDOUT_PER_MILLE,
+    Corpus,
+    Example,
+    answer_token_counts,
+    draft_vocab_from_counts,
+    load_corpus,
+    make_example,
+)
 from .store import FeatureStore
 from .unroll import unrolled
 
@@ -62,6 +70,7 @@ class FitConfig(FrozenModel):
     seed: int = 0
     threads: int = Field(1, ge=1)
     use_fixed: bool = True  # also train on the teacher-forced store (<run>/fixed) when there is one
+    heldout_per_mille: int = Field(HELDOUT_PER_MILLE, ge=0, le=1000)
 
 
 @dataclass
@@ -179,7 +188,7 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
     corpus = load_corpus(*stores(cfg))
     if len(corpus) == 0:
         raise ConfigError(f"no features in {cfg.run_dir}: run `flowspec draft data` first")
-    train, held = corpus.split()
+    train, held = corpus.split(cfg.heldout_per_mille)
     held = [i for i in held if float(corpus.temperature[i]) >= 0]
     vocab_path = cfg.run_dir / "draft_vocab.pt"
     vocab = None
@@ -224,6 +233,10 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         opt.load_state_dict(state["opt"])
         step, epoch, cursor, seen_tokens = state["step"], state["epoch"], state["cursor"], state["seen_tokens"]
         log.info("resuming from %s at step %d (epoch %d)", ckpt, step, epoch)
+    fixed = [i for i in train_idx if float(corpus.temperature[i]) < 0]
+    data = {"conversations": len(train_idx), "answer_tokens": corpus.answer_tokens(train_idx),
+            "teacher_forced_conversations": len(fixed), "teacher_forced_answer_tokens": corpus.answer_tokens(fixed),
+            "heldout_conversations": len(held_idx)}
     keys = sorted(corpus.keys[i] for i in train_idx)
     by_key = {corpus.keys[i]: i for i in train_idx}
 
@@ -266,7 +279,8 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
                         top1="/".join(f"{a:.2f}" for a in running.accuracy()), refresh=False)
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             _save_ckpt(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
-                              "cursor": cursor, "seen_tokens": seen_tokens, "config": cfg.model_dump(mode="json")})
+                              "cursor": cursor, "seen_tokens": seen_tokens, "config": cfg.model_dump(mode="json"),
+                              "data": data})
             log.info("step %d: loss/token %.4f, train top-1 per step %s, %.0f targets/s", step,
                      stats.loss / max(1, stats.targets[0]), [round(a, 3) for a in stats.accuracy()],
                      session_tokens / (time.perf_counter() - t0))
