@@ -65,6 +65,9 @@ class FlowSpecConfig(FrozenModel):
     in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
     segment_cap: int = Field(6, ge=1)  # nodes per segment at most
     max_unsent: int = Field(48, ge=1)  # drafted-but-unsent nodes kept at most (the lowest-scored are dropped)
+    # Re-draft from the new root after a walk only when fewer than this many unsent nodes remain below it (0 =
+    # after every walk, as the reference does). Drafting is the leader's main cost per step.
+    redraft_below: int = Field(0, ge=0)
 
 
 @dataclass
@@ -84,8 +87,8 @@ class FlowState:
     tree: DraftTree
     committed: int  # K/V-committed tokens on every stage (prompt + accepted)
     sent: int = 0
-    logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] per verified node, index < V
-    feats: list[torch.Tensor] = field(default_factory=list)  # [hidden] per verified node
+    feats: list[torch.Tensor] = field(default_factory=list)  # [hidden] per verified node (index < V)
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> target row [vocab], computed lazily
     inflight: deque[Segment] = field(default_factory=deque)
     next_tag: int = 0
     counters: dict = field(default_factory=lambda: dict(
@@ -93,7 +96,7 @@ class FlowState:
 
     @property
     def verified(self) -> int:
-        return len(self.logits)
+        return len(self.feats)
 
     def next_segment(self, cap: int) -> tuple[int, int, int] | None:
         """Claim the next unsent nodes [a, b) as a segment -> (tag, a, b), or None when nothing is unsent."""
@@ -150,7 +153,7 @@ class FlowState:
         self.sent = len(keep_sent) - a
         self.tree = new_tree
         self.committed += a
-        self.logits, self.feats = [], []
+        self.feats, self.rows = [], {}
         self.counters["prunes"] += 1
         return a, keep_sent, tokens, feats
 
@@ -167,24 +170,28 @@ class FlowState:
 
 
 class _Rows:
-    """verify.Rows over the verified logits of the current tree."""
+    """verify.Rows over the verified nodes: the LM head runs only for the nodes the walk visits (one row costs as
+    much as several layers on a small target), memoised per node until the next prune."""
 
-    def __init__(self, rows: list[torch.Tensor], fn=None):
-        self.rows, self.fn = rows, fn
+    def __init__(self, state: FlowState, fn):
+        self.state, self.fn = state, fn
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.state.verified
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.rows[i] if self.fn is None else self.fn(self.rows[i])
+        row = self.state.rows.get(i)
+        if row is None:
+            row = self.state.rows[i] = self.fn(self.state.feats[i])
+        return row
 
 
 def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
     """Verify the verified prefix of the current tree from its root."""
     v = state.verified
     if ctx.params.greedy:
-        return verify_greedy(state.tree, _Rows(state.logits), verified_end=v, stop_ids=ctx.stop_ids)
-    probs = _Rows(state.logits, partial(target_probs, params=ctx.params))
+        return verify_greedy(state.tree, _Rows(state, ctx.logits), verified_end=v, stop_ids=ctx.stop_ids)
+    probs = _Rows(state, lambda f: target_probs(ctx.logits(f), ctx.params))
     uniforms = torch.rand(len(state.tree) + 1, generator=ctx.gen, dtype=torch.float64)
     return verify_sampling(state.tree, probs, uniforms, verified_end=v, stop_ids=ctx.stop_ids)
 
@@ -215,8 +222,9 @@ async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) 
         state.rank_unsent(cfg.max_unsent)
 
         async def fill() -> None:
-            """Keep ``in_flight`` segments in the ring while unsent nodes exist."""
-            while len(state.inflight) < in_flight:
+            """Keep ``in_flight`` live segments in the ring while unsent nodes exist. Segments that a prune emptied
+            do not count: the stages skip their dead rows (look-ahead), so a fresh root goes out at once."""
+            while sum(1 for seg in state.inflight if seg.nodes) < in_flight:
                 seg = state.next_segment(cfg.segment_cap)
                 if seg is None:
                     return
@@ -235,8 +243,6 @@ async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) 
             stats.steps += 1
             if nodes:
                 tv = time.perf_counter()
-                logits = await ctx.compute(ctx.logits, f)  # [k, vocab], one matmul for the segment
-                state.logits += list(logits)
                 state.feats += list(f)
                 if state.verified:
                     verdict = await ctx.compute(_walk, ctx, state)
@@ -254,9 +260,11 @@ async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) 
                     await fill()  # surviving unsent nodes go out before we spend time drafting
                     td = time.perf_counter()
                     await ctx.compute(drafter.feed, acc_tokens, acc_feats, verdict.token)
-                    shape = cfg.expand.capped(budget - stats.new_tokens - 1)
-                    state.tree, _ = await ctx.compute(expand, drafter, state.tree, shape)
-                    state.rank_unsent(cfg.max_unsent)
+                    if not cfg.redraft_below or len(state.tree) - state.sent < cfg.redraft_below:
+                        shape = cfg.expand.capped(budget - stats.new_tokens - 1)
+                        state.tree, _ = await ctx.compute(expand, drafter, state.tree, shape)
+                        state.rank_unsent(cfg.max_unsent)
+                        state.counters["drafts"] = state.counters.get("drafts", 0) + 1
                     draft_s += time.perf_counter() - td
             await fill()
     finally:
