@@ -83,6 +83,7 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
             "steps": state["step"],
             "epochs": round(state["seen_tokens"] / max(1, data["answer_tokens"]), 3),
             "target_tokens_seen": state["seen_tokens"],
+            "wall_seconds": round(state.get("train_seconds", 0.0)),
             **{k: train[k] for k in ("tokens_per_step", "lr", "unroll", "step_decay", "token_weight",
                                       "feature_weight", "noise", "draft_vocab") if k in train},
         },

@@ -226,12 +226,13 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
     head = DraftHead(target.cfg).reset_parameters(cfg.seed)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     ckpt = cfg.run_dir / "ckpt" / "last.pt"
-    step, epoch, cursor, seen_tokens = 0, 0, 0, 0
+    step, epoch, cursor, seen_tokens, spent_s = 0, 0, 0, 0, 0.0
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, epoch, cursor, seen_tokens = state["step"], state["epoch"], state["cursor"], state["seen_tokens"]
+        spent_s = state.get("train_seconds", 0.0)
         log.info("resuming from %s at step %d (epoch %d)", ckpt, step, epoch)
     fixed = [i for i in train_idx if float(corpus.temperature[i]) < 0]
     data = {"conversations": len(train_idx), "answer_tokens": corpus.answer_tokens(train_idx),
@@ -280,7 +281,7 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             _save_ckpt(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                               "cursor": cursor, "seen_tokens": seen_tokens, "config": cfg.model_dump(mode="json"),
-                              "data": data})
+                              "data": data, "train_seconds": spent_s + time.perf_counter() - t0})
             log.info("step %d: loss/token %.4f, train top-1 per step %s, %.0f targets/s", step,
                      stats.loss / max(1, stats.targets[0]), [round(a, 3) for a in stats.accuracy()],
                      session_tokens / (time.perf_counter() - t0))

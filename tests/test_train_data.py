@@ -1,0 +1,68 @@
+"""Teacher-forced ShareGPT data: the recorded answer goes through the target once; features and cut are right."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from flowspec_p2p.shard import Shard
+from flowspec_p2p.train import data as data_mod
+from flowspec_p2p.train.data import FIXED_TEMPERATURE, DataConfig, teacher_forced_data
+from flowspec_p2p.train.prompts import Prompt, save_pool
+from flowspec_p2p.types import LayerRange
+from flowspec_p2p.weights import open_source
+
+STOP = 2
+
+
+class ByteChat:
+    """A toy chat tokenizer: bytes + 3, turns wrapped in [5] ... [STOP, 10] (10 = newline after the stop)."""
+
+    stop_ids = frozenset({STOP})
+
+    def __init__(self):
+        self.hf = self
+
+    def encode(self, text: str) -> list[int]:
+        return [int(b) % 90 + 3 for b in text.encode()]
+
+    def chat(self, messages) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt) -> str:
+        out = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return out + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_teacher_forced_conversations_hold_the_targets_features_and_stop_at_the_answers_end(tiny_llama, tmp_path,
+                                                                                             monkeypatch):
+    src = open_source(tiny_llama)
+    shard = Shard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
+                              dtype=torch.float64).eval()
+    tok = ByteChat()
+    tok.encode = lambda text, enc=tok.encode: [STOP if t == ord("|") % 90 + 3 else t for t in enc(text)]
+    convs = [{"id": "a", "conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "yo"}]},
+             {"id": "b", "conversations": [{"from": "human", "value": "why?"}, {"from": "gpt", "value": "x" * 40}]}]
+    sg = tmp_path / "sg.json"
+    sg.write_text(json.dumps(convs))
+    monkeypatch.setattr(data_mod, "sharegpt_path", lambda: sg)
+    run = tmp_path / "run"
+    save_pool([Prompt("sharegpt:a", "qa", "hi there"), Prompt("math:0", "math", "1+1?"),
+               Prompt("sharegpt:b", "qa", "why?")], run / "pool.jsonl")
+    lm = SimpleNamespace(shard=shard, tokenizer=tok, fingerprint=lambda: "fp")
+    store = teacher_forced_data(DataConfig(run_dir=run, max_new_tokens=10), lm, progress=False)
+    got = {c.key: c for c in store.iter_conversations()}
+    assert set(got) == {"sharegpt:a", "sharegpt:b"}
+    a = got["sharegpt:a"]
+    prompt = tok.chat([{"role": "user", "content": "hi there"}])
+    assert a.prompt_len == len(prompt)
+    assert a.tokens.tolist()[: len(prompt)] == prompt
+    assert a.tokens.tolist()[len(prompt) :] == [*tok.encode("yo"), STOP]  # cut after the stop id
+    assert a.temperature == FIXED_TEMPERATURE
+    full = shard(a.tokens[None, :-1], None)[0]  # [T - 1, hidden]
+    torch.testing.assert_close(a.features.double(), full, atol=2e-3, rtol=2e-3)
+    assert len(got["sharegpt:b"].tokens) == len(tok.chat([{"role": "user", "content": "why?"}])) + 10
+    again = teacher_forced_data(DataConfig(run_dir=run, max_new_tokens=10), lm, progress=False)  # resumes: no-op
+    assert again.conversations == 2
