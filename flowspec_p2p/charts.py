@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 MODE_COLORS = {"ar": "#888888", "chunk": "#4c72b0", "pipedec": "#55a868", "flowspec": "#dd8452"}
 LEADER_COLOR = "#8172b3"
-ZOOM_S = 1.5  # the zoomed timeline shows the first seconds of each decode window
+ZOOM_FORWARDS = 25  # the zoomed timeline spans this many median stage forwards from the decode window's start
 
 
 def _pyplot():
@@ -49,8 +49,8 @@ def timeline_chart(records: Sequence[dict], path: Path, zoom_s: float | None = N
                      f"{'–' if util is None else f'{100 * util:.0f}%'}", fontsize=9, loc="left")
         ax.set_xlim(0, zoom_s or max(rr["window_s"] for rr in records))
     r0 = records[0]
-    axes[-1, 0].set_xlabel("seconds since the first token (decode window)" + (f", first {zoom_s:g} s" if zoom_s
-                                                                               else ""))
+    shown = f", first {zoom_s:.2g} s" if zoom_s else ""
+    axes[-1, 0].set_xlabel(f"seconds since the first token (decode window){shown}")
     fig.suptitle(f"busy (bar) / idle (gap) per device: {r0['dataset']} line {r0['line']}, T={r0['temperature']:g}",
                  fontsize=10)
     fig.tight_layout()
@@ -91,6 +91,15 @@ def speedup_chart(res: dict, path: Path) -> bool:
     return True
 
 
+def _zoom_s(records: Sequence[dict]) -> float:
+    """ZOOM_FORWARDS median stage forwards, at most the shortest decode window."""
+    lengths = sorted(b - a for r in records for iv in r["timeline"]["stages"] for a, b in iv)
+    shortest = min(r["window_s"] for r in records)
+    if not lengths:
+        return shortest
+    return min(shortest, ZOOM_FORWARDS * lengths[len(lengths) // 2])
+
+
 def write_charts(out: Path, res: dict, records: Sequence[dict]) -> list[str]:
     """speedup.png, and timeline_T<t>.png (+ _zoom) for the first prompt that has a timeline under several modes.
     -> the files written"""
@@ -110,6 +119,6 @@ def write_charts(out: Path, res: dict, records: Sequence[dict]) -> list[str]:
         done.add(t)
         if timeline_chart(rs, out / f"timeline_T{t}.png"):
             written.append(f"timeline_T{t}.png")
-        if timeline_chart(rs, out / f"timeline_T{t}_zoom.png", zoom_s=ZOOM_S):
+        if timeline_chart(rs, out / f"timeline_T{t}_zoom.png", zoom_s=_zoom_s(rs)):
             written.append(f"timeline_T{t}_zoom.png")
     return written
