@@ -405,6 +405,5 @@ async def _leader_task(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.get_running_loop().create_task(leader.run(), name="leader-demux")
     yield
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await asyncio.wait([task])  # unlike suppress(CancelledError), never swallows the caller's own cancellation
     leader.close()

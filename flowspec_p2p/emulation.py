@@ -20,7 +20,6 @@ applies it (worker.py). Every benchmark report states the emulation it used (``d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -139,6 +138,5 @@ class Pacer:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task])  # never swallows the caller's own cancellation
             self._task = None

@@ -265,8 +265,7 @@ class Link:
             await self._pacer.close()
         if self._reader is not None:
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+            await asyncio.wait([self._reader])  # never swallows the caller's own cancellation
             self._reader = None
         with contextlib.suppress(Exception):
             await self.ws.close()
