@@ -64,7 +64,7 @@ class BenchConfig(FrozenModel):
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_tokens: int = Field(256, ge=1)
     modes: tuple[str, ...] | None = None  # None: every mode the leader offers
-    wire_dtype: str = "float16"
+    wire_dtype: str = "float32"
     threads: int = Field(1, ge=1)  # torch threads per emulated device
     context: int = Field(2048, ge=16)
     model: Path | None = None

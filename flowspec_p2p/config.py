@@ -73,7 +73,9 @@ class AgentConfig(FrozenModel):
     state_dir: Path = DEFAULT_STATE_DIR
     threads: int | None = Field(default=None, ge=1)
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every stage (set by the leader)
-    wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
+    # activations between stages: float32 keeps every mode exactly equal to single-device decoding (lossless);
+    # float16 / bfloat16 halve the bytes on slow links but round the hidden states (greedy output may drift)
+    wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
     secret: SecretStr | None = None
     emulation: Emulation = Emulation()
     profile: ProfileOverrides = ProfileOverrides()

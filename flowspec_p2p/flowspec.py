@@ -14,7 +14,9 @@ Glossary (tree words as in tree.py, protocol words as in messages.py):
                     never verified yet)
     step            one returned segment: map it to current indices, extend the verified prefix, and — when the
                     root is verified — *walk* (verify.py): accept the longest verified path the target agrees
-                    with and decide the token after it (argmax, or an exact sample)
+                    with and decide the token after it (argmax, or an exact sample). ``GenStats.steps`` counts
+                    walks (+1 for the prefill), so tau = tokens per verification as for chunk and spec; the
+                    returned segments are ``extra["segments"]``
     continue        the decided token equals a child of the last accepted node that is already in the tree (sent or
                     not): that child becomes the new root and its subtree survives — no pipeline drain
     restart         the decided token is not in the tree: it becomes a fresh root; every in-flight node is pruned,
@@ -240,7 +242,6 @@ async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) 
             if not isinstance(msg, Forward):
                 continue  # acks of our prunes: the FIFO bookkeeping is done at send time
             nodes, f = state.take_result(msg, ctx.features(tensors))
-            stats.steps += 1
             if nodes:
                 tv = time.perf_counter()
                 state.feats += list(f)
@@ -248,6 +249,7 @@ async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) 
                     verdict = await ctx.compute(_walk, ctx, state)
                     verify_s += time.perf_counter() - tv
                     state.counters["walks"] += 1
+                    stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
                     remaining = budget - stats.new_tokens
                     out = verdict.emitted(state.tree)[:remaining]
                     stats.new_tokens += len(out)

@@ -73,7 +73,7 @@ class LeaderSettings(FrozenModel):
     step_timeout_s: float = Field(60.0, gt=0)  # no reply from the pipeline for this long: PeerGone
     retry_after_s: int = Field(2, ge=1)  # Retry-After for 503s
     prefill_chunk: int = Field(128, ge=1)  # prompt tokens per prefill Forward (chunks are pipelined)
-    wire_dtype: str = "float16"  # activations the leader itself sends (when it embeds for stage 1)
+    wire_dtype: str = "float32"  # activations the leader itself sends (when it embeds for stage 1)
     tree_margin: int = Field(256, ge=0)  # KV slots a stage needs beyond max_context for pending draft-tree nodes
     slowdown: float = Field(1.0, ge=1.0, le=1000.0)  # emulated device (emulation.py): after computing t s in
     # ``ModeContext.compute`` (drafting, LM head, verification) the leader waits (slowdown - 1) * t, as stages do

@@ -51,8 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated Spec-Bench sets (default {','.join(DATASETS)})")
     p.add_argument("--start", type=int, default=START_LINE, help=f"first 0-based line of each set ({START_LINE})")
     p.add_argument("--data", type=Path, default=None, help="folder with the Spec-Bench <set>.jsonl files")
-    p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
-                   help="activations between stages (default float16)")
+    p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default="float32",
+                   help="activations between stages (default float32: exact, lossless)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per emulated device (default 1)")
     p.add_argument("--context", type=int, default=2048, help="KV tokens per request on every stage (default 2048)")
     p.add_argument("--model", type=Path, default=None, help="the model (default: the packaged SmolLM2-135M)")

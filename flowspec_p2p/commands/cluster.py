@@ -54,7 +54,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, default=None, help="force exactly N layer-holding stages")
     p.add_argument("--leader-layers", choices=["auto", "always", "never"], default=None)
     p.add_argument("--context", type=int, default=None, help="KV tokens per request (default 2048)")
-    p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default=None)
+    p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default=None,
+                   help="activations between stages (default float32: exact; float16/bfloat16 halve the bytes)")
     p.add_argument("--state-dir", type=Path, default=None, help="keep agents' state and logs here (default: temp)")
 
 
