@@ -1,7 +1,9 @@
 """Held-out evaluation of a draft head on stored features.
 
     top1[k]          step-k top-1 agreement with the target over the draft vocabulary (teacher-forced tokens,
-                     the head's own features; EAGLE's "k-alpha"), on every held-out answer target
+                     the head's own features; EAGLE's "k-alpha"), on every held-out answer target whose token is
+                     in the draft vocabulary
+    vocab_coverage   share of held-out answer tokens inside the draft vocabulary (a ceiling on acceptance)
     chain            greedy chain drafting on the greedy (T=0) held-out conversations: from each start, the
                      number of leading steps whose draft token (mapped to target ids) equals the target's
                      greedy token. accept[k] = P(step k accepted | steps < k accepted); a chain of depth D
@@ -32,6 +34,7 @@ def evaluate(head: DraftHead, corpus: Corpus, idx: list[int], fz: Frozen, cfg: F
     t1_sum = [0.0] * depth
     t1_n = [0] * depth
     loss_sum, loss_n = 0.0, 0
+    covered, answer_targets = 0, 0  # answer tokens (after the first) inside the draft vocabulary
     for i in tqdm(idx, desc="eval", unit="conv", disable=not progress, dynamic_ncols=True):
         tokens, feats, p = corpus.conversation(i)
         ex = make_example(tokens, feats, p, fz.in_vocab, ecfg.max_prompt_context, 10**9)
@@ -43,6 +46,9 @@ def evaluate(head: DraftHead, corpus: Corpus, idx: list[int], fz: Frozen, cfg: F
         loss_n += s.targets[0] if s.targets else 0
         # chains: every start i whose depth targets all lie in the answer (draft vocab not required)
         raw = make_example(tokens, feats, p, None, ecfg.max_prompt_context, 10**9)
+        chosen = raw.tokens[2:][raw.valid]  # tokens the answer targets choose
+        answer_targets += chosen.numel()
+        covered += chosen.numel() if fz.in_vocab is None else int(fz.in_vocab[chosen].sum())
         n = raw.features.shape[0]
         nxt = torch.zeros(n + depth - 1, dtype=torch.long)
         m = min(n + depth - 1, raw.tokens.numel() - 1)
@@ -77,6 +83,7 @@ def evaluate(head: DraftHead, corpus: Corpus, idx: list[int], fz: Frozen, cfg: F
         "heldout_targets": topk.targets[0] if topk.targets else 0,
         "heldout_loss": round(loss_sum / max(1, loss_n), 4),
         "heldout_top1": [round(a, 4) for a in topk.accuracy()],
+        "vocab_coverage": round(covered / max(1, answer_targets), 4),
         "chain_starts": int(acc.numel()),
         "chain_accept": chain_accept,
         "chain_tau": {d: round(1 + float(acc.clamp(max=d).float().mean()), 4) if acc.numel() else 1.0

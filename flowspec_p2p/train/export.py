@@ -38,9 +38,13 @@ def run_eval(cfg: FitConfig, depth: int | None = None, progress: bool = True) ->
     target = load_target(cfg.model)
     corpus, _, held, fz = prepare(cfg, target)
     head, state = load_checkpoint(cfg, target.cfg)
+    # held out, or stored after the fit's snapshot (self-distilled ones come first in the corpus)
+    seen = state.get("data", {}).get("self_distilled_seen")
+    now = sum(1 for t in corpus.temperature.tolist() if t >= 0)
+    idx = sorted(set(held) | set(range(seen, now))) if seen is not None else held
     t0 = time.perf_counter()
-    result = {"step": state["step"], **evaluate(head, corpus, held, fz, cfg, depth, progress)}
-    log.info("evaluated step %d on %d held-out conversations in %.0f s", state["step"], len(held),
+    result = {"step": state["step"], **evaluate(head, corpus, idx, fz, cfg, depth, progress)}
+    log.info("evaluated step %d on %d held-out or newer conversations in %.0f s", state["step"], len(idx),
              time.perf_counter() - t0)
     (cfg.run_dir / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -48,6 +48,9 @@ from .unroll import unrolled
 log = logging.getLogger(__name__)
 
 
+SELF_VOCAB_WEIGHT = 0.75  # share of self-distilled answers (vs teacher-forced ones) in the draft-vocab counts
+
+
 class FitConfig(FrozenModel):
     run_dir: Path
     model: str | None = None
@@ -199,10 +202,17 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
                 log.warning("%s has %d tokens, not %d: recomputing", vocab_path, vocab.numel(), cfg.draft_vocab)
                 vocab = None
         if vocab is None:
-            counts = answer_token_counts(corpus, train, target.cfg.vocab_size)
+            own = [i for i in train if float(corpus.temperature[i]) >= 0]
+            forced = [i for i in train if float(corpus.temperature[i]) < 0]
+            counts = answer_token_counts(corpus, own, target.cfg.vocab_size).double()
+            if forced:  # the target's own answers are what drafting meets: they weigh SELF_VOCAB_WEIGHT
+                other = answer_token_counts(corpus, forced, target.cfg.vocab_size).double()
+                counts = (SELF_VOCAB_WEIGHT * counts / counts.sum().clamp(min=1)
+                          + (1 - SELF_VOCAB_WEIGHT) * other / other.sum().clamp(min=1))
             vocab = draft_vocab_from_counts(counts, cfg.draft_vocab)
-            cover = float(counts[vocab].sum() / counts.sum().clamp(min=1))
-            log.info("draft vocabulary: %d tokens cover %.2f%% of answer tokens", vocab.numel(), 100 * cover)
+            cover = float(counts[vocab].sum() / counts.sum().clamp(min=1e-9))
+            log.info("draft vocabulary: %d tokens cover %.2f%% of (weighted) answer tokens", vocab.numel(),
+                     100 * cover)
             vocab_path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(vocab, vocab_path)
     rms = feature_rms(corpus)
@@ -237,7 +247,9 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
     fixed = [i for i in train_idx if float(corpus.temperature[i]) < 0]
     data = {"conversations": len(train_idx), "answer_tokens": corpus.answer_tokens(train_idx),
             "teacher_forced_conversations": len(fixed), "teacher_forced_answer_tokens": corpus.answer_tokens(fixed),
-            "heldout_conversations": len(held_idx)}
+            "heldout_conversations": len(held_idx),
+            # self-distilled conversations come first in the corpus: later ones are unseen by this fit
+            "self_distilled_seen": sum(1 for t in corpus.temperature.tolist() if t >= 0)}
     keys = sorted(corpus.keys[i] for i in train_idx)
     by_key = {corpus.keys[i]: i for i in train_idx}
 
