@@ -330,17 +330,20 @@ def _parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict, list[_GGUFTensor]]:
 DEQUANT_CHUNK_BLOCKS = 1 << 16  # 2M weights (8 MB of float32) per step
 
 
-def _dequantize_blocks(blocks: torch.Tensor, name: str) -> torch.Tensor:
-    """blocks: [n, bytes per block] uint8 of type Q8_0 | Q4_0 | Q4_1 -> [n, 32] float32 (gguf.quants' formulas)."""
+def _dequantize_blocks(blocks: torch.Tensor, name: str, out: torch.Tensor) -> None:
+    """blocks: [n, bytes per block] uint8 of type Q8_0 | Q4_0 | Q4_1 -> out: [n, 32] float32, with gguf.quants'
+    float32 formulas (the integer quants convert exactly, so writing the products straight into ``out`` is exact)."""
     d = blocks[:, :2].contiguous().view(torch.float16).float()  # [n, 1] scale
     if name == "Q8_0":
-        return blocks[:, 2:].contiguous().view(torch.int8).float() * d
+        torch.mul(blocks[:, 2:].contiguous().view(torch.int8), d, out=out)
+        return
     qs = blocks[:, -16:]  # [n, 16]: element j in the low nibble of byte j, element 16 + j in the high one
     q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # [n, 32]
     if name == "Q4_0":
-        return d * (q.to(torch.int8) - 8).float()
+        torch.mul(d, q.to(torch.int8) - 8, out=out)
+        return
     m = blocks[:, 2:4].contiguous().view(torch.float16).float()  # [n, 1] Q4_1 minimum
-    return d * q.float() + m
+    torch.mul(d, q, out=out).add_(m)
 
 
 def dequantize(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -361,7 +364,7 @@ def dequantize(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> torch.Tensor
         blocks = raw.view(-1, size)  # [n_blocks, bytes per block]
         out = torch.empty(blocks.shape[0], block)  # [n_blocks, 32]
         for a in range(0, blocks.shape[0], DEQUANT_CHUNK_BLOCKS):  # in chunks: temporaries stay small
-            out[a : a + DEQUANT_CHUNK_BLOCKS] = _dequantize_blocks(blocks[a : a + DEQUANT_CHUNK_BLOCKS], name)
+            _dequantize_blocks(blocks[a : a + DEQUANT_CHUNK_BLOCKS], name, out[a : a + DEQUANT_CHUNK_BLOCKS])
     else:
         block, size = GGML_QUANT_SIZES[qtype]
         rows = raw.numpy().reshape(*shape[:-1], shape[-1] // block * size)
