@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        var = h.pow(2).sum(-1, keepdim=True).div_(h.shape[-1])  # = .mean(-1) bit for bit, dispatched faster
+        h = h * torch.rsqrt(var.add_(self.eps))
         return self.weight * h.to(dtype)
 
 
@@ -57,7 +58,7 @@ class Rotary:
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((-x.narrow(-1, half, half), x.narrow(-1, 0, half)), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -124,12 +125,13 @@ class DecoderBlock(nn.Module):
         qkv = self.attn_norm(x) @ self.wqkv  # [b, n, (hq + 2 hk) hd]
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        # q and k rotated together, as [b, n, hq + hk, hd] (half the small ops of rotating each)
-        qk = apply_rotary(qkv[..., : cfg.q_dim + cfg.kv_dim].view(b, n, hq + hk, hd), cos.transpose(1, 2),
-                          sin.transpose(1, 2))
-        q = qk[:, :, :hq].transpose(1, 2)  # [b, hq, n, hd]
-        k = qk[:, :, hq:].transpose(1, 2)  # [b, hk, n, hd]
-        v = qkv[..., cfg.q_dim + cfg.kv_dim :].view(b, n, hk, hd).transpose(1, 2)  # [b, hk, n, hd]
+        # q and k rotated together, as [b, n, hq + hk, hd] (half the small ops of rotating each); narrow rather
+        # than tuple indexing throughout: decoding one token is bound by per-op overhead outside the matmuls
+        qk = qkv.narrow(-1, 0, cfg.q_dim + cfg.kv_dim).view(b, n, hq + hk, hd)
+        qk = apply_rotary(qk, cos.transpose(1, 2), sin.transpose(1, 2))
+        q = qk.narrow(2, 0, hq).transpose(1, 2)  # [b, hq, n, hd]
+        k = qk.narrow(2, hq, hk).transpose(1, 2)  # [b, hk, n, hd]
+        v = qkv.narrow(-1, cfg.q_dim + cfg.kv_dim, cfg.kv_dim).view(b, n, hk, hd).transpose(1, 2)  # [b, hk, n, hd]
         if kv is not None:
             cache, layer, start = kv
             k, v = cache.write(layer, start, k, v)  # [b, kv_heads, start + n, hd]
