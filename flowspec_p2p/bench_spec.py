@@ -187,9 +187,12 @@ def simulate_tau(lengths: Sequence[int], n_tokens: int) -> tuple[float, int]:
 def candidate_shapes(
     sizes: Sequence[int] = NODE_SIZES, top_ks: Sequence[int] = TOP_KS, max_depth: int = MAX_DEPTH
 ) -> list[TreeShape]:
+    """Distinct trees only: a width k >= N - 1 builds the same tree as the smallest such k (no node can keep
+    more than N - 1 children, and every node that could be selected stays in a frontier that wide)."""
     out = []
     for n in sizes:
-        for k in top_ks:
+        wide = [k for k in top_ks if k >= n - 1]
+        for k in [k for k in top_ks if k < n - 1] + wide[:1]:
             for d in range(1, min(max_depth, n - 1) + 1):
                 if k == 1 and n - 1 != d:  # a chain: only its full length makes sense
                     continue
