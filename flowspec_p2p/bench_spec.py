@@ -126,6 +126,8 @@ def draft_costs(
     drafter.feed(prompt, feats, int(prompt[-1]))
     out: dict[tuple[int, int], list[float]] = {}
     feed: list[float] = []
+    for k in top_ks:  # warm-up: first calls pay for allocations
+        drafter.draft(TreeShape(total_tokens=max_depth + 1, depth=max_depth, top_k=k))
     for _ in range(repeats):
         for k in top_ks:
             for d in range(1, max_depth + 1):
