@@ -237,7 +237,8 @@ def test_default_model_with_the_shipped_head_matches_autoregressive_greedy(reque
     default_model = request.getfixturevalue("default_model")
     bundle = DraftBundle.load(stem)
     shard, tok = default_model.shard, default_model.tokenizer
-    spec = SpecDecoder(shard, HeadDrafter(bundle.head, shard, bundle.draft_vocab), DEFAULT_TREE)
+    shape = TreeShape(total_tokens=12, depth=4, top_k=4)  # a real tree, not the 2-node default
+    spec = SpecDecoder(shard, HeadDrafter(bundle.head, shard, bundle.draft_vocab), shape)
     taus = []
     for text in ("What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."):
         prompt = tok.chat([{"role": "user", "content": text}])
