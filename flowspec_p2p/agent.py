@@ -373,15 +373,9 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 def _modes() -> list:
     """The decoding modes this build offers (the leader picks what its drafter allows)."""
-    from .chunkpp import CHUNK
-    from .leader import AR
+    from .leader import builtin_modes
 
-    modes = [AR, CHUNK]
-    try:
-        from .flowspec import FLOWSPEC
-    except ImportError:  # the flowspec mode ships separately (issue 5)
-        return modes
-    return [*modes, FLOWSPEC]
+    return builtin_modes()
 
 
 def _drafter(model_fp: str, head, stem: Path | None = None):

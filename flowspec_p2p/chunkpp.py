@@ -25,9 +25,13 @@ import torch
 from .drafter import TreeShape
 from .leader import ModeContext, ModeSpec, prefill
 from .sampling import target_probs
-from .spec import DEFAULT_TREE
 from .tree import DraftTree, segment_bounds, split_lengths
 from .verify import LazyRows, Verdict, verify_greedy, verify_sampling
+
+# The pipeline's tree is not the single-device one (spec.DEFAULT_TREE, tuned for one forward on one CPU): here
+# it is cut into one segment per stage, so a bigger tree costs little more per round. Same budget as FlowSpec's
+# initial tree, so the two modes draft comparable trees.
+CHUNK_TREE = TreeShape(total_tokens=24, depth=6, top_k=4)
 
 
 def _verify(ctx: ModeContext, tree: DraftTree, f: torch.Tensor) -> Verdict:
@@ -47,7 +51,7 @@ def _commit(ctx: ModeContext, tree: DraftTree, f: torch.Tensor, verdict: Verdict
         ctx.drafter.feed(tree.tokens[acc].tolist(), f[acc], verdict.token)
 
 
-async def chunk_mode(ctx: ModeContext, shape: TreeShape = DEFAULT_TREE, segments: int | None = None
+async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: int | None = None
                      ) -> AsyncIterator[list[int]]:
     """``segments``: per tree (default: the pipeline's stages + 1, the leader included, as the reference)."""
     drafter, stats = ctx.drafter, ctx.stats
@@ -100,7 +104,7 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = DEFAULT_TREE, segments
                            tree_nodes=round(nodes / rounds, 2) if rounds else 0.0)
 
 
-def chunk_spec(shape: TreeShape = DEFAULT_TREE, segments: int | None = None) -> ModeSpec:
+def chunk_spec(shape: TreeShape = CHUNK_TREE, segments: int | None = None) -> ModeSpec:
     """The ``chunk`` mode with a tree shape and a segment count (None: stages + 1)."""
     return ModeSpec("chunk", partial(chunk_mode, shape=shape, segments=segments), needs_drafter=True,
                     description="Chunk-PP: a whole EAGLE-2 tree in segments through the pipeline, verified at once")

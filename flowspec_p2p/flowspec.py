@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import torch
 from pydantic import Field
@@ -100,12 +101,12 @@ class FlowState:
     def verified(self) -> int:
         return len(self.feats)
 
-    def next_segment(self, cap: int) -> tuple[int, int, int] | None:
-        """Claim the next unsent nodes [a, b) as a segment -> (tag, a, b), or None when nothing is unsent."""
-        a, n = self.sent, len(self.tree)
-        if a >= n:
-            return None
-        b = min(n, a + cap)
+    def next_segment(self, size: int) -> tuple[int, int, int]:
+        """Claim the next ``size`` unsent nodes [a, b) as a segment -> (tag, a, b)."""
+        a = self.sent
+        b = a + size
+        assert size > 0, size
+        assert b <= len(self.tree), (a, size, len(self.tree))
         tag = self.next_tag
         self.next_tag += 1
         self.sent = b
@@ -198,15 +199,48 @@ def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
     return verify_sampling(state.tree, probs, uniforms, verified_end=v, stop_ids=ctx.stop_ids)
 
 
-async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) -> AsyncIterator[list[int]]:
-    cfg = config or FlowSpecConfig()
+class Growth(Protocol):
+    """How a pipelined tree mode drafts and cuts its tree (FlowSpec here; PipeDec in pipedec.py)."""
+
+    async def initial(self, ctx: ModeContext, budget: int) -> DraftTree: ...
+
+    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool) -> bool:
+        """Expand ``state.tree`` after a returned segment (``walked``: a walk just moved the root). -> drafted?"""
+
+    def segment(self, state: FlowState) -> int:
+        """Nodes in the next segment, starting at ``state.sent`` (0: nothing to send)."""
+
+
+class FlowSpecGrowth:
+    def __init__(self, cfg: FlowSpecConfig):
+        self.cfg = cfg
+
+    async def initial(self, ctx: ModeContext, budget: int) -> DraftTree:
+        return await ctx.compute(ctx.drafter.draft, self.cfg.init.capped(budget - 1))
+
+    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool) -> bool:
+        cfg = self.cfg
+        if not walked or (cfg.redraft_below and len(state.tree) - state.sent >= cfg.redraft_below):
+            return False
+        state.tree, _ = await ctx.compute(expand, ctx.drafter, state.tree, cfg.expand.capped(budget - 1))
+        state.rank_unsent(cfg.max_unsent)
+        return True
+
+    def segment(self, state: FlowState) -> int:
+        return min(self.cfg.segment_cap, len(state.tree) - state.sent)
+
+
+async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None = None,
+                        draft_slots: int = 64) -> AsyncIterator[list[int]]:
+    """The pipelined tree loop shared by FlowSpec and PipeDec: prefill, fill the ring with segments, and on every
+    returned segment extend the verified prefix, walk, prune in band, grow the tree, refill."""
     drafter, stats = ctx.drafter, ctx.stats
     budget = ctx.max_new_tokens
-    in_flight = cfg.in_flight or ctx.pipeline.stages + 1
+    in_flight = in_flight or ctx.pipeline.stages + 1
     t0 = time.perf_counter()
     feats = await prefill(ctx)  # [P, hidden]
     token = await ctx.compute(ctx.choose, feats[-1])
-    drafter.reset(len(ctx.prompt) + budget + cfg.init.draft_slots() + cfg.expand.draft_slots())
+    drafter.reset(len(ctx.prompt) + budget + draft_slots)
     await ctx.compute(drafter.feed, ctx.prompt, feats, token)
     stats.prefill_s = time.perf_counter() - t0
     stats.steps, stats.new_tokens = 1, 1
@@ -218,62 +252,66 @@ async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) 
         if stats.new_tokens >= budget or token in ctx.stop_ids:
             return
         td = time.perf_counter()
-        tree = await ctx.compute(drafter.draft, cfg.init.capped(budget - stats.new_tokens - 1))
+        state = FlowState(tree=await growth.initial(ctx, budget - stats.new_tokens), committed=len(ctx.prompt))
         draft_s += time.perf_counter() - td
-        state = FlowState(tree=tree, committed=len(ctx.prompt))
-        state.rank_unsent(cfg.max_unsent)
 
         async def fill() -> None:
             """Keep ``in_flight`` live segments in the ring while unsent nodes exist. Segments that a prune emptied
             do not count: the stages skip their dead rows (look-ahead), so a fresh root goes out at once."""
             while sum(1 for seg in state.inflight if seg.nodes) < in_flight:
-                seg = state.next_segment(cfg.segment_cap)
-                if seg is None:
+                n = growth.segment(state)
+                if n <= 0:
                     return
-                tag, a, b = seg
+                tag, a, b = state.next_segment(n)
                 t = state.tree
-                await ctx.forward(first=a, parents=t.parent_list[a:b], positions=t.positions(state.committed)[a:b].tolist(),
-                                  tokens=t.tokens[a:b], tag=tag)
+                positions = t.positions(state.committed)[a:b].tolist()
+                await ctx.forward(first=a, parents=t.parent_list[a:b], positions=positions, tokens=t.tokens[a:b],
+                                  tag=tag)
 
-        # the initial tree, cut into short segments, fills the ring
-        await fill()
+        await fill()  # the initial tree, cut into segments, fills the ring
         while True:
             msg, tensors = await ctx.recv()
             if not isinstance(msg, Forward):
                 continue  # acks of our prunes: the FIFO bookkeeping is done at send time
             nodes, f = state.take_result(msg, ctx.features(tensors))
+            walked = False
             if nodes:
                 tv = time.perf_counter()
                 state.feats += list(f)
-                if state.verified:
-                    verdict = await ctx.compute(_walk, ctx, state)
-                    verify_s += time.perf_counter() - tv
-                    state.counters["walks"] += 1
-                    stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
-                    remaining = budget - stats.new_tokens
-                    out = verdict.emitted(state.tree)[:remaining]
-                    stats.new_tokens += len(out)
-                    if out:
-                        yield out
-                    if verdict.stopped or stats.new_tokens >= budget or out[-1] in ctx.stop_ids:
-                        return
-                    accept, keep, acc_tokens, acc_feats = state.apply(verdict)
-                    await ctx.prune(accept, keep)
-                    await fill()  # surviving unsent nodes go out before we spend time drafting
-                    td = time.perf_counter()
-                    await ctx.compute(drafter.feed, acc_tokens, acc_feats, verdict.token)
-                    if not cfg.redraft_below or len(state.tree) - state.sent < cfg.redraft_below:
-                        shape = cfg.expand.capped(budget - stats.new_tokens - 1)
-                        state.tree, _ = await ctx.compute(expand, drafter, state.tree, shape)
-                        state.rank_unsent(cfg.max_unsent)
-                        state.counters["drafts"] = state.counters.get("drafts", 0) + 1
-                    draft_s += time.perf_counter() - td
+                verdict = await ctx.compute(_walk, ctx, state)  # the root is always in the verified prefix here
+                verify_s += time.perf_counter() - tv
+                state.counters["walks"] += 1
+                stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
+                out = verdict.emitted(state.tree)[: budget - stats.new_tokens]
+                stats.new_tokens += len(out)
+                if out:
+                    yield out
+                if verdict.stopped or stats.new_tokens >= budget or out[-1] in ctx.stop_ids:
+                    return
+                accept, keep, acc_tokens, acc_feats = state.apply(verdict)
+                await ctx.prune(accept, keep)
+                await fill()  # surviving unsent nodes go out before we spend time drafting
+                td = time.perf_counter()
+                await ctx.compute(drafter.feed, acc_tokens, acc_feats, verdict.token)
+                draft_s += time.perf_counter() - td
+                walked = True
+            td = time.perf_counter()
+            if await growth.grow(ctx, state, budget - stats.new_tokens, walked):
+                state.counters["drafts"] = state.counters.get("drafts", 0) + 1
+            draft_s += time.perf_counter() - td
             await fill()
     finally:
         stats.decode_s = time.perf_counter() - t1
         if state is not None:
             stats.extra.update(draft_s=round(draft_s, 4), verify_s=round(verify_s, 4), in_flight=in_flight,
                                **state.counters)
+
+
+async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) -> AsyncIterator[list[int]]:
+    cfg = config or FlowSpecConfig()
+    slots = cfg.init.draft_slots() + cfg.expand.draft_slots()
+    async for chunk in tree_pipeline(ctx, FlowSpecGrowth(cfg), cfg.in_flight, slots):
+        yield chunk
 
 
 def flowspec_spec(config: FlowSpecConfig | None = None) -> ModeSpec:

@@ -85,7 +85,8 @@ class ARDecoder:
     mode = "ar"
 
     def __init__(self, model: Shard, max_context: int | None = None):
-        assert model.has_embed and model.has_head
+        assert model.has_embed
+        assert model.has_head
         self.model = model
         self.max_context = max_context or model.max_position
 

@@ -287,15 +287,12 @@ AR = ModeSpec("ar", ar_mode, description="pipelined autoregressive decoding, one
 
 
 def builtin_modes() -> list[ModeSpec]:
-    """Every mode this package ships, with default settings: ar, chunk, and flowspec where present."""
+    """Every mode this package ships, with default settings: ar, chunk, pipedec and flowspec."""
     from .chunkpp import CHUNK
+    from .flowspec import FLOWSPEC
+    from .pipedec import PIPEDEC
 
-    modes = [AR, CHUNK]
-    try:
-        from .flowspec import flowspec_spec
-    except ImportError:  # pragma: no cover - a checkout without the flowspec mode
-        return modes
-    return [*modes, flowspec_spec()]
+    return [AR, CHUNK, PIPEDEC, FLOWSPEC]
 
 
 def _decode_window(stats: GenStats, busy: list[tuple[float, float]]) -> None:

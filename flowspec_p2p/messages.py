@@ -51,8 +51,8 @@ class Forward(FrozenModel):
     positions: list[int]  # per node: absolute position = committed + depth
     commit: bool = False  # commit the nodes right after the forward (prefill chunks, autoregressive steps)
     tag: int = 0  # the leader's segment id, echoed back unchanged
-    dead: list[int] = []  # rows (offsets in this message) a queued Prune already discards: not computed, zeros
-    tensors: list[TensorSpec] = []
+    dead: list[int] = Field(default_factory=list)  # rows a queued Prune already discards: not computed, zeros
+    tensors: list[TensorSpec] = Field(default_factory=list)
 
 
 class Prune(FrozenModel):

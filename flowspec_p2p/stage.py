@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -217,7 +218,7 @@ class StageCore:
         cache = state.cache
         keep, a = msg.keep, msg.accept
         pending = len(state.parents)
-        if any(k < 0 or k >= pending for k in keep) or any(y <= x for x, y in zip(keep, keep[1:], strict=False)):
+        if any(k < 0 or k >= pending for k in keep) or any(y <= x for x, y in pairwise(keep)):
             raise ProtocolError(f"prune keeps {keep}: need strictly increasing indices below {pending}")
         if a > len(keep):
             raise ProtocolError(f"prune accepts {a} of only {len(keep)} kept nodes")

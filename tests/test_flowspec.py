@@ -13,6 +13,7 @@ from flowspec_p2p.flowspec import FlowSpecConfig, flowspec_spec
 from flowspec_p2p.generate import GenStats
 from flowspec_p2p.leader import AR, Leader, LeaderSettings
 from flowspec_p2p.loopback import LoopbackRing
+from flowspec_p2p.pipedec import PipeDecConfig, pipedec_spec
 from flowspec_p2p.sampling import SamplingParams
 from flowspec_p2p.shard import Shard
 from flowspec_p2p.types import LayerRange
@@ -137,3 +138,27 @@ async def test_stop_token_and_budget_end_the_reply_exactly(parts):
             assert out[-1] in stop
             for n in (1, 2, 5):
                 assert (await run(leader, prompt, n))[0] == ref[:n]
+
+
+@pytest.mark.parametrize(("drafter_kind", "n_stages", "width"),
+                         [("perfect", 3, 2), ("partial", 4, 3), ("random", 3, 2)])
+async def test_greedy_pipedec_equals_single_device_autoregressive(parts, four_stages, drafter_kind, n_stages, width):
+    """PipeDec (one tree level per pipeline step) shares FlowSpec's machinery and is lossless too."""
+    stages = parts.stages if n_stages == 3 else four_stages
+    leader = Leader(parts.head, None, drafter=drafter_for(drafter_kind, parts),
+                    modes=[pipedec_spec(PipeDecConfig(width=width, max_depth=6))],
+                    settings=LeaderSettings(max_context=200, prefill_chunk=4, step_timeout_s=20.0))
+    pipeline, cores = sync_pipeline(stages, leader, F64)
+    async with asyncio.TaskGroup() as tg:
+        demux = tg.create_task(leader.run())
+        await leader.set_pipeline(pipeline)
+        for prompt in PROMPTS[:2]:
+            out = []
+            stats = GenStats(mode="?")
+            async for chunk in leader.generate(prompt, params=GREEDY, max_tokens=40, stop_ids=frozenset(),
+                                               mode="pipedec", stats=stats):
+                out += chunk
+            assert out == parts.reference(prompt, 40), (drafter_kind, prompt)
+            assert stats.extra["walks"] > 0
+        demux.cancel()
+    assert all(c.counters["errors"] == 0 for c in cores)

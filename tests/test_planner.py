@@ -20,7 +20,8 @@ def smol(context: int = 2048, layers: int = 30) -> ModelSpec:
     """SmolLM2-135M's sizes (float32 at run time)."""
     layer = 3_540_096
     return ModelSpec(name="smol", num_layers=layers, layer_bytes=(layer * 4,) * layers, embed_bytes=49152 * 576 * 4,
-                     head_bytes=(49152 * 576 + 576) * 4, norm_bytes=576 * 4, draft_bytes=4_203_072 * 4, kv_bytes_per_token=1536,
+                     head_bytes=(49152 * 576 + 576) * 4, norm_bytes=576 * 4, draft_bytes=4_203_072 * 4,
+                     kv_bytes_per_token=1536,
                      hidden_size=576, vocab_size=49152, context=context, layer_flops=2.0 * layer,
                      head_flops=2.0 * 576 * 49152, draft_flops=2.0 * 4_203_072)
 

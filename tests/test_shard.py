@@ -35,7 +35,8 @@ def test_forward_matches_transformers_in_float64(tiny_checkpoints, kind):
 
 def test_qwen2_bias_is_used(tiny_checkpoints):
     shard = _whole(tiny_checkpoints["qwen2"])
-    assert shard.blocks[0].bqkv is not None and shard.blocks[0].bqkv.abs().sum() > 0
+    assert shard.blocks[0].bqkv is not None
+    assert shard.blocks[0].bqkv.abs().sum() > 0
 
 
 def test_stages_in_sequence_equal_the_whole_model(tiny_llama):
@@ -48,7 +49,8 @@ def test_stages_in_sequence_equal_the_whole_model(tiny_llama):
     with torch.inference_mode():
         ref = whole.logits(whole(ids, None))
         h = last(mid(first(ids, None), None), None)
-        assert first.head_t is None and last.embed is None
+        assert first.head_t is None
+        assert last.embed is None
         assert torch.equal(last.logits(h), ref)
 
 

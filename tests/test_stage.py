@@ -57,12 +57,13 @@ def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline, lookahead):
     rng = random.Random(0 if not lookahead else 1)
     rid, seq = "r1", 0
     committed = [rng.randrange(96) for _ in range(9)]
-    out, t = run(stages, Forward(request_id=rid, seq=seq, first=0, parents=[-1] + list(range(8)),
+    out, t = run(stages, Forward(request_id=rid, seq=seq, first=0, parents=[-1, *range(8)],
                                  positions=list(range(9)), commit=True), {"tokens": torch.tensor(committed)})
     seq += 1
-    assert isinstance(out, Forward) and t["features"].shape == (9, 64)
+    assert isinstance(out, Forward)
+    assert t["features"].shape == (9, 64)
     tokens, parents = [], []
-    for rnd in range(6):
+    for _ in range(6):
         # grow the pending tree by a random segment (parents among existing nodes), in one or two forwards
         n_new = rng.randrange(1, 6)
         for _ in range(n_new):
@@ -120,7 +121,8 @@ def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline, lookahead):
         parents = [remap.get(parents[i], -1) for i in kept]
         for s in stages:
             st = s.requests[rid]
-            assert st.cache.committed == len(committed) and st.parents == parents
+            assert st.cache.committed == len(committed)
+            assert st.parents == parents
     # the caches now hold exactly the committed prefix + surviving nodes: a final forward still matches
     parents.append(-1)
     tokens.append(5)
@@ -134,7 +136,8 @@ def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline, lookahead):
     if lookahead:
         assert sum(s.counters.get("skipped", 0) for s in stages) > 0, "look-ahead never skipped a row"
     out, _ = run(stages, Release(request_id=rid, seq=seq + 1))
-    assert isinstance(out, Release) and all(rid not in s.requests for s in stages)
+    assert isinstance(out, Release)
+    assert all(rid not in s.requests for s in stages)
 
 
 def test_protocol_violations_become_stage_errors_and_drop_the_request(pipeline):

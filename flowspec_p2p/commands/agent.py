@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--leader-layers", choices=["auto", "always", "never"], default=None,
                    help="(leader) may the leader hold layers itself (never = FlowSpec's layout)")
     p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default=None,
-                   help="(leader) activations between stages (default float32: exact; float16/bfloat16 halve the bytes but round hidden states)")
+                   help="(leader) activations between stages (default float32: exact; float16/bfloat16 halve "
+                   "the bytes but round hidden states)")
     p.add_argument("--memory-mb", type=float, default=None, help="offer this much memory instead of measuring")
     p.add_argument("--gflops", type=float, default=None, help="use this compute score instead of measuring")
     p.add_argument("--link-mbps", type=float, default=None, help="emulate this link bandwidth (Mbit/s)")
