@@ -69,7 +69,8 @@ def test_greedy_equals_transformers_generate_in_float64(tiny_checkpoints, kind):
 def test_max_tokens_is_exact_and_every_token_is_one_step(decoder):
     ids, stats = generate_ids(decoder, _prompt(), GREEDY, 17)
     assert len(ids) == stats.new_tokens == stats.steps == 17
-    assert stats.tau == 1.0 and stats.prompt_tokens == 7
+    assert stats.tau == 1.0
+    assert stats.prompt_tokens == 7
     assert generate_ids(decoder, _prompt(), GREEDY, 1)[0] == ids[:1]
     assert generate_ids(decoder, _prompt(), GREEDY, 0)[0] == []
 
@@ -125,7 +126,9 @@ def test_target_probs_by_hand():
     assert hot.dtype == torch.float64
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 9, 0.6)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 9, 0.6)]
+)
 def test_target_probs_equal_transformers_warpers(temperature, top_k, top_p):
     from transformers.generation.logits_process import (
         TemperatureLogitsWarper,
