@@ -390,8 +390,10 @@ def _drafter(model_fp: str, head, stem: Path | None = None):
     bundle = DraftBundle.load(stem, dtype=head.dtype)
     if bundle.meta.get("target_fingerprint") != model_fp:
         log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
-    log.info("draft head %s", stem.name)
-    return HeadDrafter(bundle.head, head, bundle.draft_vocab)
+    log.info("draft head %s (+ prompt-lookup candidates)", stem.name)
+    from .ngram import LookupDrafter
+
+    return LookupDrafter(HeadDrafter(bundle.head, head, bundle.draft_vocab))
 
 
 def _agent_id(state: Path) -> str:

@@ -129,7 +129,10 @@ def _drafter(kind: str, lm, head):
     stem = find_draft(lm.fingerprint())
     if stem is not None:
         bundle = DraftBundle.load(stem)
-        return HeadDrafter(bundle.head, head, bundle.draft_vocab), f"trained EAGLE head {stem.name}"
+        from .ngram import LookupDrafter
+
+        drafter = LookupDrafter(HeadDrafter(bundle.head, head, bundle.draft_vocab))
+        return drafter, f"trained EAGLE head {stem.name} + prompt lookup"
     if kind == "head":
         from .draft import DraftHead
 

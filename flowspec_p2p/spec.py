@@ -25,6 +25,7 @@ from .drafter import Drafter, HeadDrafter, TreeShape
 from .errors import ConfigError
 from .generate import PREFILL_CHUNK, GenStats, check_context
 from .kv_cache import KVCache
+from .ngram import LookupDrafter
 from .sampling import SamplingParams, choose, target_probs
 from .shard import Shard
 from .tokenizer import cache_dir
@@ -61,9 +62,9 @@ def tuned_tree(target_fingerprint: str | None, path: Path | None = None) -> Tree
         return DEFAULT_TREE
 
 
-def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | None = None) -> tuple[HeadDrafter, dict]:
+def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | None = None) -> tuple[Drafter, dict]:
     """The EAGLE head at ``draft`` (a stem, .json or .safetensors), or the shipped/cached head trained for this
-    target (``draft.find_draft``). -> (drafter, the head's metadata)"""
+    target (``draft.find_draft``), with prompt-lookup candidates merged in (ngram.py). -> (drafter, metadata)"""
     stem = Path(draft) if draft is not None else find_draft(target_fingerprint)
     if stem is None:
         raise ConfigError(
@@ -73,7 +74,7 @@ def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | Non
     bundle = DraftBundle.load(stem, dtype=target.dtype)
     if bundle.meta.get("target_fingerprint") != target_fingerprint:
         log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
-    return HeadDrafter(bundle.head, target, bundle.draft_vocab), bundle.meta
+    return LookupDrafter(HeadDrafter(bundle.head, target, bundle.draft_vocab)), bundle.meta
 
 
 def prefill_features(model: Shard, cache: KVCache, prompt: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""Prompt-lookup candidates: the index finds what a brute-force search finds, the chain lands in the tree, and
+speculative decoding (single device and FlowSpec) stays equal to autoregressive decoding with it."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from flowspec_p2p.drafter import HeadDrafter, TreeShape
+from flowspec_p2p.flowspec import FlowSpecConfig, flowspec_spec
+from flowspec_p2p.generate import ARDecoder, GenStats, generate_ids
+from flowspec_p2p.leader import Leader, LeaderSettings
+from flowspec_p2p.ngram import LookupConfig, LookupDrafter, PromptLookup
+from flowspec_p2p.sampling import SamplingParams
+from flowspec_p2p.spec import SpecDecoder
+
+from .fake_ring import sync_pipeline
+from .ring_fixtures import F64, tiny_parts
+from .test_drafter import random_head, tiny_target
+
+REPETITIVE = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6]
+
+
+def brute_force(ctx, root, cfg: LookupConfig, length):
+    seq = [*ctx, root]
+    for n in range(min(cfg.max_ngram, len(seq)), cfg.min_ngram - 1, -1):
+        suffix = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):  # latest earlier occurrence
+            if seq[start : start + n] == suffix:
+                return seq[start + n : start + n + length]
+    return []
+
+
+def test_the_index_proposes_what_a_brute_force_search_finds():
+    rng = random.Random(0)
+    for cfg in (LookupConfig(), LookupConfig(max_ngram=2, min_ngram=2, length=3)):
+        for _ in range(200):
+            ctx = [rng.randrange(5) for _ in range(rng.randrange(0, 30))]
+            root = rng.randrange(5)
+            lookup = PromptLookup(cfg)
+            cut = rng.randrange(0, len(ctx) + 1)  # tokens arrive in two feeds
+            lookup.extend(ctx[:cut])
+            lookup.extend(ctx[cut:])
+            assert lookup.propose(root, cfg.length) == brute_force(ctx, root, cfg, cfg.length), (ctx, root)
+
+
+def test_the_chain_is_merged_below_the_root(tiny_llama):
+    target = tiny_target(tiny_llama)
+    drafter = LookupDrafter(HeadDrafter(random_head(target), target))
+    drafter.reset(64)
+    with torch.inference_mode():
+        feats = target(torch.tensor([REPETITIVE[:-1]]), None)[0]
+    drafter.feed(REPETITIVE[:-1], feats, REPETITIVE[-1])
+    tree = drafter.draft(TreeShape(total_tokens=4, depth=4, top_k=2))
+    tree.check()
+    node = 0
+    for tok in (7, 9, 10, 5):  # the latest earlier "5 6" (positions 8-9) was followed by "7 9 10 5"
+        node = tree.child_with_token(node, tok)
+        assert node is not None, tree.token_list
+
+
+@pytest.mark.parametrize("shape", [TreeShape(total_tokens=6, depth=4, top_k=2), TreeShape(total_tokens=2, depth=1,
+                                                                                          top_k=1)])
+def test_speculation_with_lookup_equals_autoregressive_decoding(tiny_llama, shape):
+    target = tiny_target(tiny_llama)
+    ref, _ = generate_ids(ARDecoder(target), REPETITIVE, SamplingParams(), 40)
+    spec = SpecDecoder(target, LookupDrafter(HeadDrafter(random_head(target), target)), shape)
+    out, stats = generate_ids(spec, REPETITIVE, SamplingParams(), 40)
+    assert out == ref
+    assert stats.steps < 40, "a repetitive reply should let the lookup chain land some tokens"
+
+
+async def test_flowspec_with_lookup_equals_single_device(tiny_llama):
+    parts = tiny_parts(tiny_llama)
+    drafter = LookupDrafter(HeadDrafter(random_head(parts.whole), parts.head))
+    leader = Leader(parts.head, None, drafter=drafter, modes=[flowspec_spec(FlowSpecConfig(segment_cap=3))],
+                    settings=LeaderSettings(max_context=200, prefill_chunk=8))
+    pipeline, _ = sync_pipeline(parts.stages, leader, F64)
+    async with asyncio.TaskGroup() as tg:
+        demux = tg.create_task(leader.run())
+        await leader.set_pipeline(pipeline)
+        out, stats = [], GenStats(mode="?")
+        async for chunk in leader.generate(REPETITIVE, params=SamplingParams(), max_tokens=40, stop_ids=frozenset(),
+                                           mode="flowspec", stats=stats):
+            out += chunk
+        demux.cancel()
+    assert out == parts.reference(REPETITIVE, 40)
