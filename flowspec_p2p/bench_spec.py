@@ -111,31 +111,33 @@ def forward_curve(
 
 
 @torch.inference_mode()
+def head_row_time(shard: Shard, repeats: int = 15) -> float:
+    """Median seconds of one LM-head row: verification computes one per accepted node beyond the first."""
+    f = torch.randn(shard.cfg.hidden_size, dtype=shard.dtype)
+    samples = [_elapsed(lambda: shard.logits(f)) for _ in range(repeats)]
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
 def draft_costs(
-    drafter: TreeDrafter,
-    shard: Shard,
-    prompt: Sequence[int],
-    top_ks: Sequence[int] = TOP_KS,
-    max_depth: int = MAX_DEPTH,
-    repeats: int = 5,
-) -> tuple[dict[tuple[int, int], float], float]:
-    """Median draft() seconds per (levels, k), and of one feed of two committed tokens."""
+    drafter: TreeDrafter, shard: Shard, prompt: Sequence[int], shapes: Sequence[TreeShape], repeats: int = 3
+) -> tuple[dict[TreeShape, float], float]:
+    """Median draft() seconds of each shape (frontier pruning makes it depend on the budget too, not only on
+    depth and width), and of one feed of two committed tokens."""
     cache = shard.new_cache(len(prompt) + 8 * repeats + 8)
     feats = prefill_features(shard, cache, prompt)
-    drafter.reset(len(prompt) + 8 * repeats + 1 + max(top_ks) * max_depth)
+    drafter.reset(len(prompt) + 8 * repeats + 1 + max(s.top_k for s in shapes) * MAX_DEPTH)
     drafter.feed(prompt, feats, int(prompt[-1]))
-    out: dict[tuple[int, int], list[float]] = {}
+    for s in shapes[:: max(1, len(shapes) // 8)]:  # warm-up: first calls pay for allocations
+        drafter.draft(s)
+    out: dict[TreeShape, list[float]] = {s: [] for s in shapes}
     feed: list[float] = []
-    for k in top_ks:  # warm-up: first calls pay for allocations
-        drafter.draft(TreeShape(total_tokens=max_depth + 1, depth=max_depth, top_k=k))
     for _ in range(repeats):
-        for k in top_ks:
-            for d in range(1, max_depth + 1):
-                shape = TreeShape(total_tokens=d + 1, depth=d, top_k=k)  # levels = d; rerank cost is negligible
-                out.setdefault((d, k), []).append(_elapsed(lambda s=shape: drafter.draft(s)))
+        for s in shapes:
+            out[s].append(_elapsed(lambda s=s: drafter.draft(s)))
         two = feats[-2:]
         feed.append(_elapsed(lambda f=two: drafter.feed(prompt[-2:], f, int(prompt[-1]))))
-    return {key: statistics.median(v) for key, v in out.items()}, statistics.median(feed)
+    return {s: statistics.median(v) for s, v in out.items()}, statistics.median(feed)
 
 
 def _ranks(pool: DraftTree, depth: int) -> dict[int, int]:
@@ -203,14 +205,18 @@ def candidate_shapes(
 
 
 def rank_shapes(
-    curve: dict[int, float], drafts: dict[tuple[int, int], float], feed_s: float, taus: dict[TreeShape, float]
+    curve: dict[int, float],
+    drafts: dict[TreeShape, float],
+    feed_s: float,
+    head_row_s: float,
+    taus: dict[TreeShape, float],
 ) -> list[dict]:
-    """Estimated speedup over AR of each shape, best first."""
+    """Estimated speedup over AR of each shape, best first. A step costs the tree forward, one LM-head row per
+    accepted node (the first one is in the curve), the draft and one feed."""
     t1 = curve[1]
     rows = []
     for shape, tau in taus.items():
-        levels = min(shape.depth, shape.total_tokens - 1)
-        cost = curve[shape.total_tokens] + drafts[(levels, shape.top_k)] + feed_s
+        cost = curve[shape.total_tokens] + (tau - 1) * head_row_s + drafts[shape] + feed_s
         rows.append(
             {
                 "shape": shape.model_dump(),
@@ -240,10 +246,11 @@ def tune(
     result["one_token_forward_s"] = round(curve[1], 5)
     if drafter is None:
         return result
-    drafts, feed_s = draft_costs(drafter, shard, prompts[0])
-    result["draft_cost"] = {f"{d}x{k}": round(t / curve[1], 4) for (d, k), t in drafts.items()}
-    result["feed_cost"] = round(feed_s / curve[1], 4)
     shapes = candidate_shapes()
+    head_s = head_row_time(shard)
+    drafts, feed_s = draft_costs(drafter, shard, prompts[0], shapes)
+    result["head_row_cost"] = round(head_s / curve[1], 4)
+    result["feed_cost"] = round(feed_s / curve[1], 4)
     lengths: dict[TreeShape, list[int]] = {s: [] for s in shapes}
     steps = dict.fromkeys(shapes, 0)
     tokens = 0
@@ -258,7 +265,9 @@ def tune(
             steps[s] += simulate_tau(per[s], len(reply))[1]
     taus = {s: tokens / steps[s] for s in shapes}
     result["calibration"] = {"prompts": len(prompts), "tokens": tokens}
-    result["candidates"] = rank_shapes(curve, drafts, feed_s, taus)
+    result["candidates"] = rank_shapes(curve, drafts, feed_s, head_s, taus)
+    for row in result["candidates"]:
+        row["draft_cost"] = round(drafts[TreeShape(**row["shape"])] / curve[1], 4)
     result["best"] = result["candidates"][0]["shape"]
     return result
 
@@ -433,16 +442,17 @@ def tune_markdown(result: dict, top: int = 12) -> str:
     if "candidates" in result:
         lines += [
             "",
-            f"Teacher-forced τ at T=0 on {result['calibration']}; feed cost {result['feed_cost']}×.",
+            f"Teacher-forced τ at T=0 on {result['calibration']}; per step also one feed "
+            f"({result['feed_cost']}×) and one LM-head row per accepted token ({result['head_row_cost']}×).",
             "",
-            "| tokens | depth | top-k | τ | step cost (× forward) | est. speedup |",
-            "|---|---|---|---|---|---|",
+            "| tokens | depth | top-k | τ | draft (× forward) | step cost (× forward) | est. speedup |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in result["candidates"][:top]:
             sh = r["shape"]
             lines.append(
-                f"| {sh['total_tokens']} | {sh['depth']} | {sh['top_k']} | {r['tau']} | {r['step_cost']} "
-                f"| {r['est_speedup']} |"
+                f"| {sh['total_tokens']} | {sh['depth']} | {sh['top_k']} | {r['tau']} | {r['draft_cost']} "
+                f"| {r['step_cost']} | {r['est_speedup']} |"
             )
         best = result["candidates"][0]["est_speedup"]
         verdict = "" if best >= 1 else " (below 1: on this device speculation does not pay; keep --mode ar)"
