@@ -74,6 +74,8 @@ async def run(leader, prompt, n, params=GREEDY, stop_ids=frozenset()):
 
 CONFIGS = {
     "default": FlowSpecConfig(),
+    "reference-like": FlowSpecConfig(expand=TreeShape(total_tokens=32, depth=6, top_k=4, order="score"),
+                                     segment_cap=6, redraft_below=0),
     "tiny-segments": FlowSpecConfig(init=TreeShape(total_tokens=10, depth=4, top_k=3, order="score"),
                                     expand=TreeShape(total_tokens=6, depth=3, top_k=2, order="score"), segment_cap=2),
     "wide": FlowSpecConfig(init=TreeShape(total_tokens=24, depth=6, top_k=5, order="score"),
@@ -85,7 +87,8 @@ CONFIGS = {
 @pytest.mark.parametrize(("drafter_kind", "n_stages", "config"), [
     *[(d, n, "default") for d in ("perfect", "random", "partial") for n in (3, 4)],
     *[(d, n, c) for d, n, c in [("perfect", 4, "tiny-segments"), ("partial", 3, "tiny-segments"),
-                                ("partial", 4, "wide"), ("random", 3, "wide")]],
+                                ("partial", 4, "wide"), ("random", 3, "wide"),
+                                ("partial", 4, "reference-like"), ("perfect", 3, "reference-like")]],
 ])
 async def test_greedy_flowspec_equals_single_device_autoregressive(parts, four_stages, drafter_kind, n_stages,
                                                                    config):

@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..tokenizer import cache_dir
 from .corpus import load_corpus
 from .evaluate import evaluate
-from .fit import FitConfig, load_target, prepare, stores
+from .fit import FitConfig, checkpoint_vocab, load_target, prepare, stores
 from .store import FeatureStore
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,7 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
         raise ConfigError(f"{store.root} does not record its target's fingerprint")
     target = load_target(cfg.model)
     head, state = load_checkpoint(cfg, target.cfg)
-    vocab_path = cfg.run_dir / "draft_vocab.pt"
-    vocab = torch.load(vocab_path) if cfg.draft_vocab and vocab_path.is_file() else None
+    vocab = checkpoint_vocab(cfg)
     if evaluation is None and (cfg.run_dir / "eval.json").is_file():
         evaluation = json.loads((cfg.run_dir / "eval.json").read_text())
         if evaluation.get("step") != state["step"]:

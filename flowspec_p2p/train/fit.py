@@ -194,8 +194,12 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
     train, held = corpus.split(cfg.heldout_per_mille)
     held = [i for i in held if float(corpus.temperature[i]) >= 0]
     vocab_path = cfg.run_dir / "draft_vocab.pt"
-    vocab = None
-    if cfg.draft_vocab:
+    vocab = checkpoint_vocab(cfg)
+    if vocab is not None:  # a head is trained on this vocabulary already: never swap it under the head
+        if vocab.numel() != min(cfg.draft_vocab or target.cfg.vocab_size, target.cfg.vocab_size):
+            log.warning("the checkpoint's draft vocabulary has %d tokens (not --draft-vocab %d): keeping it",
+                        vocab.numel(), cfg.draft_vocab)
+    elif cfg.draft_vocab:
         if vocab_path.is_file():
             vocab = torch.load(vocab_path)
             if vocab.numel() != min(cfg.draft_vocab, target.cfg.vocab_size):
@@ -217,6 +221,27 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
             torch.save(vocab, vocab_path)
     rms = feature_rms(corpus)
     return corpus, train, held, Frozen.build(target, vocab, rms)
+
+
+def checkpoint_vocab(cfg: FitConfig) -> torch.Tensor | None:
+    """The draft vocabulary the run's checkpoint was trained on (None: no checkpoint, or the full vocabulary).
+
+    Raises ConfigError for a checkpoint that predates recording it when draft_vocab.pt no longer matches."""
+    path = cfg.run_dir / "ckpt" / "last.pt"
+    if not path.is_file():
+        return None
+    state = torch.load(path, weights_only=False, map_location="cpu")
+    if "draft_vocab" in state:
+        return state["draft_vocab"]
+    want = state.get("config", {}).get("draft_vocab")
+    vocab_path = cfg.run_dir / "draft_vocab.pt"
+    if not want:
+        return None
+    vocab = torch.load(vocab_path) if vocab_path.is_file() else None
+    if vocab is None or vocab.numel() != want:
+        raise ConfigError(f"{path} was trained on a {want}-token draft vocabulary that {vocab_path} no longer "
+                          "holds: restore it, or start a new run")
+    return vocab
 
 
 def _save_ckpt(path: Path, state: dict) -> None:
@@ -293,7 +318,8 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             _save_ckpt(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                               "cursor": cursor, "seen_tokens": seen_tokens, "config": cfg.model_dump(mode="json"),
-                              "data": data, "train_seconds": spent_s + time.perf_counter() - t0})
+                              "data": data, "train_seconds": spent_s + time.perf_counter() - t0,
+                              "draft_vocab": fz.vocab})
             log.info("step %d: loss/token %.4f, train top-1 per step %s, %.0f targets/s", step,
                      stats.loss / max(1, stats.targets[0]), [round(a, 3) for a in stats.accuracy()],
                      session_tokens / (time.perf_counter() - t0))
