@@ -37,6 +37,7 @@ distribution (verify.verify_greedy / verify_sampling), made exactly once per emi
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -63,13 +64,28 @@ class FlowSpecConfig(FrozenModel):
 
     # Drafting cost grows with depth x top_k (one draft-head forward per level), not with total_tokens: the
     # expansion keeps its whole candidate pool, and the leader sends the best-scored *new* nodes first.
-    # Measured on the default model, a 4-stage emulated-slow ring (docs/figures/bench): a narrow expansion with
-    # 2-node segments and lazy re-drafting beat the reference-like (depth 6, top-k 4, 6-node segments, re-draft
-    # after every walk) 1.6x in tokens/s, as a CPU stage's forward grows ~1.5x from 1 to 2 tokens.
+    # Measured on the default model with the shipped head, a 4-stage ring (websockets, 100 Mbit/s and 2 ms links
+    # and 5x slower devices, emulated), 3 prompts x 48 tokens, side by side: the reference-like setting (depth 6,
+    # top-k 4, 6-node segments, ring always full, re-draft after every walk) ran at 0.35x pipelined AR, fixed
+    # 2-node segments 0.5x, these adaptive defaults 0.9-1.0x. With a draft this weak (about 1 in 2 first
+    # tokens right) a full ring mostly carries nodes that die, and each delays the next root at every stage.
     init: TreeShape = TreeShape(total_tokens=32, depth=6, top_k=4, order="score")
     expand: TreeShape = TreeShape(total_tokens=32, depth=4, top_k=2, order="score")
     in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
-    segment_cap: int = Field(2, ge=1)  # nodes per segment at most
+    segment_cap: int = Field(4, ge=1)  # nodes per segment at most
+    # Adaptive segments: each segment takes the k next nodes (score order) that maximise expected accepted tokens
+    # per unit of stage time, sum(p_1..p_k) / (1 + row_cost * (k - 1)), where p_i is the node's draft path
+    # probability scaled by the acceptance measured so far in this request (see best_segment). Off: always
+    # segment_cap nodes.
+    adaptive: bool = True
+    # A stage's forward cost per extra node, relative to a one-node forward. On this project's CPU (one thread,
+    # the default model) 2 nodes cost 1.4-1.5x one (`flowspec tune-tree`); on a GPU it is close to 0.
+    row_cost: float = Field(0.45, ge=0.0)
+    # Adaptive ring depth: a segment beyond the first live one goes out only if it is expected to be worth its
+    # stage time, sum(p) / (1 + row_cost * (k - 1)) >= min_value. A node that dies in flight still delays every
+    # segment behind it at every stage, the next root's included; with a weak draft the ring stays shallow, with
+    # a strong one it fills up to in_flight. 0 = always fill the ring.
+    min_value: float = Field(0.3, ge=0.0)
     max_unsent: int = Field(48, ge=1)  # drafted-but-unsent nodes kept at most (the lowest-scored are dropped)
     # Re-draft from the new root after a walk only when fewer than this many unsent nodes remain below it (0 =
     # after every walk, as the reference does). Drafting is the leader's main cost per step.
@@ -210,13 +226,69 @@ class Growth(Protocol):
     async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool) -> bool:
         """Expand ``state.tree`` after a returned segment (``walked``: a walk just moved the root). -> drafted?"""
 
-    def segment(self, state: FlowState) -> int:
-        """Nodes in the next segment, starting at ``state.sent`` (0: nothing to send)."""
+    def segment(self, state: FlowState, live: int) -> int:
+        """Nodes in the next segment, starting at ``state.sent``, with ``live`` segments in the ring (0: send
+        nothing now)."""
+
+    def walked(self, state: FlowState, verdict: Verdict) -> None:
+        """A walk over ``state.tree`` (before its prune) ended in ``verdict``."""
+
+
+def best_segment(probs: list[float], row_cost: float, cap: int) -> int:
+    """The segment size k in [1, min(cap, len(probs))] that maximises expected accepted nodes per unit of stage
+    time, sum(probs[:k]) / (1 + row_cost * (k - 1)). probs: the next unsent nodes' acceptance estimates, in send
+    order. -> k (0 when nothing is unsent)"""
+    n = min(cap, len(probs))
+    best_k, best, total = 0, -1.0, 0.0
+    for k in range(1, n + 1):
+        total += probs[k - 1]
+        value = total / (1.0 + row_cost * (k - 1))
+        if value > best + 1e-12:
+            best_k, best = k, value
+    return best_k
+
+
+@dataclass
+class Calibration:
+    """How well the draft's probabilities predict the target in this request, per tree level: after every walk,
+    for each accepted node, whether the target's next token was one of its drafted children (a hit), against the
+    draft's probability mass on those children. Node i's acceptance estimate is exp(score_i) * ratio^depth_i,
+    at most 1 (a prior of one level at ratio 1)."""
+
+    hits: float = 1.0
+    mass: float = 1.0
+
+    def update(self, tree: DraftTree, verdict: Verdict) -> None:
+        scores = tree.scores.tolist()
+        child_mass = [0.0] * len(tree)
+        for i, p in enumerate(tree.parent_list):
+            if p >= 0:
+                child_mass[p] += math.exp(scores[i] - scores[p])
+        path = verdict.accepted if verdict.token is not None else verdict.accepted[:-1]
+        for k, node in enumerate(path):
+            self.mass += child_mass[node]
+            self.hits += 1.0 if k + 1 < len(verdict.accepted) or verdict.next_child is not None else 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.hits / max(self.mass, 1e-9)
+
+    def probs(self, tree: DraftTree, a: int, b: int) -> list[float]:
+        """Estimated acceptance of nodes [a, b): the root is certain."""
+        r = self.ratio
+        p = (tree.scores[a:b].exp() * torch.pow(r, tree.depth[a:b].double())).clamp(max=1.0).tolist()
+        if a == 0 and p:
+            p[0] = 1.0
+        return p
 
 
 class FlowSpecGrowth:
     def __init__(self, cfg: FlowSpecConfig):
         self.cfg = cfg
+        self.calibration = Calibration()
+
+    def walked(self, state: FlowState, verdict: Verdict) -> None:
+        self.calibration.update(state.tree, verdict)
 
     async def initial(self, ctx: ModeContext, budget: int) -> DraftTree:
         return await ctx.compute(ctx.drafter.draft, self.cfg.init.capped(budget - 1))
@@ -229,8 +301,16 @@ class FlowSpecGrowth:
         state.rank_unsent(cfg.max_unsent)
         return True
 
-    def segment(self, state: FlowState) -> int:
-        return min(self.cfg.segment_cap, len(state.tree) - state.sent)
+    def segment(self, state: FlowState, live: int) -> int:
+        cfg, a = self.cfg, state.sent
+        b = min(len(state.tree), a + cfg.segment_cap)
+        if not cfg.adaptive or b <= a:
+            return b - a
+        probs = self.calibration.probs(state.tree, a, b)
+        k = best_segment(probs, cfg.row_cost, cfg.segment_cap)
+        if live and sum(probs[:k]) / (1.0 + cfg.row_cost * (k - 1)) < cfg.min_value:
+            return 0  # not worth delaying the segments (and the next root) behind it: wait for the next walk
+        return k
 
 
 async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None = None,
@@ -261,8 +341,8 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
         async def fill() -> None:
             """Keep ``in_flight`` live segments in the ring while unsent nodes exist. Segments that a prune emptied
             do not count: the stages skip their dead rows (look-ahead), so a fresh root goes out at once."""
-            while sum(1 for seg in state.inflight if seg.nodes) < in_flight:
-                n = growth.segment(state)
+            while (live := sum(1 for seg in state.inflight if seg.nodes)) < in_flight:
+                n = growth.segment(state, live)
                 if n <= 0:
                     return
                 tag, a, b = state.next_segment(n)
@@ -291,6 +371,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
                     yield out
                 if verdict.stopped or stats.new_tokens >= budget or out[-1] in ctx.stop_ids:
                     return
+                growth.walked(state, verdict)
                 accept, keep, acc_tokens, acc_feats = state.apply(verdict)
                 await ctx.prune(accept, keep)
                 await fill()  # surviving unsent nodes go out before we spend time drafting

@@ -25,6 +25,7 @@ from .flowspec import FlowState, tree_pipeline
 from .leader import ModeContext, ModeSpec
 from .tree import DraftTree
 from .types import FrozenModel
+from .verify import Verdict
 
 
 class PipeDecConfig(FrozenModel):
@@ -79,7 +80,10 @@ class PipeDecGrowth:
         state.tree = merged.select([*range(n), *new], keep_order=True)
         return True
 
-    def segment(self, state: FlowState) -> int:
+    def walked(self, state: FlowState, verdict: Verdict) -> None:
+        pass  # one level per step whatever the acceptance: the baseline as published
+
+    def segment(self, state: FlowState, live: int) -> int:
         """The unsent nodes of the next level (they were appended level by level)."""
         depth = state.tree.depth.tolist()
         a = state.sent

@@ -3,20 +3,30 @@ token for token (float64) with perfect, random and partial drafts; the bookkeepi
 restart, dead segments); sampling keeps the target's distribution."""
 
 import asyncio
+import math
 
 import pytest
 import torch
 
 from flowspec_p2p.draft import DraftHead
 from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
-from flowspec_p2p.flowspec import FlowSpecConfig, flowspec_spec
+from flowspec_p2p.flowspec import (
+    Calibration,
+    FlowSpecConfig,
+    FlowSpecGrowth,
+    FlowState,
+    best_segment,
+    flowspec_spec,
+)
 from flowspec_p2p.generate import GenStats
 from flowspec_p2p.leader import AR, Leader, LeaderSettings
 from flowspec_p2p.loopback import LoopbackRing
 from flowspec_p2p.pipedec import PipeDecConfig, pipedec_spec
 from flowspec_p2p.sampling import SamplingParams
 from flowspec_p2p.shard import Shard
+from flowspec_p2p.tree import DraftTree
 from flowspec_p2p.types import LayerRange
+from flowspec_p2p.verify import Verdict
 from flowspec_p2p.weights import open_source
 
 from .fake_ring import sync_pipeline
@@ -75,7 +85,7 @@ async def run(leader, prompt, n, params=GREEDY, stop_ids=frozenset()):
 CONFIGS = {
     "default": FlowSpecConfig(),
     "reference-like": FlowSpecConfig(expand=TreeShape(total_tokens=32, depth=6, top_k=4, order="score"),
-                                     segment_cap=6, redraft_below=0),
+                                     segment_cap=6, redraft_below=0, adaptive=False),
     "tiny-segments": FlowSpecConfig(init=TreeShape(total_tokens=10, depth=4, top_k=3, order="score"),
                                     expand=TreeShape(total_tokens=6, depth=3, top_k=2, order="score"), segment_cap=2),
     "wide": FlowSpecConfig(init=TreeShape(total_tokens=24, depth=6, top_k=5, order="score"),
@@ -165,3 +175,56 @@ async def test_greedy_pipedec_equals_single_device_autoregressive(parts, four_st
             assert stats.extra["walks"] > 0
         demux.cancel()
     assert all(c.counters["errors"] == 0 for c in cores)
+
+
+def test_best_segment_trades_expected_acceptance_against_row_cost():
+    # a certain root and near-certain children: worth sending together even at CPU row cost
+    assert best_segment([1.0, 0.9, 0.8, 0.7], row_cost=0.45, cap=4) == 4
+    # a weak draft: the root alone (its extra rows cost more stage time than they are expected to return)
+    assert best_segment([1.0, 0.1, 0.05], row_cost=0.45, cap=4) == 1
+    # free rows (a GPU): take everything up to the cap; the cap and the unsent count bound it
+    assert best_segment([1.0, 0.1, 0.05, 0.01, 0.01], row_cost=0.0, cap=4) == 4
+    assert best_segment([0.3, 0.2], row_cost=0.0, cap=8) == 2
+    assert best_segment([], row_cost=0.45, cap=4) == 0
+    # the break-even row: adding p is worth it iff p > row_cost * (current mean per unit cost)
+    assert best_segment([1.0, 0.46], row_cost=0.45, cap=2) == 2
+    assert best_segment([1.0, 0.44], row_cost=0.45, cap=2) == 1
+
+
+def test_calibration_learns_per_level_acceptance_from_walks():
+    # root -> a (0.8) -> b (0.5 of a's path); root -> c (0.1)
+    tree = DraftTree.from_lists([5, 6, 7, 8], [-1, 0, 1, 0],
+                                scores=[0.0, math.log(0.8), math.log(0.8) + math.log(0.5), math.log(0.1)])
+    cal = Calibration()
+    assert cal.probs(tree, 0, 4) == pytest.approx([1.0, 0.8, 0.4, 0.1])
+    # the target's next token at the root was none of its drafted children (mass 0.9): a miss
+    cal.update(tree, Verdict(accepted=[0], token=99, next_child=None))
+    r = 1.0 / 1.9
+    assert cal.ratio == pytest.approx(r)
+    assert cal.probs(tree, 1, 4) == pytest.approx([0.8 * r, 0.4 * r * r, 0.1 * r])
+    assert cal.probs(tree, 0, 1) == [1.0]  # the root is always decided
+    # root -> a accepted, then the next token is a's drafted child b (not yet verified): two hits
+    cal.update(tree, Verdict(accepted=[0, 1], token=7, next_child=2))
+    assert cal.hits == 3.0 and cal.mass == pytest.approx(1.0 + 0.9 + 0.9 + 0.5)
+    # an accepted stop token ends the reply: no event at it
+    cal.update(tree, Verdict(accepted=[0, 1], token=None, next_child=None))
+    assert cal.hits == 4.0 and cal.mass == pytest.approx(1.0 + 0.9 + 0.9 + 0.5 + 0.9)
+    for _ in range(50):  # keeps hitting: estimates scale up, capped at 1
+        cal.update(tree, Verdict(accepted=[0, 1], token=7, next_child=2))
+    assert cal.probs(tree, 1, 2) == [1.0]
+
+
+def test_flowspec_growth_sends_a_weak_segment_only_into_an_empty_ring():
+    # root, a likely child (0.9), then two unlikely grandchildren (0.05 each of the child's path)
+    tree = DraftTree.from_lists([5, 6, 7, 8], [-1, 0, 1, 1],
+                                scores=[0.0, math.log(0.9), math.log(0.9 * 0.05), math.log(0.9 * 0.05)])
+    growth = FlowSpecGrowth(FlowSpecConfig(segment_cap=4, row_cost=0.45, min_value=0.5))
+    state = FlowState(tree=tree, committed=10)
+    assert growth.segment(state, live=0) == 2  # root + likely child; the grandchildren would not pay their rows
+    state.next_segment(2)
+    assert growth.segment(state, live=1) == 0  # 0.045 expected tokens: not worth delaying the next root
+    assert growth.segment(state, live=0) == 2  # an idle ring takes them anyway (equal odds: both rows pay)
+    eager = FlowSpecGrowth(FlowSpecConfig(segment_cap=4, min_value=0.0))
+    assert eager.segment(state, live=3) == 2
+    fixed = FlowSpecGrowth(FlowSpecConfig(segment_cap=4, adaptive=False))
+    assert fixed.segment(state, live=3) == 2  # the rest of the tree, up to the cap

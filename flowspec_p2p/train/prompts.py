@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import random
 import re
 from collections.abc import Iterable, Iterator
@@ -28,7 +29,9 @@ from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-SPEC_BENCH_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec-bench"
+# The six Spec-Bench sets: $FLOWSPEC_SPEC_BENCH, else ../shared/data/spec-bench beside the repository checkout.
+SPEC_BENCH_DIR = Path(os.environ.get("FLOWSPEC_SPEC_BENCH")
+                      or Path(__file__).resolve().parents[3] / "shared" / "data" / "spec-bench")
 MIN_CHARS, MAX_CHARS = 16, 2000
 QA_MAX_CHARS = 120
 MIN_CONTAINED_CHARS = 24
@@ -62,7 +65,8 @@ def normalise(text: str) -> str:
 def spec_bench_prompts(folder: Path = SPEC_BENCH_DIR) -> list[str]:
     """Every turn of every prompt in the Spec-Bench JSONL files under ``folder``."""
     if not folder.is_dir():
-        raise ConfigError(f"Spec-Bench folder {folder} not found (needed to keep its prompts out of training)")
+        raise ConfigError(f"Spec-Bench folder {folder} not found (needed to keep its prompts out of training): "
+                          "set FLOWSPEC_SPEC_BENCH to the folder holding its six <set>.jsonl files")
     out = []
     for path in sorted(folder.glob("*.jsonl")):
         for line in path.read_text().splitlines():
