@@ -96,8 +96,9 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
     if evaluation:
         meta["heldout"] = evaluation
         meta["heldout_top1"] = evaluation.get("heldout_top1")
-        meta["chain_accept"] = evaluation.get("chain_accept")
-        meta["tau_chain"] = evaluation.get("chain_tau")
+        if evaluation.get("chain_starts"):  # greedy held-out conversations exist: chain acceptance means something
+            meta["chain_accept"] = evaluation.get("chain_accept")
+            meta["tau_chain"] = evaluation.get("chain_tau")
     stem = (out_dir or cache_dir() / "drafts") / name
     DraftBundle(head, vocab, meta).save(stem, dtype=dtype)
     log.info("exported %s (%.1f MB)", stem, stem.with_suffix(".safetensors").stat().st_size / 1e6)
