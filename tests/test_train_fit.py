@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from flowspec_p2p.draft import DraftBundle, DraftHead, find_draft
+from flowspec_p2p.errors import ConfigError
 from flowspec_p2p.shard import Shard
 from flowspec_p2p.train.batchgen import BatchGenerator, Request
 from flowspec_p2p.train.corpus import load_corpus, make_example
 from flowspec_p2p.train.evaluate import evaluate
 from flowspec_p2p.train.export import export, load_checkpoint
-from flowspec_p2p.train.fit import FitConfig, example_loss, fit, load_target, prepare
+from flowspec_p2p.train.fit import FitConfig, checkpoint_vocab, example_loss, fit, load_target, prepare
 from flowspec_p2p.train.store import FeatureStore
 from flowspec_p2p.train.unroll import unrolled
 from flowspec_p2p.types import LayerRange
@@ -143,6 +144,20 @@ def test_fit_reduces_the_loss_resumes_and_exports(run, peaked_llama, tiny, tmp_p
     for (name, a), b in zip(trained.state_dict().items(), bundle.head.state_dict().values(), strict=True):
         assert b.dtype == torch.float32
         torch.testing.assert_close(b, a.half().float(), msg=name)
+
+    # a different --draft-vocab at export (or resume) keeps the vocabulary the head was trained on, even with the
+    # run's draft_vocab.pt gone or overwritten: the checkpoint records it
+    (run / "draft_vocab.pt").unlink()
+    other = export(_cfg(run, peaked_llama, steps=30, draft_vocab=32), tmp_path / "drafts", "tiny-head-2",
+                   evaluation=result)
+    assert torch.equal(DraftBundle.load(other).draft_vocab, fz.vocab)
+    assert torch.equal(checkpoint_vocab(_cfg(run, peaked_llama, draft_vocab=32)), fz.vocab)
+    state = torch.load(run / "ckpt" / "last.pt", weights_only=False)
+    del state["draft_vocab"]  # a checkpoint from before the vocabulary was recorded, whose vocab file no longer fits
+    torch.save(state, run / "ckpt" / "last.pt")
+    torch.save(fz.vocab[:32], run / "draft_vocab.pt")
+    with pytest.raises(ConfigError, match="no longer"):
+        checkpoint_vocab(cfg)
 
 
 def test_corpus_split_is_stable_and_disjoint(run):
