@@ -234,15 +234,17 @@ class Growth(Protocol):
         """A walk over ``state.tree`` (before its prune) ended in ``verdict``."""
 
 
+def segment_value(probs: list[float], k: int, row_cost: float) -> float:
+    """Expected accepted nodes per unit of stage time of a segment of the first ``k`` of ``probs``."""
+    return sum(probs[:k]) / (1.0 + row_cost * (k - 1))
+
+
 def best_segment(probs: list[float], row_cost: float, cap: int) -> int:
-    """The segment size k in [1, min(cap, len(probs))] that maximises expected accepted nodes per unit of stage
-    time, sum(probs[:k]) / (1 + row_cost * (k - 1)). probs: the next unsent nodes' acceptance estimates, in send
-    order. -> k (0 when nothing is unsent)"""
-    n = min(cap, len(probs))
-    best_k, best, total = 0, -1.0, 0.0
-    for k in range(1, n + 1):
-        total += probs[k - 1]
-        value = total / (1.0 + row_cost * (k - 1))
+    """The segment size k in [1, min(cap, len(probs))] that maximises segment_value. probs: the next unsent
+    nodes' acceptance estimates, in send order. -> k (0 when nothing is unsent)"""
+    best_k, best = 0, -1.0
+    for k in range(1, min(cap, len(probs)) + 1):
+        value = segment_value(probs, k, row_cost)
         if value > best + 1e-12:
             best_k, best = k, value
     return best_k
@@ -308,7 +310,7 @@ class FlowSpecGrowth:
             return b - a
         probs = self.calibration.probs(state.tree, a, b)
         k = best_segment(probs, cfg.row_cost, cfg.segment_cap)
-        if live and sum(probs[:k]) / (1.0 + cfg.row_cost * (k - 1)) < cfg.min_value:
+        if live and segment_value(probs, k, cfg.row_cost) < cfg.min_value:
             return 0  # not worth delaying the segments (and the next root) behind it: wait for the next walk
         return k
 

@@ -205,10 +205,12 @@ def test_calibration_learns_per_level_acceptance_from_walks():
     assert cal.probs(tree, 0, 1) == [1.0]  # the root is always decided
     # root -> a accepted, then the next token is a's drafted child b (not yet verified): two hits
     cal.update(tree, Verdict(accepted=[0, 1], token=7, next_child=2))
-    assert cal.hits == 3.0 and cal.mass == pytest.approx(1.0 + 0.9 + 0.9 + 0.5)
+    assert cal.hits == 3.0
+    assert cal.mass == pytest.approx(1.0 + 0.9 + 0.9 + 0.5)
     # an accepted stop token ends the reply: no event at it
     cal.update(tree, Verdict(accepted=[0, 1], token=None, next_child=None))
-    assert cal.hits == 4.0 and cal.mass == pytest.approx(1.0 + 0.9 + 0.9 + 0.5 + 0.9)
+    assert cal.hits == 4.0
+    assert cal.mass == pytest.approx(1.0 + 0.9 + 0.9 + 0.5 + 0.9)
     for _ in range(50):  # keeps hitting: estimates scale up, capped at 1
         cal.update(tree, Verdict(accepted=[0, 1], token=7, next_child=2))
     assert cal.probs(tree, 1, 2) == [1.0]

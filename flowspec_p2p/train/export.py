@@ -59,7 +59,7 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
         raise ConfigError(f"{store.root} does not record its target's fingerprint")
     target = load_target(cfg.model)
     head, state = load_checkpoint(cfg, target.cfg)
-    vocab = checkpoint_vocab(cfg)
+    vocab = checkpoint_vocab(cfg, state)
     if evaluation is None and (cfg.run_dir / "eval.json").is_file():
         evaluation = json.loads((cfg.run_dir / "eval.json").read_text())
         if evaluation.get("step") != state["step"]:

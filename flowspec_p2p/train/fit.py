@@ -223,14 +223,16 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
     return corpus, train, held, Frozen.build(target, vocab, rms)
 
 
-def checkpoint_vocab(cfg: FitConfig) -> torch.Tensor | None:
-    """The draft vocabulary the run's checkpoint was trained on (None: no checkpoint, or the full vocabulary).
+def checkpoint_vocab(cfg: FitConfig, state: dict | None = None) -> torch.Tensor | None:
+    """The draft vocabulary the run's checkpoint (``state``, if already loaded) was trained on (None: no
+    checkpoint, or the full vocabulary).
 
     Raises ConfigError for a checkpoint that predates recording it when draft_vocab.pt no longer matches."""
     path = cfg.run_dir / "ckpt" / "last.pt"
-    if not path.is_file():
-        return None
-    state = torch.load(path, weights_only=False, map_location="cpu")
+    if state is None:
+        if not path.is_file():
+            return None
+        state = torch.load(path, weights_only=False, map_location="cpu")
     if "draft_vocab" in state:
         return state["draft_vocab"]
     want = state.get("config", {}).get("draft_vocab")
