@@ -54,6 +54,7 @@ from .errors import ConfigError, FlowSpecError, PeerGone, ProtocolError
 from .member import MemberControl
 from .planner import describe_model
 from .profile import DeviceProfile, measure
+from .shard import packing_enabled
 from .stage_host import StageHost, TapQueue
 from .transport import LinkDown, RingServer
 from .types import LayerRange
@@ -223,7 +224,7 @@ class Agent:
         from .codec import wire_dtype
 
         model = describe_model(src, context=cfg.planning.context, fingerprint=self.model_fp,
-                               dtype_bytes=torch.finfo(dtype).bits // 8)
+                               dtype_bytes=torch.finfo(dtype).bits // 8, packed=packing_enabled(dtype))
         self.coordinator = Coordinator(cfg, self.info, net=self, leader=self.leader, weights=self.weights,
                                        stage_host=self.stage_host, ring=self.ring, session=self.session,
                                        model=model, model_config=src.config, wire_dtype=wire_dtype)

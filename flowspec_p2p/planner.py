@@ -147,8 +147,10 @@ class Change(FrozenModel):
 
 
 def describe_model(source, *, context: int, name: str | None = None, fingerprint: str = "",
-                   draft_params: int | None = None, dtype_bytes: int = 4) -> ModelSpec:
-    """A ModelSpec from an open weight source's config (runtime sizes are parameters x ``dtype_bytes``)."""
+                   draft_params: int | None = None, dtype_bytes: int = 4, packed: bool = False) -> ModelSpec:
+    """A ModelSpec from an open weight source's config (runtime sizes are parameters x ``dtype_bytes``).
+    ``packed``: stages keep a second, oneDNN-packed copy of their layers for tree forwards (shard.py), so a
+    layer (and the draft head's block) takes twice its bytes."""
     cfg = source.config
     h, v = cfg.hidden_size, cfg.vocab_size
     layer = cfg.layer_params()
@@ -158,11 +160,11 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
         name=name or (getattr(source, "path", None) and source.path.name) or cfg.arch,
         fingerprint=fingerprint,
         num_layers=cfg.num_layers,
-        layer_bytes=(layer * dtype_bytes,) * cfg.num_layers,
+        layer_bytes=(layer * dtype_bytes * (2 if packed else 1),) * cfg.num_layers,
         embed_bytes=v * h * dtype_bytes,
         head_bytes=(v * h + h) * dtype_bytes,
         norm_bytes=h * dtype_bytes,
-        draft_bytes=draft_params * dtype_bytes,
+        draft_bytes=(draft_params + (layer if packed else 0)) * dtype_bytes,  # its block is packed too
         kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),
         hidden_size=h,
         vocab_size=v,

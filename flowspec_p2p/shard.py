@@ -14,6 +14,8 @@ so this forward agrees with it to float rounding, in float32 and float64 alike.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -25,6 +27,56 @@ from .errors import ContextOverflow
 from .kv_cache import KVCache
 from .types import LayerRange
 from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_names
+
+# -- matmuls of a few rows -----------------------------------------------------------------------------------------
+# MKL's sgemm streams the whole weight matrix once per row when a matmul has only a few rows (2-32: tree
+# verification, pipeline segments, the draft head's frontier), so on a CPU an n-node forward costs close to n
+# one-node ones. oneDNN with weights reordered into its blocked layout once reads them once for all rows: over
+# the default model's 30 layers, 4 rows cost 1.3-1.5x one row instead of 2-2.6x (docs/figures/spec-tune). One
+# row stays on MKL (oneDNN is 10-20% slower there, and decoding is one row), and so do big prompt chunks. The
+# reordered copy doubles a block's weight memory, is made lazily on the first few-row inference forward (a
+# process that only decodes autoregressively never makes it), and is remade if the weights change. float32
+# only; set FLOWSPEC_PACKED_WEIGHTS=0 to turn it off (e.g. to save memory).
+PACKED_ENV = "FLOWSPEC_PACKED_WEIGHTS"
+PACKED_MAX_ROWS = 32  # above this MKL's blocking is as good, and prompt chunks keep MKL's numerics
+_PACK_HINT = 16  # oneDNN's batch-size hint for the reorder; 4-64 measured alike for 2-16 rows
+
+
+@functools.cache
+def _onednn_available() -> bool:
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 3), _PACK_HINT)  # [out, in]
+        y = _linear_packed(torch.ones(2, 3), w)
+    except (AttributeError, RuntimeError):
+        return False
+    return torch.backends.mkldnn.is_available() and torch.equal(y, torch.full((2, 2), 3.0))
+
+
+def packing_enabled(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether few-row matmuls in ``dtype`` use oneDNN-packed weights (and so weights take twice the memory)."""
+    return dtype == torch.float32 and os.environ.get(PACKED_ENV, "1") != "0" and _onednn_available()
+
+
+class _Packed:
+    """oneDNN-reordered copies of some [in, out] weights, remade when any of them changes."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, ...] | None = None
+        self.weights: list[torch.Tensor] = []
+
+    def get(self, ws: list[torch.Tensor]) -> list[torch.Tensor]:
+        key = tuple(w._version for w in ws) + tuple(w.data_ptr() for w in ws)
+        if key != self.key:
+            with torch.inference_mode():
+                self.weights = [torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), _PACK_HINT)
+                                for w in ws]
+            self.key = key
+        return self.weights
+
+
+def _linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x: [..., in] float32 @ a weight packed by _Packed -> [..., out]"""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +138,15 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = RMSNorm(h, cfg.rms_eps)
         self.w13 = nn.Parameter(torch.empty(h, 2 * cfg.intermediate_size))
         self.w2 = nn.Parameter(torch.empty(cfg.intermediate_size, h))
+        self._packed = _Packed()
+
+    def _weights(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """(wqkv, wo, w13, w2) for a forward of ``rows`` rows: oneDNN-packed when that is faster (see above),
+        else the parameters themselves (multiplied with ``@``)."""
+        ws = [self.wqkv, self.wo, self.w13, self.w2]
+        if 1 < rows <= PACKED_MAX_ROWS and not torch.is_grad_enabled() and packing_enabled(self.wqkv.dtype):
+            return tuple(self._packed.get(ws))
+        return tuple(ws)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Random init (draft-head training, tests)."""
@@ -122,7 +183,9 @@ class DecoderBlock(nn.Module):
         cfg = self.cfg
         b, n, _ = x.shape
         hq, hk, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.attn_norm(x) @ self.wqkv  # [b, n, (hq + 2 hk) hd]
+        wqkv, wo, w13, w2 = self._weights(b * n)
+        mm = _linear_packed if wqkv is not self.wqkv else torch.matmul
+        qkv = mm(self.attn_norm(x), wqkv)  # [b, n, (hq + 2 hk) hd]
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         # q and k rotated together, as [b, n, hq + hk, hd] (half the small ops of rotating each); narrow rather
@@ -136,9 +199,9 @@ class DecoderBlock(nn.Module):
             cache, layer, start = kv
             k, v = cache.write(layer, start, k, v)  # [b, kv_heads, start + n, hd]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
-        x = x + o.transpose(1, 2).reshape(b, n, cfg.q_dim) @ self.wo
-        gate, up = (self.mlp_norm(x) @ self.w13).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ self.w2
+        x = x + mm(o.transpose(1, 2).reshape(b, n, cfg.q_dim), wo)
+        gate, up = mm(self.mlp_norm(x), w13).chunk(2, dim=-1)
+        return x + mm(F.silu(gate) * up, w2)
 
 
 class _LazyTensors(Mapping[str, torch.Tensor]):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from flowspec_p2p.shard import Shard
+from flowspec_p2p.shard import PACKED_ENV, Shard, packing_enabled
 from flowspec_p2p.types import LayerRange
 from flowspec_p2p.weights import open_source
 
@@ -93,3 +93,38 @@ def test_default_model_matches_transformers_in_float32(default_model):
         cache = shard.new_cache(64)
         ours = shard.logits(torch.cat([shard(ids[:, :40], cache), shard(ids[:, 40:], cache)], dim=1))
     assert (ours - ref).abs().max().item() <= 1e-3
+
+
+@pytest.mark.skipif(not packing_enabled(), reason="this torch build has no oneDNN packed linear")
+def test_packed_few_row_matmuls_agree_and_follow_the_weights(tiny_llama, monkeypatch):
+    """Tree-sized forwards in float32 go through oneDNN-packed weights: same outputs as MKL's (to float32
+    rounding), never for one row, float64, or under autograd, and repacked when the weights change."""
+    shard = _whole(tiny_llama, dtype=torch.float32)
+    block = shard.blocks[0]
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(3))
+
+    def run(env: str, x=ids):
+        monkeypatch.setenv(PACKED_ENV, env)
+        with torch.inference_mode():
+            return shard(x, None)
+
+    plain = run("0")
+    assert block._packed.key is None
+    run("1", ids[:, :1])
+    assert block._packed.key is None  # one row: MKL
+    packed = run("1")
+    assert block._packed.key is not None
+    assert (packed - plain).abs().max().item() <= 1e-5
+    assert block._packed.weights[0].is_mkldnn  # a separate copy in oneDNN's layout
+    with torch.no_grad():
+        block.w13.mul_(0.5)
+    assert (run("1") - run("0")).abs().max().item() <= 1e-5
+    assert (run("1") - packed).abs().max().item() > 1e-3  # the new weights were used, not the stale copy
+    monkeypatch.setenv(PACKED_ENV, "1")
+    fresh = _whole(tiny_llama, dtype=torch.float32)
+    fresh(ids, None)
+    assert fresh.blocks[0]._packed.key is None  # autograd on: training never sees the packed path
+    f64 = _whole(tiny_llama)
+    with torch.inference_mode():
+        f64(ids, None)
+    assert f64.blocks[0]._packed.key is None

@@ -12,6 +12,7 @@ from .. import config as config_mod
 from ..errors import ConfigError
 from ..planner import Device, PlanOptions, describe_model, plan, render
 from ..profile import measure
+from ..shard import packing_enabled
 
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if sum(d.leader for d in devices) != 1:
         raise ConfigError("exactly one profile must say leader = true")
     source = open_source(args.model)
-    model = describe_model(source, context=args.context)
+    model = describe_model(source, context=args.context, packed=packing_enabled())
     opts = PlanOptions(tokens_per_step=args.tokens_per_step, stages=args.stages, leader_layers=args.leader_layers)
     result = plan(devices, model, opts)
     text = render(result, devices)
