@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -74,15 +75,17 @@ class FlowSpecConfig(FrozenModel):
     in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
     segment_cap: int = Field(4, ge=1)  # nodes per segment at most
     # Adaptive segments: each segment takes the k next nodes (score order) that maximise expected accepted tokens
-    # per unit of stage time, sum(p_1..p_k) / (1 + row_cost * (k - 1)), where p_i is the node's draft path
+    # per unit of stage time, sum(p_1..p_k) / cost(k), where cost(k) is a k-node stage forward relative to a
+    # one-node one, measured (StageCost), and p_i is the node's draft path
     # probability scaled by the acceptance measured so far in this request (see best_segment). Off: always
-    # segment_cap nodes.
+    # segment_cap nodes, and always the full expansion depth (expand_min_path is ignored).
     adaptive: bool = True
-    # A stage's forward cost per extra node, relative to a one-node forward. On this project's CPU (one thread,
-    # the default model) 2 nodes cost 1.4-1.5x one (`flowspec tune-tree`); on a GPU it is close to 0.
-    row_cost: float = Field(0.45, ge=0.0)
+    # The prior for a stage's forward cost per extra node, relative to a one-node forward, until the stages' own
+    # timings (Forward.stage_s) measure it (StageCost). On this project's CPU (one thread, the default model,
+    # oneDNN-packed weights) 2 nodes cost 1.3x one and 4 nodes 1.5x (`flowspec tune-tree`); on a GPU it is ~0.
+    row_cost: float = Field(0.25, ge=0.0)
     # Adaptive ring depth: a segment beyond the first live one goes out only if it is expected to be worth its
-    # stage time, sum(p) / (1 + row_cost * (k - 1)) >= min_value. A node that dies in flight still delays every
+    # stage time, sum(p) / cost(k) >= min_value. A node that dies in flight still delays every
     # segment behind it at every stage, the next root's included; with a weak draft the ring stays shallow, with
     # a strong one it fills up to in_flight. 0 = always fill the ring.
     min_value: float = Field(0.3, ge=0.0)
@@ -90,6 +93,11 @@ class FlowSpecConfig(FrozenModel):
     # Re-draft from the new root after a walk only when fewer than this many unsent nodes remain below it (0 =
     # after every walk, as the reference does). Drafting is the leader's main cost per step.
     redraft_below: int = Field(6, ge=0)
+    # Adaptive expansion depth: draft only as deep as a path is still expected to be accepted with probability
+    # >= expand_min_path, from the per-level hit rate h measured in this request (Calibration.hit_rate): depth
+    # = floor(log(expand_min_path) / log(h)), between 1 and expand.depth. Each level is one draft-head forward
+    # on the leader, so a weak draft costs the leader less time per walk. 0 = always expand.depth.
+    expand_min_path: float = Field(0.15, ge=0.0, lt=1.0)
 
 
 @dataclass
@@ -233,21 +241,79 @@ class Growth(Protocol):
     def walked(self, state: FlowState, verdict: Verdict) -> None:
         """A walk over ``state.tree`` (before its prune) ended in ``verdict``."""
 
+    def returned(self, msg: Forward) -> None:
+        """A segment came back (``msg.stage_s``: each stage's busy seconds for it)."""
 
-def segment_value(probs: list[float], k: int, row_cost: float) -> float:
+    def report(self) -> dict:
+        """What it learned in this request, for GenStats.extra."""
+
+
+CostFn = Callable[[int], float]
+
+
+def linear_cost(row_cost: float) -> CostFn:
+    """cost(k) = 1 + row_cost * (k - 1): a k-node forward relative to a one-node one."""
+    return lambda k: 1.0 + row_cost * (k - 1)
+
+
+def segment_value(probs: list[float], k: int, cost: CostFn) -> float:
     """Expected accepted nodes per unit of stage time of a segment of the first ``k`` of ``probs``."""
-    return sum(probs[:k]) / (1.0 + row_cost * (k - 1))
+    return sum(probs[:k]) / cost(k)
 
 
-def best_segment(probs: list[float], row_cost: float, cap: int) -> int:
+def best_segment(probs: list[float], cost: CostFn, cap: int) -> int:
     """The segment size k in [1, min(cap, len(probs))] that maximises segment_value. probs: the next unsent
     nodes' acceptance estimates, in send order. -> k (0 when nothing is unsent)"""
     best_k, best = 0, -1.0
     for k in range(1, min(cap, len(probs)) + 1):
-        value = segment_value(probs, k, row_cost)
+        value = segment_value(probs, k, cost)
         if value > best + 1e-12:
             best_k, best = k, value
     return best_k
+
+
+@dataclass
+class StageCost:
+    """The pipeline's forward time against segment size, measured online: every returned Forward carries each
+    stage's busy seconds (``Forward.stage_s``); the slowest stage's is a sample for its number of computed rows.
+    cost(k) = median time of k rows / median time of one row, over the last ``window`` samples of each size.
+    Until a size has ``min_samples`` samples (and one row has too), it is interpolated between measured sizes,
+    or extrapolated from the largest measured one with the prior's slope ``row_cost``. Lives for one request,
+    like Calibration (a re-plan changes the stages)."""
+
+    row_cost: float
+    window: int = 16
+    min_samples: int = 3
+    samples: dict[int, deque[float]] = field(default_factory=dict)
+
+    def observe(self, rows: int, stage_s: list[float]) -> None:
+        if rows <= 0 or not stage_s:
+            return
+        self.samples.setdefault(rows, deque(maxlen=self.window)).append(max(stage_s))
+
+    def measured(self) -> dict[int, float]:
+        """{rows: median seconds} for the sizes with enough samples."""
+        return {k: statistics.median(v) for k, v in sorted(self.samples.items()) if len(v) >= self.min_samples}
+
+    def cost_fn(self) -> CostFn:
+        """A snapshot of cost(k) for one sizing decision."""
+        med = self.measured()
+        if 1 not in med or med[1] <= 0:
+            return linear_cost(self.row_cost)
+        rel = {k: t / med[1] for k, t in med.items()}
+        sizes = sorted(rel)
+
+        def cost(k: int) -> float:
+            if k in rel:
+                return rel[k]
+            below = max(j for j in sizes if j < k)  # 1 is always measured here
+            above = [j for j in sizes if j > k]
+            if not above:
+                return rel[below] + self.row_cost * (k - below)
+            hi = above[0]
+            return rel[below] + (rel[hi] - rel[below]) * (k - below) / (hi - below)
+
+        return cost
 
 
 @dataclass
@@ -259,6 +325,7 @@ class Calibration:
 
     hits: float = 1.0
     mass: float = 1.0
+    events: float = 1.0
 
     def update(self, tree: DraftTree, verdict: Verdict) -> None:
         scores = tree.scores.tolist()
@@ -270,10 +337,25 @@ class Calibration:
         for k, node in enumerate(path):
             self.mass += child_mass[node]
             self.hits += 1.0 if k + 1 < len(verdict.accepted) or verdict.next_child is not None else 0.0
+            self.events += 1.0
 
     @property
     def ratio(self) -> float:
         return self.hits / max(self.mass, 1e-9)
+
+    @property
+    def hit_rate(self) -> float:
+        """The fraction of accepted nodes whose next token was one of their drafted children."""
+        return self.hits / self.events
+
+    def useful_depth(self, min_path: float, max_depth: int) -> int:
+        """Levels a path is expected to survive with probability >= min_path, in [1, max_depth]."""
+        h = self.hit_rate
+        if min_path <= 0.0 or h >= 1.0:
+            return max_depth
+        if h <= 0.0:
+            return 1
+        return max(1, min(max_depth, math.floor(math.log(min_path) / math.log(h) + 1e-9)))
 
     def probs(self, tree: DraftTree, a: int, b: int) -> list[float]:
         """Estimated acceptance of nodes [a, b): the root is certain."""
@@ -288,6 +370,15 @@ class FlowSpecGrowth:
     def __init__(self, cfg: FlowSpecConfig):
         self.cfg = cfg
         self.calibration = Calibration()
+        self.stage_cost = StageCost(cfg.row_cost)
+
+    def returned(self, msg: Forward) -> None:
+        self.stage_cost.observe(len(msg.parents) - len(msg.dead), msg.stage_s)
+
+    def report(self) -> dict:
+        med = self.stage_cost.measured()
+        return dict(acceptance_ratio=round(self.calibration.ratio, 3), hit_rate=round(self.calibration.hit_rate, 3),
+                    stage_ms={k: round(t * 1e3, 2) for k, t in med.items()})
 
     def walked(self, state: FlowState, verdict: Verdict) -> None:
         self.calibration.update(state.tree, verdict)
@@ -299,7 +390,9 @@ class FlowSpecGrowth:
         cfg = self.cfg
         if not walked or (cfg.redraft_below and len(state.tree) - state.sent >= cfg.redraft_below):
             return False
-        state.tree, _ = await ctx.compute(expand, ctx.drafter, state.tree, cfg.expand.capped(budget - 1))
+        depth = self.calibration.useful_depth(cfg.expand_min_path, cfg.expand.depth) if cfg.adaptive \
+            else cfg.expand.depth
+        state.tree, _ = await ctx.compute(expand, ctx.drafter, state.tree, cfg.expand.capped(min(depth, budget - 1)))
         state.rank_unsent(cfg.max_unsent)
         return True
 
@@ -309,8 +402,9 @@ class FlowSpecGrowth:
         if not cfg.adaptive or b <= a:
             return b - a
         probs = self.calibration.probs(state.tree, a, b)
-        k = best_segment(probs, cfg.row_cost, cfg.segment_cap)
-        if live and segment_value(probs, k, cfg.row_cost) < cfg.min_value:
+        cost = self.stage_cost.cost_fn()
+        k = best_segment(probs, cost, cfg.segment_cap)
+        if live and segment_value(probs, k, cost) < cfg.min_value:
             return 0  # not worth delaying the segments (and the next root) behind it: wait for the next walk
         return k
 
@@ -358,6 +452,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
             msg, tensors = await ctx.recv()
             if not isinstance(msg, Forward):
                 continue  # acks of our prunes: the FIFO bookkeeping is done at send time
+            growth.returned(msg)
             nodes, f = state.take_result(msg, ctx.features(tensors))
             walked = False
             if nodes:
@@ -390,7 +485,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
         stats.decode_s = time.perf_counter() - t1
         if state is not None:
             stats.extra.update(draft_s=round(draft_s, 4), verify_s=round(verify_s, 4), in_flight=in_flight,
-                               **state.counters)
+                               **state.counters, **growth.report())
 
 
 async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) -> AsyncIterator[list[int]]:

@@ -52,6 +52,9 @@ class Forward(FrozenModel):
     commit: bool = False  # commit the nodes right after the forward (prefill chunks, autoregressive steps)
     tag: int = 0  # the leader's segment id, echoed back unchanged
     dead: list[int] = Field(default_factory=list)  # rows a queued Prune already discards: not computed, zeros
+    # each stage appends its busy seconds for this forward (compute + any emulated slowdown): the leader sizes
+    # FlowSpec's segments from what the stages really cost (flowspec.StageCost)
+    stage_s: list[float] = Field(default_factory=list)
     tensors: list[TensorSpec] = Field(default_factory=list)
 
 

@@ -23,6 +23,7 @@ from pydantic import Field
 from .drafter import TreeShape
 from .flowspec import FlowState, tree_pipeline
 from .leader import ModeContext, ModeSpec
+from .messages import Forward
 from .tree import DraftTree
 from .types import FrozenModel
 from .verify import Verdict
@@ -82,6 +83,12 @@ class PipeDecGrowth:
 
     def walked(self, state: FlowState, verdict: Verdict) -> None:
         pass  # one level per step whatever the acceptance: the baseline as published
+
+    def returned(self, msg: Forward) -> None:
+        pass
+
+    def report(self) -> dict:
+        return {}
 
     def segment(self, state: FlowState, live: int) -> int:
         """The unsent nodes of the next level (they were appended level by level)."""

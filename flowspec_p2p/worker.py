@@ -123,6 +123,8 @@ class StageWorker:
                 self.counters["busy_s"] += end - start
                 self.timeline_buffer.append(BusyInterval(start, end, compute_s, msg.request_id, len(msg.parents),
                                                          msg.tag))
+                if isinstance(out[0], Forward):
+                    out = (out[0].model_copy(update={"stage_s": [*out[0].stage_s, round(end - start, 6)]}), out[1])
             else:
                 out = self.core.handle(msg, ev.tensors)
             if isinstance(out[0], Release | StageError):

@@ -15,8 +15,10 @@ from flowspec_p2p.flowspec import (
     FlowSpecConfig,
     FlowSpecGrowth,
     FlowState,
+    StageCost,
     best_segment,
     flowspec_spec,
+    linear_cost,
 )
 from flowspec_p2p.generate import GenStats
 from flowspec_p2p.leader import AR, Leader, LeaderSettings
@@ -137,6 +139,9 @@ async def test_flowspec_over_the_async_ring_equals_single_device(parts, hops):
         assert out == parts.reference(PROMPTS[0], 40)
         assert stats.extra["prunes"] > 0
         assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
+        # every stage reported its busy time per segment, and the leader measured its stage cost from them
+        assert stats.extra["stage_ms"]
+        assert all(t > 0 for t in stats.extra["stage_ms"].values())
 
 
 async def test_stop_token_and_budget_end_the_reply_exactly(parts):
@@ -179,16 +184,40 @@ async def test_greedy_pipedec_equals_single_device_autoregressive(parts, four_st
 
 def test_best_segment_trades_expected_acceptance_against_row_cost():
     # a certain root and near-certain children: worth sending together even at CPU row cost
-    assert best_segment([1.0, 0.9, 0.8, 0.7], row_cost=0.45, cap=4) == 4
+    assert best_segment([1.0, 0.9, 0.8, 0.7], linear_cost(0.45), cap=4) == 4
     # a weak draft: the root alone (its extra rows cost more stage time than they are expected to return)
-    assert best_segment([1.0, 0.1, 0.05], row_cost=0.45, cap=4) == 1
+    assert best_segment([1.0, 0.1, 0.05], linear_cost(0.45), cap=4) == 1
     # free rows (a GPU): take everything up to the cap; the cap and the unsent count bound it
-    assert best_segment([1.0, 0.1, 0.05, 0.01, 0.01], row_cost=0.0, cap=4) == 4
-    assert best_segment([0.3, 0.2], row_cost=0.0, cap=8) == 2
-    assert best_segment([], row_cost=0.45, cap=4) == 0
+    assert best_segment([1.0, 0.1, 0.05, 0.01, 0.01], linear_cost(0.0), cap=4) == 4
+    assert best_segment([0.3, 0.2], linear_cost(0.0), cap=8) == 2
+    assert best_segment([], linear_cost(0.45), cap=4) == 0
     # the break-even row: adding p is worth it iff p > row_cost * (current mean per unit cost)
-    assert best_segment([1.0, 0.46], row_cost=0.45, cap=2) == 2
-    assert best_segment([1.0, 0.44], row_cost=0.45, cap=2) == 1
+    assert best_segment([1.0, 0.46], linear_cost(0.45), cap=2) == 2
+    assert best_segment([1.0, 0.44], linear_cost(0.45), cap=2) == 1
+
+
+def test_stage_cost_is_measured_from_the_slowest_stage_and_falls_back_to_the_prior():
+    cost = StageCost(row_cost=0.5, min_samples=3)
+    assert cost.cost_fn()(3) == pytest.approx(2.0)  # nothing measured: the prior 1 + 0.5 (k - 1)
+    for t in (0.010, 0.011, 0.012):
+        cost.observe(1, [0.002, t, 0.004])  # the slowest stage's seconds count
+    cost.observe(0, [1.0])  # a segment whose rows all died costs nothing to learn from
+    cost.observe(4, [])  # a ring whose stages report nothing
+    assert cost.cost_fn()(2) == pytest.approx(1.5)  # one row measured, two not yet: prior slope
+    for t in (0.016, 0.0165, 0.017):
+        cost.observe(4, [t])
+    fn = cost.cost_fn()
+    assert fn(1) == 1.0
+    assert fn(4) == pytest.approx(0.0165 / 0.011)
+    assert fn(2) == pytest.approx(1.0 + (0.0165 / 0.011 - 1.0) / 3)  # interpolated between measured sizes
+    assert fn(6) == pytest.approx(0.0165 / 0.011 + 2 * 0.5)  # beyond: the prior's slope
+    # measured cheap rows make a bigger segment pay where the prior would not
+    probs = [1.0, 0.3, 0.25, 0.2]
+    assert best_segment(probs, linear_cost(0.5), cap=4) == 1
+    assert best_segment(probs, fn, cap=4) == 4
+    for _ in range(20):  # a sliding window: the stages got slower per row
+        cost.observe(4, [0.044])
+    assert cost.cost_fn()(4) == pytest.approx(4.0)
 
 
 def test_calibration_learns_per_level_acceptance_from_walks():
@@ -214,6 +243,28 @@ def test_calibration_learns_per_level_acceptance_from_walks():
     for _ in range(50):  # keeps hitting: estimates scale up, capped at 1
         cal.update(tree, Verdict(accepted=[0, 1], token=7, next_child=2))
     assert cal.probs(tree, 1, 2) == [1.0]
+
+
+
+def test_expansion_depth_follows_the_measured_hit_rate():
+    tree = DraftTree.from_lists([5, 6, 7], [-1, 0, 1], scores=[0.0, math.log(0.5), math.log(0.25)])
+    cal = Calibration()
+    assert cal.useful_depth(0.15, 4) == 4  # no evidence yet: the full depth
+    miss = Verdict(accepted=[0], token=99, next_child=None)  # the root's next token was not drafted
+    hit = Verdict(accepted=[0, 1], token=7, next_child=2)  # two levels right
+    for _ in range(3):
+        cal.update(tree, hit)
+        cal.update(tree, miss)
+    assert cal.hit_rate == pytest.approx(7 / 10)
+    assert cal.useful_depth(0.15, 4) == 4  # 0.7^5 < 0.15 <= 0.7^4... capped at 4 anyway
+    for _ in range(6):
+        cal.update(tree, miss)
+    assert cal.hit_rate == pytest.approx(7 / 16)  # 0.44: a path of 2 levels still pays (0.19), 3 not (0.08)
+    assert cal.useful_depth(0.15, 4) == 2
+    for _ in range(40):
+        cal.update(tree, miss)
+    assert cal.useful_depth(0.15, 4) == 1  # never below one level
+    assert cal.useful_depth(0.0, 4) == 4  # 0 turns it off
 
 
 def test_flowspec_growth_sends_a_weak_segment_only_into_an_empty_ring():
