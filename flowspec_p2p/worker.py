@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from .emulation import NO_COMPUTE_EMULATION, ComputeEmulation
+from .emulation import NO_COMPUTE_EMULATION, ComputeEmulation, DeviceClock
 from .errors import PeerGone
 from .messages import Forward, Release, StageError
 from .stage import StageCore
@@ -62,6 +62,7 @@ class StageWorker:
         self.successor = successor
         self.inbox: asyncio.Queue = inbox if inbox is not None else asyncio.Queue()
         self.compute = compute
+        self.clock = DeviceClock(compute)
         self.name = name or f"stage{core.index}"
         self.timeline_buffer: deque[BusyInterval] = deque(maxlen=TIMELINE_LENGTH)
         self.counters = {"frames_in": 0, "frames_out": 0, "dropped_out": 0, "compute_s": 0.0, "busy_s": 0.0,
@@ -115,7 +116,8 @@ class StageWorker:
                 upcoming = [e.msg for e in backlog if isinstance(e, Frame)]  # look-ahead (stage.py)
                 out = await loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming)
                 compute_s = time.perf_counter() - t0
-                wait = self.compute.extra_wait(compute_s)
+                rows = len(msg.parents) - (len(out[0].dead) if isinstance(out[0], Forward) else 0)
+                wait = self.clock.extra_wait(rows, compute_s)
                 if wait > 0:
                     await asyncio.sleep(wait)
                 end = time.time()

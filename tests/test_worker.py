@@ -72,7 +72,7 @@ async def test_messages_are_applied_in_order_and_passed_on(shard):
 
 
 async def test_compute_slowdown_stretches_each_forward_and_is_recorded_in_the_timeline(shard):
-    async with Running(shard, compute=ComputeEmulation(slowdown=4.0)) as r:
+    async with Running(shard, compute=ComputeEmulation(slowdown=4.0, basis="measured")) as r:
         for seq in range(3):
             r.put(fwd("a", seq, 4, start=4 * seq), hidden(4))
         for _ in range(3):
@@ -89,6 +89,21 @@ async def test_compute_slowdown_stretches_each_forward_and_is_recorded_in_the_ti
         snap = r.worker.snapshot()
         assert snap["busy_s"] >= 4 * snap["compute_s"] - 1e-3
         assert r.worker.timeline(since=timeline[1]["end"]) == timeline[2:]
+
+
+async def test_device_time_is_the_slowdown_times_the_fastest_forward_of_that_size(shard):
+    async with Running(shard, compute=ComputeEmulation(slowdown=4.0)) as r:
+        for seq in range(4):
+            r.put(fwd("a", seq, 4, start=4 * seq), hidden(4))
+        for _ in range(4):
+            out = await r.get()
+            assert len(out.stage_s) == 1  # the worker reports its busy time in the returned Forward
+        timeline = r.worker.timeline()
+        fastest = timeline[0]["compute_s"]
+        for i, b in enumerate(timeline):
+            fastest = min(fastest, b["compute_s"])
+            assert b["end"] - b["start"] >= max(b["compute_s"], 4.0 * fastest) - 1e-4
+            assert b["end"] - b["start"] <= max(b["compute_s"], 4.0 * fastest) + 0.05, i
 
 
 async def test_the_timeline_is_a_bounded_ring_buffer(shard, monkeypatch):
