@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -158,6 +160,17 @@ def test_fit_reduces_the_loss_resumes_and_exports(run, peaked_llama, tiny, tmp_p
     torch.save(fz.vocab[:32], run / "draft_vocab.pt")
     with pytest.raises(ConfigError, match="no longer"):
         checkpoint_vocab(cfg)
+
+
+def test_a_full_vocabulary_checkpoint_keeps_the_full_vocabulary_on_resume(run, peaked_llama, tmp_path):
+    mine = tmp_path / "run"
+    shutil.copytree(run / "features", mine / "features")
+    (mine / "ckpt").mkdir()
+    torch.save({"step": 3, "draft_vocab": None, "config": {"draft_vocab": 0}}, mine / "ckpt" / "last.pt")
+    cfg = _cfg(mine, peaked_llama, draft_vocab=32)
+    _, _, _, fz = prepare(cfg, load_target(cfg.model))
+    assert fz.vocab is None  # not a fresh 32-token vocabulary under a head trained on every token
+    assert not (mine / "draft_vocab.pt").exists()
 
 
 def test_corpus_split_is_stable_and_disjoint(run):

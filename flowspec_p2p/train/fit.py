@@ -199,6 +199,10 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
         if vocab.numel() != min(cfg.draft_vocab or target.cfg.vocab_size, target.cfg.vocab_size):
             log.warning("the checkpoint's draft vocabulary has %d tokens (not --draft-vocab %d): keeping it",
                         vocab.numel(), cfg.draft_vocab)
+    elif (cfg.run_dir / "ckpt" / "last.pt").is_file():  # a head trained on the full vocabulary: keep that too
+        if cfg.draft_vocab:
+            log.warning("the checkpoint was trained on the full vocabulary (not --draft-vocab %d): keeping it",
+                        cfg.draft_vocab)
     elif cfg.draft_vocab:
         if vocab_path.is_file():
             vocab = torch.load(vocab_path)
@@ -225,7 +229,7 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
 
 def checkpoint_vocab(cfg: FitConfig, state: dict | None = None) -> torch.Tensor | None:
     """The draft vocabulary the run's checkpoint (``state``, if already loaded) was trained on (None: no
-    checkpoint, or the full vocabulary).
+    checkpoint, or the full vocabulary; ``prepare`` tells them apart).
 
     Raises ConfigError for a checkpoint that predates recording it when draft_vocab.pt no longer matches."""
     path = cfg.run_dir / "ckpt" / "last.pt"
