@@ -34,10 +34,10 @@ from .verify import LazyRows, Verdict, verify_greedy, verify_sampling
 log = logging.getLogger(__name__)
 
 # The default tree for SmolLM2-135M on the 2-core CPU this project was built on, from `flowspec tune-tree
-# --threads 1` with the first shipped head (2026-11-29): a 2-node tree (one drafted token) cost 1.37x a one-token
-# forward and 3/4/16 nodes 1.75x/1.82x/2.33x, while the head's teacher-forced τ was 1.18 (2 nodes), 1.29 (4),
-# 1.51 (16); the best estimate, 0.83x autoregressive, is this chain of one. Speculation does not pay on this CPU
-# with that head, hence `generate --mode ar` stays the default; rerun tune-tree when the head improves.
+# --threads 1` (docs/figures/spec-tune, 2026-11-30: the shipped head, oneDNN-packed weights for tree forwards):
+# 2/4/8/16 nodes cost 1.28x/1.53x/1.88x/2.58x a one-token forward, the head's teacher-forced tau was 1.42 (2
+# nodes), 1.74 (4); the best estimate, 0.99x autoregressive, is this chain of one. Speculation does not pay on
+# this CPU with this head yet, hence `generate --mode ar` stays the default; rerun tune-tree when the head improves.
 DEFAULT_TREE = TreeShape(total_tokens=2, depth=1, top_k=1)
 TUNING_FILE = "tree_tuning.json"  # under cache_dir(): written by `flowspec tune-tree`, read by the CLI
 
