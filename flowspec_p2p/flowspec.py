@@ -264,7 +264,7 @@ def segment_value(probs: list[float], k: int, cost: CostFn) -> float:
 def best_segment(probs: list[float], cost: CostFn, cap: int) -> int:
     """The segment size k in [1, min(cap, len(probs))] that maximises segment_value. probs: the next unsent
     nodes' acceptance estimates, in send order. -> k (0 when nothing is unsent)"""
-    best_k, best = 0, -1.0
+    best_k, best = min(1, len(probs)), -1.0  # at least one node while any is unsent, whatever the estimates
     for k in range(1, min(cap, len(probs)) + 1):
         value = segment_value(probs, k, cost)
         if value > best + 1e-12:
@@ -287,8 +287,8 @@ class StageCost:
     samples: dict[int, deque[float]] = field(default_factory=dict)
 
     def observe(self, rows: int, stage_s: list[float]) -> None:
-        if rows <= 0 or not stage_s:
-            return
+        if rows <= 0 or not stage_s or not all(math.isfinite(t) and t >= 0 for t in stage_s):
+            return  # nothing computed, nothing reported, or nonsense (messages.py validates it on the wire)
         self.samples.setdefault(rows, deque(maxlen=self.window)).append(max(stage_s))
 
     def measured(self) -> dict[int, float]:

@@ -30,6 +30,7 @@ from pydantic import Field
 from .types import FrozenModel
 
 PROTOCOL_VERSION = 1
+MAX_STAGES = 256  # stage_s entries a Forward may carry
 WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int64", "int32")
 TENSOR_NAMES = ("tokens", "hidden", "features")
 
@@ -54,7 +55,8 @@ class Forward(FrozenModel):
     dead: list[int] = Field(default_factory=list)  # rows a queued Prune already discards: not computed, zeros
     # each stage appends its busy seconds for this forward (compute + any emulated slowdown): the leader sizes
     # FlowSpec's segments from what the stages really cost (flowspec.StageCost)
-    stage_s: list[float] = Field(default_factory=list)
+    stage_s: list[Annotated[float, Field(ge=0.0, le=86_400.0, allow_inf_nan=False)]] = Field(
+        default_factory=list, max_length=MAX_STAGES)
     tensors: list[TensorSpec] = Field(default_factory=list)
 
 

@@ -120,6 +120,9 @@ def _with(path: list, value) -> bytes:
     (_with(["msg", "tensors", 0, "dtype"], "int64"), "floating point"),
     (_with(["msg", "positions"], [1, 2]), "positions"),
     (_with(["msg", "tensors"], [_header(GOOD)["msg"]["tensors"][0]] * 2), "duplicate"),
+    (_with(["msg", "stage_s"], [0.01, -1.0]), "invalid header"),  # a stage's busy seconds: never negative,
+    (_with(["msg", "stage_s"], [float("nan")]), "invalid header"),  # never NaN,
+    (_with(["msg", "stage_s"], [0.01] * 1000), "invalid header"),  # at most one per stage of a sane ring
 ])
 def test_malformed_frames_are_rejected_with_a_reason(frame, reason):
     with pytest.raises(ProtocolError, match=reason):

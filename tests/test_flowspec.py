@@ -191,6 +191,7 @@ def test_best_segment_trades_expected_acceptance_against_row_cost():
     assert best_segment([1.0, 0.1, 0.05, 0.01, 0.01], linear_cost(0.0), cap=4) == 4
     assert best_segment([0.3, 0.2], linear_cost(0.0), cap=8) == 2
     assert best_segment([], linear_cost(0.45), cap=4) == 0
+    assert best_segment([1.0, 0.5], lambda k: float("nan"), cap=4) == 1  # broken estimates never stall the ring
     # the break-even row: adding p is worth it iff p > row_cost * (current mean per unit cost)
     assert best_segment([1.0, 0.46], linear_cost(0.45), cap=2) == 2
     assert best_segment([1.0, 0.44], linear_cost(0.45), cap=2) == 1
@@ -203,6 +204,7 @@ def test_stage_cost_is_measured_from_the_slowest_stage_and_falls_back_to_the_pri
         cost.observe(1, [0.002, t, 0.004])  # the slowest stage's seconds count
     cost.observe(0, [1.0])  # a segment whose rows all died costs nothing to learn from
     cost.observe(4, [])  # a ring whose stages report nothing
+    cost.observe(4, [float("nan")])  # nonsense is ignored
     assert cost.cost_fn()(2) == pytest.approx(1.5)  # one row measured, two not yet: prior slope
     for t in (0.016, 0.0165, 0.017):
         cost.observe(4, [t])
