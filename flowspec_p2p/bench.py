@@ -183,8 +183,9 @@ def make_setup(cfg: BenchConfig, slowdown: float, view: dict | None, modes: list
         f"Emulated edge cluster on one {cores}-core host: {cfg.stages} stage agents + 1 leader, each a separate "
         f"process on loopback; emulated links {link} (sender-side pacing); emulated compute {slowdown:g}x slower "
         f"(a stage holds each forward until {slowdown:g} times its fastest recent forward of the same size has "
-        f"passed, so host contention between stages is not multiplied; the leader waits {slowdown:g}-1 times t after "
-        f"t s of drafting, LM head and verification); {cfg.threads} torch thread(s) per device. The leader holds the "
+        f"passed, and the leader's drafting, LM head and verification keep it busy {slowdown:g} times the CPU time "
+        f"they used, so host contention between devices is not multiplied); {cfg.threads} torch thread(s) per device. "
+        "The leader holds the "
         "draft head, embedding and LM head and no layers (the paper's 1 draft + N verification devices). Absolute "
         "numbers are not edge-device numbers; only the ratios between modes measured side by side mean anything.")
     return {
@@ -199,7 +200,7 @@ def make_setup(cfg: BenchConfig, slowdown: float, view: dict | None, modes: list
         "slowdown_rule": "given" if cfg.slowdown is not None else
         f"default: ceil(2 x (stages + 1) / host cores) = ceil(2 x {cfg.stages + 1} / {cores})",
         "emulation": emulation,
-        "compute_basis": "stages: fastest; leader: measured",  # emulation.py: how a slowdown turns into waits
+        "compute_basis": "stages: fastest; leader: cpu",  # emulation.py: how a slowdown turns into waits
         "threads_per_agent": cfg.threads,
         "wire_dtype": cfg.wire_dtype,
         "context": cfg.context,

@@ -75,8 +75,11 @@ class LeaderSettings(FrozenModel):
     prefill_chunk: int = Field(128, ge=1)  # prompt tokens per prefill Forward (chunks are pipelined)
     wire_dtype: str = "float32"  # activations the leader itself sends (when it embeds for stage 1)
     tree_margin: int = Field(256, ge=0)  # KV slots a stage needs beyond max_context for pending draft-tree nodes
-    slowdown: float = Field(1.0, ge=1.0, le=1000.0)  # emulated device (emulation.py): after computing t s in
-    # ``ModeContext.compute`` (drafting, LM head, verification) the leader waits (slowdown - 1) * t, as stages do
+    slowdown: float = Field(1.0, ge=1.0, le=1000.0)  # emulated device (emulation.py) for ``ModeContext.compute``
+    # (drafting, LM head, verification). Basis "cpu": the leader is busy slowdown x the CPU time its compute thread
+    # used (t_cpu; with one torch thread, else as "measured"), so stages computing at the same time on the shared
+    # host do not count; "measured": it waits (slowdown - 1) x the wall time, which multiplies that contention too
+    slowdown_basis: Literal["cpu", "measured"] = "cpu"
 
     @property
     def stage_capacity(self) -> int:
@@ -229,15 +232,21 @@ class ModeContext:
 
     async def compute(self, fn: Callable, *args):
         """Run ``fn(*args)`` on the leader's compute thread (keeps the event loop responsive). With an emulated
-        slowdown s (``LeaderSettings.slowdown``) the leader then waits (s - 1) * t for t seconds of compute."""
+        slowdown s (``LeaderSettings.slowdown``) the leader then stays busy until s times the CPU time it used
+        has passed (basis "cpu"), or waits (s - 1) * t after t seconds (basis "measured")."""
 
         def timed():
-            t0 = time.perf_counter()
-            return fn(*args), time.perf_counter() - t0
+            t0, c0 = time.perf_counter(), time.thread_time()
+            out = fn(*args)
+            return out, time.perf_counter() - t0, time.thread_time() - c0
 
         start = time.time()
-        out, compute_s = await asyncio.get_running_loop().run_in_executor(self.leader.executor, timed)
-        wait = (self.settings.slowdown - 1.0) * compute_s
+        out, compute_s, cpu_s = await asyncio.get_running_loop().run_in_executor(self.leader.executor, timed)
+        s = self.settings
+        if s.slowdown_basis == "cpu" and torch.get_num_threads() == 1:  # more threads: t_cpu misses their work
+            wait = s.slowdown * cpu_s - compute_s if s.slowdown > 1.0 else 0.0
+        else:
+            wait = (s.slowdown - 1.0) * compute_s
         if wait > 0:
             await asyncio.sleep(wait)
         self.busy.append((start, time.time()))

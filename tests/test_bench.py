@@ -253,7 +253,7 @@ async def test_leader_compute_is_slowed_down_like_a_stage():
     from flowspec_p2p.leader import LeaderSettings, ModeContext, _decode_window
     from flowspec_p2p.sampling import SamplingParams
 
-    leader = SimpleNamespace(head=None, drafter=None, settings=LeaderSettings(slowdown=3.0),
+    leader = SimpleNamespace(head=None, drafter=None, settings=LeaderSettings(slowdown=3.0, slowdown_basis="measured"),
                              executor=ThreadPoolExecutor(1))
     ctx = ModeContext(leader, None, "r", [1], SamplingParams(), 4, frozenset(), GenStats("x"))
     t0 = time.perf_counter()
@@ -266,6 +266,32 @@ async def test_leader_compute_is_slowed_down_like_a_stage():
     e = ctx.stats.extra
     assert e["decode_finished_at"] - e["decode_started_at"] == pytest.approx(0.1)
     assert 0.0 < e["leader_busy_s"] <= 0.1
+    leader.executor.shutdown()
+
+
+async def test_leader_slowdown_counts_the_cpu_time_it_used_not_host_contention(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from flowspec_p2p.generate import GenStats
+    from flowspec_p2p.leader import LeaderSettings, ModeContext
+    from flowspec_p2p.sampling import SamplingParams
+
+    def spin(seconds: float) -> None:  # compute: uses the CPU the whole time
+        c0 = time.thread_time()
+        while time.thread_time() - c0 < seconds:
+            pass
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    leader = SimpleNamespace(head=None, drafter=None, settings=LeaderSettings(slowdown=3.0),
+                             executor=ThreadPoolExecutor(1))
+    ctx = ModeContext(leader, None, "r", [1], SamplingParams(), 4, frozenset(), GenStats("x"))
+    await ctx.compute(spin, 0.05)
+    await ctx.compute(time.sleep, 0.05)  # descheduled, as when other devices hold the host's cores: no CPU used
+    (a, b), (c, d) = ctx.busy
+    assert b - a >= 3 * 0.05 - 0.01
+    assert d - c < 0.05 + 0.04  # not 3 x 0.05: waiting for a core is the host's contention, not the device's work
     leader.executor.shutdown()
 
 
