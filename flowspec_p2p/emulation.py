@@ -20,7 +20,9 @@ forward of r computed rows (rows the look-ahead skipped do not count) that compu
 time on the shared host (which real devices would not) then still look like independent devices, as long as the
 contention stays below the slowdown. Basis "measured" holds it (slowdown - 1) * t instead, which multiplies any
 contention by the slowdown too: concurrent stages (FlowSpec, Chunk-PP) are penalised against one-at-a-time
-ones (autoregressive). Every benchmark report states the emulation it used (``describe``).
+ones (autoregressive). The leader's compute (drafting, LM head, verification; ``LeaderSettings.slowdown``) uses
+basis "cpu": it stays busy until slowdown x the CPU time its compute thread used has passed (``cpu_time_wait``).
+Every benchmark report states the emulation it used (``describe``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ class LinkEmulation(FrozenModel):
         return f"links: {bw}, {self.latency_ms:g} ms one-way latency"
 
 
+def measured_wait(slowdown: float, compute_s: float) -> float:
+    """Basis "measured": wait (s - 1) * t after computing for t seconds (wall clock)."""
+    return (slowdown - 1.0) * compute_s
+
+
+def cpu_time_wait(slowdown: float, wall_s: float, cpu_s: float) -> float:
+    """Basis "cpu": after ``wall_s`` seconds that used ``cpu_s`` seconds of CPU, the wait until s * cpu_s have
+    passed (negative: none; waiting for a core on the shared host is not the emulated device's work)."""
+    return slowdown * cpu_s - wall_s if slowdown > 1.0 else 0.0
+
+
 class ComputeEmulation(FrozenModel):
     """Compute slowdown s >= 1 (see the module docstring for the two bases)."""
 
@@ -67,8 +80,8 @@ class ComputeEmulation(FrozenModel):
         return self.slowdown > 1.0
 
     def extra_wait(self, compute_s: float) -> float:
-        """Basis "measured": wait (s - 1) * t after computing for t seconds."""
-        return (self.slowdown - 1.0) * compute_s
+        """Basis "measured" (``measured_wait``)."""
+        return measured_wait(self.slowdown, compute_s)
 
     def describe(self) -> str:
         if not self.enabled:

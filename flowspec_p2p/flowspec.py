@@ -373,7 +373,7 @@ class FlowSpecGrowth:
         self.stage_cost = StageCost(cfg.row_cost)
 
     def returned(self, msg: Forward) -> None:
-        self.stage_cost.observe(len(msg.parents) - len(msg.dead), msg.stage_s)
+        self.stage_cost.observe(msg.computed_rows, msg.stage_s)
 
     def report(self) -> dict:
         med = self.stage_cost.measured()

@@ -52,6 +52,7 @@ import torch
 from pydantic import Field
 
 from .codec import wire_dtype
+from .emulation import cpu_time_wait, measured_wait
 from .errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone, StageFailed
 from .generate import GenStats, check_context
 from .messages import Forward, Prune, Release, Reset, StageError
@@ -244,9 +245,9 @@ class ModeContext:
         out, compute_s, cpu_s = await asyncio.get_running_loop().run_in_executor(self.leader.executor, timed)
         s = self.settings
         if s.slowdown_basis == "cpu" and torch.get_num_threads() == 1:  # more threads: t_cpu misses their work
-            wait = s.slowdown * cpu_s - compute_s if s.slowdown > 1.0 else 0.0
+            wait = cpu_time_wait(s.slowdown, compute_s, cpu_s)
         else:
-            wait = (s.slowdown - 1.0) * compute_s
+            wait = measured_wait(s.slowdown, compute_s)
         if wait > 0:
             await asyncio.sleep(wait)
         self.busy.append((start, time.time()))

@@ -59,6 +59,11 @@ class Forward(FrozenModel):
         default_factory=list, max_length=MAX_STAGES)
     tensors: list[TensorSpec] = Field(default_factory=list)
 
+    @property
+    def computed_rows(self) -> int:
+        """Nodes a stage actually runs: the dead rows take no compute."""
+        return len(self.parents) - len(self.dead)
+
 
 class Prune(FrozenModel):
     """Causal-consistent prune (flowspec-algorithm.md §5.3): keep the pending nodes ``keep`` (strictly increasing

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -140,13 +140,13 @@ class DecoderBlock(nn.Module):
         self.w2 = nn.Parameter(torch.empty(cfg.intermediate_size, h))
         self._packed = _Packed()
 
-    def _weights(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """(wqkv, wo, w13, w2) for a forward of ``rows`` rows: oneDNN-packed when that is faster (see above),
-        else the parameters themselves (multiplied with ``@``)."""
+    def _weights(self, rows: int) -> tuple[Callable, list[torch.Tensor]]:
+        """(matmul, [wqkv, wo, w13, w2]) for a forward of ``rows`` rows: oneDNN with the packed copies when that
+        is faster (see above), else ``@`` with the parameters themselves."""
         ws = [self.wqkv, self.wo, self.w13, self.w2]
         if 1 < rows <= PACKED_MAX_ROWS and not torch.is_grad_enabled() and packing_enabled(self.wqkv.dtype):
-            return tuple(self._packed.get(ws))
-        return tuple(ws)
+            return _linear_packed, self._packed.get(ws)
+        return torch.matmul, ws
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Random init (draft-head training, tests)."""
@@ -183,8 +183,7 @@ class DecoderBlock(nn.Module):
         cfg = self.cfg
         b, n, _ = x.shape
         hq, hk, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wqkv, wo, w13, w2 = self._weights(b * n)
-        mm = _linear_packed if wqkv is not self.wqkv else torch.matmul
+        mm, (wqkv, wo, w13, w2) = self._weights(b * n)
         qkv = mm(self.attn_norm(x), wqkv)  # [b, n, (hq + 2 hk) hd]
         if self.bqkv is not None:
             qkv = qkv + self.bqkv

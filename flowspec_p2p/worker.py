@@ -7,8 +7,9 @@ HTTP while a stage computes; cheap messages (prune, reset, release) are applied 
 the loop awaits each message before it takes the next. Sending runs as its own task, so computing message
 k+1 overlaps sending message k; order is kept by a FIFO queue.
 
-Compute emulation (issue 4 item 9, emulation.py): after computing for t seconds the stage waits (s - 1) * t
-before it sends the result or takes the next message, like a device s times slower.
+Compute emulation (issue 4 item 9, emulation.py): after a forward the stage holds the result (and the next
+message) until its DeviceClock says a device s times slower would be done, then appends its busy seconds to the
+returned Forward (``stage_s``).
 
 Observability: ``snapshot()`` (counters for /cluster) and ``timeline()`` (busy intervals: wall-clock start and
 end of each forward including the emulated wait, in a bounded ring buffer, for per-stage timeline charts).
@@ -116,8 +117,8 @@ class StageWorker:
                 upcoming = [e.msg for e in backlog if isinstance(e, Frame)]  # look-ahead (stage.py)
                 out = await loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming)
                 compute_s = time.perf_counter() - t0
-                rows = len(msg.parents) - (len(out[0].dead) if isinstance(out[0], Forward) else 0)
-                wait = self.clock.extra_wait(rows, compute_s)
+                result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
+                wait = self.clock.extra_wait(len(msg.parents) if result is None else result.computed_rows, compute_s)
                 if wait > 0:
                     await asyncio.sleep(wait)
                 end = time.time()
@@ -125,8 +126,8 @@ class StageWorker:
                 self.counters["busy_s"] += end - start
                 self.timeline_buffer.append(BusyInterval(start, end, compute_s, msg.request_id, len(msg.parents),
                                                          msg.tag))
-                if isinstance(out[0], Forward):
-                    out = (out[0].model_copy(update={"stage_s": [*out[0].stage_s, round(end - start, 6)]}), out[1])
+                if result is not None:
+                    out = (result.model_copy(update={"stage_s": [*result.stage_s, round(end - start, 6)]}), out[1])
             else:
                 out = self.core.handle(msg, ev.tensors)
             if isinstance(out[0], Release | StageError):

@@ -23,7 +23,7 @@ DEFAULT_NAME = "eagle-head"
 
 
 def load_checkpoint(cfg: FitConfig, target_cfg) -> tuple[DraftHead, dict]:
-    path = cfg.run_dir / "ckpt" / "last.pt"
+    path = cfg.checkpoint
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}: run `flowspec draft fit` first")
     state = torch.load(path, weights_only=False)

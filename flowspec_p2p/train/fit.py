@@ -75,6 +75,11 @@ class FitConfig(FrozenModel):
     use_fixed: bool = True  # also train on the teacher-forced store (<run>/fixed) when there is one
     heldout_per_mille: int = Field(HELDOUT_PER_MILLE, ge=0, le=1000)
 
+    @property
+    def checkpoint(self) -> Path:
+        """The run's latest training checkpoint (written by fit, read on resume, by eval and by export)."""
+        return self.run_dir / "ckpt" / "last.pt"
+
 
 @dataclass
 class Frozen:
@@ -199,7 +204,7 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
         if vocab.numel() != min(cfg.draft_vocab or target.cfg.vocab_size, target.cfg.vocab_size):
             log.warning("the checkpoint's draft vocabulary has %d tokens (not --draft-vocab %d): keeping it",
                         vocab.numel(), cfg.draft_vocab)
-    elif (cfg.run_dir / "ckpt" / "last.pt").is_file():  # a head trained on the full vocabulary: keep that too
+    elif cfg.checkpoint.is_file():  # a head trained on the full vocabulary: keep that too
         if cfg.draft_vocab:
             log.warning("the checkpoint was trained on the full vocabulary (not --draft-vocab %d): keeping it",
                         cfg.draft_vocab)
@@ -232,7 +237,7 @@ def checkpoint_vocab(cfg: FitConfig, state: dict | None = None) -> torch.Tensor 
     checkpoint, or the full vocabulary; ``prepare`` tells them apart).
 
     Raises ConfigError for a checkpoint that predates recording it when draft_vocab.pt no longer matches."""
-    path = cfg.run_dir / "ckpt" / "last.pt"
+    path = cfg.checkpoint
     if state is None:
         if not path.is_file():
             return None
@@ -266,7 +271,7 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
              len(held_idx), corpus.answer_tokens(), fz.feature_rms)
     head = DraftHead(target.cfg).reset_parameters(cfg.seed)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    ckpt = cfg.run_dir / "ckpt" / "last.pt"
+    ckpt = cfg.checkpoint
     step, epoch, cursor, seen_tokens, spent_s = 0, 0, 0, 0, 0.0
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
