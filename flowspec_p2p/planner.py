@@ -150,7 +150,7 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
                    draft_params: int | None = None, dtype_bytes: int = 4, packed: bool = False) -> ModelSpec:
     """A ModelSpec from an open weight source's config (runtime sizes are parameters x ``dtype_bytes``).
     ``packed``: stages keep a second, oneDNN-packed copy of their layers for tree forwards (shard.py), so a
-    layer (and the draft head's block) takes twice its bytes."""
+    layer (and the draft head's block, and the LM head, which verifies trees) takes twice its bytes."""
     cfg = source.config
     h, v = cfg.hidden_size, cfg.vocab_size
     layer = cfg.layer_params()
@@ -162,7 +162,7 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
         num_layers=cfg.num_layers,
         layer_bytes=(layer * dtype_bytes * (2 if packed else 1),) * cfg.num_layers,
         embed_bytes=v * h * dtype_bytes,
-        head_bytes=(v * h + h) * dtype_bytes,
+        head_bytes=(v * h * (2 if packed else 1) + h) * dtype_bytes,
         norm_bytes=h * dtype_bytes,
         draft_bytes=(draft_params + (layer if packed else 0)) * dtype_bytes,  # its block is packed too
         kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),

@@ -128,3 +128,24 @@ def test_packed_few_row_matmuls_agree_and_follow_the_weights(tiny_llama, monkeyp
     with torch.inference_mode():
         f64(ids, None)
     assert f64.blocks[0]._packed.key is None
+
+
+@pytest.mark.skipif(not packing_enabled(), reason="this torch build has no oneDNN packed linear")
+def test_packed_lm_head_agrees_for_a_few_rows_only(tiny_llama, monkeypatch):
+    """The LM head verifies a few rows through its packed copy (same logits to float32 rounding, same argmax);
+    one row and long prompt chunks stay on MKL."""
+    shard = _whole(tiny_llama, dtype=torch.float32)
+    feats = torch.randn(1, 40, shard.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+
+    def logits(env: str, x):
+        monkeypatch.setenv(PACKED_ENV, env)
+        with torch.inference_mode():
+            return shard.logits(x)
+
+    assert torch.equal(logits("1", feats[:, :1]), feats[:, :1] @ shard.head_t)
+    assert torch.equal(logits("1", feats), feats @ shard.head_t)  # 40 rows: a prompt chunk, MKL
+    assert shard._head_packed.key is None
+    plain, packed = logits("0", feats[0, :5]), logits("1", feats[0, :5])  # [5, vocab]
+    assert shard._head_packed.key is not None
+    assert (packed - plain).abs().max().item() <= 1e-5
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))
