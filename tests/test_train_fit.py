@@ -180,3 +180,25 @@ def test_corpus_split_is_stable_and_disjoint(run):
     assert len(train) + len(held) == len(corpus)
     assert held
     assert corpus.split(heldout_per_mille=200) == (train, held)
+
+
+def test_warm_start_takes_the_head_weights_and_a_fresh_vocabulary(run, peaked_llama, tmp_path):
+    """--init-from: a new run starts from another run's trained head (its weights, not its optimiser, step or
+    draft vocabulary), and a run that already has a checkpoint resumes from its own instead."""
+    theirs, mine = tmp_path / "donor", tmp_path / "run"
+    for d in (theirs, mine):
+        shutil.copytree(run / "features", d / "features")
+    fit(_cfg(theirs, peaked_llama, steps=10), progress=False)
+    donor = theirs / "ckpt" / "last.pt"
+    trained = torch.load(donor, weights_only=False)["head"]
+    cfg = _cfg(mine, peaked_llama, steps=1, lr=1e-9, warmup=0, draft_vocab=32, init_from=donor)
+    head = fit(cfg, progress=False)
+    state = torch.load(mine / "ckpt" / "last.pt", weights_only=False)
+    assert state["step"] == 1
+    assert state["draft_vocab"].numel() == 32
+    for name, w in head.state_dict().items():  # one step at lr 1e-9: still the donor's weights
+        torch.testing.assert_close(w, trained[name], atol=1e-6, rtol=0, msg=name)
+    meta = DraftBundle.load(export(cfg, tmp_path / "drafts", "warm", evaluation={})).meta
+    assert meta["training"]["warm_start"] == {"from": "last.pt", "steps": 10}
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        fit(_cfg(tmp_path / "other", peaked_llama, init_from=tmp_path / "missing.pt"), progress=False)

@@ -79,6 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--heldout-per-mille", type=int, default=50,
                      help="conversations held out for evaluation, per mille, by key hash (default 50)")
     fit.add_argument("--no-fixed", action="store_true", help="ignore the teacher-forced store (<run>/fixed)")
+    fit.add_argument("--init-from", type=Path, default=None,
+                     help="warm start a new fit from this checkpoint's head weights (e.g. another run's "
+                          "ckpt/last.pt after adding data); optimiser, schedule and draft vocabulary start afresh")
 
     out = argparse.ArgumentParser(add_help=False)
     out.add_argument("--out", default=None, help="export folder (default ~/.cache/flowspec_p2p/drafts; the "
@@ -121,7 +124,7 @@ def _fit_config(args: argparse.Namespace):
     return FitConfig(run_dir=_run_dir(args), model=args.model, steps=args.steps, tokens_per_step=args.tokens_per_step,
                      lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab,
                      feature_weight=args.feature_weight, noise=args.noise, threads=args.threads,
-                     heldout_per_mille=args.heldout_per_mille, use_fixed=not args.no_fixed,
+                     heldout_per_mille=args.heldout_per_mille, use_fixed=not args.no_fixed, init_from=args.init_from,
                      warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20))
 
 

@@ -74,6 +74,9 @@ class FitConfig(FrozenModel):
     threads: int = Field(1, ge=1)
     use_fixed: bool = True  # also train on the teacher-forced store (<run>/fixed) when there is one
     heldout_per_mille: int = Field(HELDOUT_PER_MILLE, ge=0, le=1000)
+    # warm start: a run with no checkpoint yet starts from this checkpoint's head weights (its optimiser state,
+    # schedule and draft vocabulary start afresh: the head's weights do not depend on the draft vocabulary)
+    init_from: Path | None = None
 
     @property
     def checkpoint(self) -> Path:
@@ -264,6 +267,8 @@ def _save_ckpt(path: Path, state: dict) -> None:
 
 def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
     """Train (or continue training) the head of ``cfg.run_dir``; -> the trained head."""
+    if cfg.init_from is not None and not cfg.init_from.is_file():
+        raise ConfigError(f"--init-from {cfg.init_from}: no such checkpoint")
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.model)
     corpus, train_idx, held_idx, fz = prepare(cfg, target)
@@ -280,6 +285,9 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         step, epoch, cursor, seen_tokens = state["step"], state["epoch"], state["cursor"], state["seen_tokens"]
         spent_s = state.get("train_seconds", 0.0)
         log.info("resuming from %s at step %d (epoch %d)", ckpt, step, epoch)
+    elif cfg.init_from is not None:
+        head.load_state_dict(torch.load(cfg.init_from, weights_only=False, map_location="cpu")["head"])
+        log.info("warm start from the head weights of %s", cfg.init_from)
     fixed = [i for i in train_idx if float(corpus.temperature[i]) < 0]
     data = {"conversations": len(train_idx), "answer_tokens": corpus.answer_tokens(train_idx),
             "teacher_forced_conversations": len(fixed), "teacher_forced_answer_tokens": corpus.answer_tokens(fixed),
