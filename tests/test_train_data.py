@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from types import SimpleNamespace
 
 import torch
@@ -66,3 +67,15 @@ def test_teacher_forced_conversations_hold_the_targets_features_and_stop_at_the_
     assert len(got["sharegpt:b"].tokens) == len(tok.chat([{"role": "user", "content": "why?"}])) + 10
     again = teacher_forced_data(DataConfig(run_dir=run, max_new_tokens=10), lm, progress=False)  # resumes: no-op
     assert again.conversations == 2
+
+
+def test_held_out_conversations_include_greedy_ones():
+    """The T=1 share of self-distillation is hashed apart from the held-out split: held-out conversations come
+    at both temperatures (chain acceptance is measured on the greedy ones), each near its share."""
+    from flowspec_p2p.train.corpus import HELDOUT_PER_MILLE
+
+    keys = [f"sharegpt:{i}" for i in range(20000)]
+    held = [k for k in keys if zlib.crc32(k.encode()) % 1000 < HELDOUT_PER_MILLE]
+    sampled = [data_mod._temperature(k, 0.2) for k in held]
+    assert 0.15 < sum(sampled) / len(held) < 0.25
+    assert 0.15 < sum(data_mod._temperature(k, 0.2) for k in keys) / len(keys) < 0.25

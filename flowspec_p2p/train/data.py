@@ -62,7 +62,10 @@ def pool_for(run_dir: Path, seed: int) -> list[Prompt]:
 
 
 def _temperature(key: str, fraction: float) -> float:
-    return 1.0 if zlib.crc32(key.encode()) % 1000 < fraction * 1000 else 0.0
+    """1.0 for a ``fraction`` of the keys, else 0.0 (greedy). Hashed apart from the held-out split
+    (corpus.Corpus.split hashes the bare key): hashing the same string made every held-out conversation a T=1
+    one, leaving no greedy conversation to measure chain acceptance on (stores written before this keep theirs)."""
+    return 1.0 if zlib.crc32(f"temperature:{key}".encode()) % 1000 < fraction * 1000 else 0.0
 
 
 def _requests(pool: list[Prompt], done: set[str], tokenizer, cfg: DataConfig, skipped: list[str]) -> Iterator[Request]:
