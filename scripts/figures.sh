@@ -17,5 +17,8 @@ flowspec bench --slowdown 1 --modes ar,flowspec --temperature 0 --per-dataset 4 
   --out "$OUT/bench-equality" --resume
 # issue 3: tau per dataset at T=0/T=1, single-device speculative vs autoregressive, greedy equality
 flowspec bench-spec --data "$DATA" --per-dataset 2 --max-tokens 128 --threads 1 --out "$OUT/spec-bench"
+# issue 3: the same with a 16-node EAGLE-2 tree (higher tau, slower on this CPU)
+flowspec bench-spec --data "$DATA" --per-dataset 2 --max-tokens 128 --threads 1 --tree-tokens 16 --tree-depth 5 \
+  --tree-topk 4 --out "$OUT/spec-bench-tree16"
 # issue 3: target forward cost against tree size, and the tree shape that maximises tokens/s here
 flowspec tune-tree --data "$DATA" --threads 1 --no-save --out "$OUT/spec-tune"
