@@ -102,7 +102,7 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
                                       "feature_weight", "noise", "draft_vocab") if k in train},
         },
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "reproduce": "flowspec draft train (see flowspec draft --help)",
+        "reproduce": "flowspec draft train (see flowspec draft --help); the shipped head: scripts/train_head.sh",
     }
     if evaluation:
         meta["heldout"] = evaluation
