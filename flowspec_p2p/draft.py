@@ -104,7 +104,7 @@ class DraftHead(nn.Module):
 @dataclass
 class DraftBundle:
     """A trained head plus what it was trained for. ``meta`` keys: format, target_fingerprint, target_config,
-    draft_vocab_size, and training facts (data_tokens, steps, heldout_top1, tau, ...)."""
+    draft_vocab_size, and what export records (data, training, heldout_top1, ...; train/export.py)."""
 
     head: DraftHead
     draft_vocab: torch.Tensor | None  # [V_d] int64 target token ids, or None for the full vocabulary

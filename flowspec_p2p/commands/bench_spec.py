@@ -63,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     result["config"]["draft"] = {
-        k: meta.get(k) for k in ("target_fingerprint", "steps", "data_tokens", "draft_vocab_size", "heldout_top1")
+        **{k: meta.get(k) for k in ("target_fingerprint", "draft_vocab_size", "heldout_top1")},
+        "steps": meta.get("training", {}).get("steps"),  # export writes these under "training" and "data"
+        "data_tokens": meta.get("data", {}).get("answer_tokens"),
     }
     write_outputs(args.out, "bench_spec", result, markdown(result))
     log.warning("wrote %s", args.out / "bench_spec.md")
