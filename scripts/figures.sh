@@ -17,6 +17,9 @@ flowspec bench --slowdown 1 --modes ar,flowspec --temperature 0 --per-dataset 4 
   --out "$OUT/bench-equality" --resume
 # issue 3: tau per dataset at T=0/T=1, single-device speculative vs autoregressive, greedy equality
 flowspec bench-spec --data "$DATA" --per-dataset 2 --max-tokens 128 --threads 1 --out "$OUT/spec-bench"
+# issue 3: greedy equality of the shipped head over 24 prompts x 128 tokens
+flowspec bench-spec --data "$DATA" --per-dataset 4 --max-tokens 128 --temperatures 0 --threads 1 \
+  --out "$OUT/spec-bench-equality"
 # issue 3: the same with a 16-node EAGLE-2 tree (higher tau, slower on this CPU)
 flowspec bench-spec --data "$DATA" --per-dataset 2 --max-tokens 128 --threads 1 --tree-tokens 16 --tree-depth 5 \
   --tree-topk 4 --out "$OUT/spec-bench-tree16"
