@@ -150,7 +150,7 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
                    draft_params: int | None = None, dtype_bytes: int = 4, packed: bool = False) -> ModelSpec:
     """A ModelSpec from an open weight source's config (runtime sizes are parameters x ``dtype_bytes``).
     ``packed``: stages keep a second, oneDNN-packed copy of their layers for tree forwards (shard.py), so a
-    layer (and the draft head's block, and the LM head, which verifies trees) takes twice its bytes."""
+    layer (and the draft head's block, and the LM head) takes twice its bytes."""
     cfg = source.config
     h, v = cfg.hidden_size, cfg.vocab_size
     layer = cfg.layer_params()

@@ -33,7 +33,8 @@ from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_n
 # verification, pipeline segments, the draft head's frontier), so on a CPU an n-node forward costs close to n
 # one-node ones. oneDNN with weights reordered into its blocked layout once reads them once for all rows: over
 # the default model's 30 layers, 4 rows cost 1.3-1.5x one row instead of 2-2.6x (docs/figures/spec-tune), and
-# the same holds for the LM head (the largest matmul: verifying 4 rows, ~16 ms instead of ~50 ms here). One
+# the same holds for the LM head (the largest matmul: 16 rows ~31 ms instead of ~66 ms here; batched generation
+# calls it with several rows, while tree verification computes its rows one at a time along the walk). One
 # row stays on MKL (oneDNN is 10-20% slower there, and decoding is one row), and so do big prompt chunks. The
 # reordered copy doubles a block's weight memory, is made lazily on the first few-row inference forward (a
 # process that only decodes autoregressively never makes it), and is remade if the weights change. float32
@@ -56,6 +57,12 @@ def _onednn_available() -> bool:
 def packing_enabled(dtype: torch.dtype = torch.float32) -> bool:
     """Whether few-row matmuls in ``dtype`` use oneDNN-packed weights (and so weights take twice the memory)."""
     return dtype == torch.float32 and os.environ.get(PACKED_ENV, "1") != "0" and _onednn_available()
+
+
+def _packs(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a matmul of ``rows`` rows in ``dtype`` goes through the packed copy (inference only: autograd
+    never sees it)."""
+    return 1 < rows <= PACKED_MAX_ROWS and not torch.is_grad_enabled() and packing_enabled(dtype)
 
 
 class _Packed:
@@ -145,7 +152,7 @@ class DecoderBlock(nn.Module):
         """(matmul, [wqkv, wo, w13, w2]) for a forward of ``rows`` rows: oneDNN with the packed copies when that
         is faster (see above), else ``@`` with the parameters themselves."""
         ws = [self.wqkv, self.wo, self.w13, self.w2]
-        if 1 < rows <= PACKED_MAX_ROWS and not torch.is_grad_enabled() and packing_enabled(self.wqkv.dtype):
+        if _packs(rows, self.wqkv.dtype):
             return _linear_packed, self._packed.get(ws)
         return torch.matmul, ws
 
@@ -248,7 +255,7 @@ class Shard(nn.Module):
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in layers.indices())
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if head else None
         self.head_t: torch.Tensor | None = None  # [hidden, vocab]: the LM head, transposed (see DecoderBlock)
-        self._head_packed = _Packed()  # its oneDNN copy for verifying a few rows at once (see the top of the file)
+        self._head_packed = _Packed()  # its oneDNN copy for a few rows at once (see the top of the file)
         self.max_position = max_position or cfg.max_position
         self.rotary = Rotary(cfg, self.max_position, dtype, rope_freqs)
         self.to(dtype)
@@ -334,9 +341,6 @@ class Shard(nn.Module):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., hidden] -> [..., vocab]"""
         assert self.head_t is not None, "this shard holds no LM head"
-        rows = features.numel() // features.shape[-1]
-        if 1 < rows <= PACKED_MAX_ROWS and not torch.is_grad_enabled() and packing_enabled(self.head_t.dtype):
-            # MKL reads the [hidden, vocab] head once per row here: 4 rows cost ~4x one (the largest matmul of
-            # the model, so tree verification paid for it most); packed, 4 rows cost ~1.5x one
+        if _packs(features.numel() // features.shape[-1], self.head_t.dtype):
             return _linear_packed(features, self._head_packed.get([self.head_t])[0])
         return features @ self.head_t
