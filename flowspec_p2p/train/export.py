@@ -50,16 +50,6 @@ def run_eval(cfg: FitConfig, depth: int | None = None, progress: bool = True) ->
     return result
 
 
-def _warm_start(state: dict) -> dict | None:
-    """The checkpoint a warm-started fit began from (``FitConfig.init_from``), with its step count, or None."""
-    path = state.get("config", {}).get("init_from")
-    if not path:
-        return None
-    donor = Path(path)
-    steps = torch.load(donor, weights_only=False, map_location="cpu").get("step") if donor.is_file() else None
-    return {"from": donor.name if donor.is_file() else path, "steps": steps}
-
-
 def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME, evaluation: dict | None = None,
            dtype: torch.dtype = torch.float16) -> Path:
     """Write ``<out_dir>/<name>.safetensors|.json``; -> the stem. Default folder: ~/.cache/flowspec_p2p/drafts."""
@@ -94,7 +84,7 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
         },
         "training": {
             "steps": state["step"],
-            "warm_start": _warm_start(state),
+            "warm_start": state.get("warm_start"),  # recorded by fit: the donor checkpoint and its steps
             "epochs": round(state["seen_tokens"] / max(1, data["answer_tokens"]), 3),
             "target_tokens_seen": state["seen_tokens"],
             "wall_seconds": round(state.get("train_seconds", 0.0)),

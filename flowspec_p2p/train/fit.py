@@ -278,15 +278,19 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     ckpt = cfg.checkpoint
     step, epoch, cursor, seen_tokens, spent_s = 0, 0, 0, 0, 0.0
+    warm_start: dict | None = None  # {"from": donor file name, "steps": its step} for a warm-started run
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, epoch, cursor, seen_tokens = state["step"], state["epoch"], state["cursor"], state["seen_tokens"]
         spent_s = state.get("train_seconds", 0.0)
+        warm_start = state.get("warm_start")
         log.info("resuming from %s at step %d (epoch %d)", ckpt, step, epoch)
     elif cfg.init_from is not None:
-        head.load_state_dict(torch.load(cfg.init_from, weights_only=False, map_location="cpu")["head"])
+        donor = torch.load(cfg.init_from, weights_only=False, map_location="cpu")
+        head.load_state_dict(donor["head"])
+        warm_start = {"from": cfg.init_from.name, "steps": donor.get("step")}
         log.info("warm start from the head weights of %s", cfg.init_from)
     fixed = [i for i in train_idx if float(corpus.temperature[i]) < 0]
     data = {"conversations": len(train_idx), "answer_tokens": corpus.answer_tokens(train_idx),
@@ -338,7 +342,7 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
             _save_ckpt(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                               "cursor": cursor, "seen_tokens": seen_tokens, "config": cfg.model_dump(mode="json"),
                               "data": data, "train_seconds": spent_s + time.perf_counter() - t0,
-                              "draft_vocab": fz.vocab})
+                              "draft_vocab": fz.vocab, "warm_start": warm_start})
             log.info("step %d: loss/token %.4f, train top-1 per step %s, %.0f targets/s", step,
                      stats.loss / max(1, stats.targets[0]), [round(a, 3) for a in stats.accuracy()],
                      session_tokens / (time.perf_counter() - t0))
