@@ -31,7 +31,7 @@ from pydantic import Field
 
 from .draft import DraftHead
 from .kv_cache import KVCache
-from .shard import Shard
+from .shard import PackedWeights, Shard, project
 from .tree import DraftTree
 from .types import FrozenModel
 
@@ -172,6 +172,7 @@ class HeadDrafter(TreeDrafter):
         self.lm_head = head_t.to(dtype).contiguous()  # [hidden, V_d]
         self.draft_vocab = None if draft_vocab is None else draft_vocab.to(torch.long)  # [V_d] target ids
         self.vocab_size = self.lm_head.shape[1]
+        self._lm_head_packed = PackedWeights()  # oneDNN copy for expansions of a few rows (shard.py)
         self.last_feature: torch.Tensor | None = None  # [hidden] predicted feature of the root
         self._feat: dict[int, torch.Tensor] = {}  # node -> predicted feature, during one draft
         self.reset(1)
@@ -199,7 +200,7 @@ class HeadDrafter(TreeDrafter):
 
     def _logprobs(self, feats: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V_d]"""
-        return _log_softmax(feats @ self.lm_head)
+        return _log_softmax(project(feats, self.lm_head, self._lm_head_packed))
 
     def _root_logprobs(self) -> torch.Tensor:
         assert self.last_feature is not None

@@ -34,7 +34,8 @@ from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_n
 # one-node ones. oneDNN with weights reordered into its blocked layout once reads them once for all rows: over
 # the default model's 30 layers, 4 rows cost 1.3-1.5x one row instead of 2-2.6x (docs/figures/spec-tune), and
 # the same holds for the LM head (the largest matmul: 16 rows ~31 ms instead of ~66 ms here; batched generation
-# calls it with several rows, while tree verification computes its rows one at a time along the walk). One
+# calls it with several rows, while tree verification computes its rows one at a time along the walk) and for
+# the draft head's reduced LM head (``project``: a 16-node draft took 0.62-0.68x the time). One
 # row stays on MKL (oneDNN is 10-20% slower there, and decoding is one row), and so do big prompt chunks. The
 # reordered copy doubles a block's weight memory, is made lazily on the first few-row inference forward (a
 # process that only decodes autoregressively never makes it), and is remade if the weights change. float32
@@ -65,7 +66,7 @@ def _packs(rows: int, dtype: torch.dtype) -> bool:
     return 1 < rows <= PACKED_MAX_ROWS and not torch.is_grad_enabled() and packing_enabled(dtype)
 
 
-class _Packed:
+class PackedWeights:
     """oneDNN-reordered copies of some [in, out] weights, remade when any of them changes."""
 
     def __init__(self) -> None:
@@ -83,8 +84,15 @@ class _Packed:
 
 
 def _linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x: [..., in] float32 @ a weight packed by _Packed -> [..., out]"""
+    """x: [..., in] float32 @ a weight packed by PackedWeights -> [..., out]"""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def project(x: torch.Tensor, w_t: torch.Tensor, packed: PackedWeights) -> torch.Tensor:
+    """x: [..., in] @ w_t: [in, out] -> [..., out], through ``packed``'s copy of w_t for a few rows."""
+    if _packs(x.numel() // x.shape[-1], w_t.dtype):
+        return _linear_packed(x, packed.get([w_t])[0])
+    return x @ w_t
 
 
 class RMSNorm(nn.Module):
@@ -146,7 +154,7 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = RMSNorm(h, cfg.rms_eps)
         self.w13 = nn.Parameter(torch.empty(h, 2 * cfg.intermediate_size))
         self.w2 = nn.Parameter(torch.empty(cfg.intermediate_size, h))
-        self._packed = _Packed()
+        self._packed = PackedWeights()
 
     def _weights(self, rows: int) -> tuple[Callable, list[torch.Tensor]]:
         """(matmul, [wqkv, wo, w13, w2]) for a forward of ``rows`` rows: oneDNN with the packed copies when that
@@ -255,7 +263,7 @@ class Shard(nn.Module):
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in layers.indices())
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if head else None
         self.head_t: torch.Tensor | None = None  # [hidden, vocab]: the LM head, transposed (see DecoderBlock)
-        self._head_packed = _Packed()  # its oneDNN copy for a few rows at once (see the top of the file)
+        self._head_packed = PackedWeights()  # its oneDNN copy for a few rows at once (see the top of the file)
         self.max_position = max_position or cfg.max_position
         self.rotary = Rotary(cfg, self.max_position, dtype, rope_freqs)
         self.to(dtype)
@@ -341,6 +349,4 @@ class Shard(nn.Module):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., hidden] -> [..., vocab]"""
         assert self.head_t is not None, "this shard holds no LM head"
-        if _packs(features.numel() // features.shape[-1], self.head_t.dtype):
-            return _linear_packed(features, self._head_packed.get([self.head_t])[0])
-        return features @ self.head_t
+        return project(features, self.head_t, self._head_packed)

@@ -14,7 +14,7 @@ from flowspec_p2p.draft import DraftHead
 from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape, expand
 from flowspec_p2p.generate import ARDecoder, generate_ids
 from flowspec_p2p.sampling import SamplingParams
-from flowspec_p2p.shard import Shard
+from flowspec_p2p.shard import PACKED_ENV, Shard, packing_enabled
 from flowspec_p2p.spec import prefill_features
 from flowspec_p2p.types import LayerRange
 from flowspec_p2p.weights import open_source
@@ -29,10 +29,10 @@ SHAPES = [
 
 
 @functools.cache
-def tiny_target(folder: Path) -> Shard:
+def tiny_target(folder: Path, dtype: torch.dtype = torch.float64) -> Shard:
     src = open_source(folder)
     shard = Shard.from_source(
-        src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True, dtype=torch.float64
+        src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True, dtype=dtype
     )
     return shard.eval().requires_grad_(False)
 
@@ -187,6 +187,24 @@ def test_a_reduced_draft_vocabulary_drafts_only_its_tokens(tiny_llama):
     tree = drafter.draft(TreeShape(total_tokens=20, depth=4, top_k=4))
     assert all(t % 2 == 0 for t in tree.token_list[1:])
     tree.check()
+
+
+def test_float32_drafting_with_packed_weights_drafts_the_same_tree(tiny_llama, monkeypatch):
+    """In float32, expansions of a few rows go through oneDNN-packed copies of the head's block and of its LM head
+    (shard.py): the same tree as with MKL, scores to float32 rounding."""
+    target = tiny_target(tiny_llama, torch.float32)
+    head = random_head(target, seed=4).to(torch.float32)
+    shape = TreeShape(total_tokens=24, depth=4, top_k=4)
+    trees = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv(PACKED_ENV, env)
+        drafter = HeadDrafter(head, target)
+        start(drafter, target, PROMPT)
+        trees[env] = drafter.draft(shape)
+        assert (drafter._lm_head_packed.key is not None) == (env == "1" and packing_enabled())
+    assert trees["0"].token_list == trees["1"].token_list
+    assert trees["0"].parent_list == trees["1"].parent_list
+    assert torch.allclose(trees["0"].scores, trees["1"].scores, atol=1e-4)
 
 
 def test_expansion_from_a_new_root_appends_to_the_pruned_tree(tiny_llama):
