@@ -67,6 +67,12 @@ def test_teacher_forced_conversations_hold_the_targets_features_and_stop_at_the_
     assert len(got["sharegpt:b"].tokens) == len(tok.chat([{"role": "user", "content": "why?"}])) + 10
     again = teacher_forced_data(DataConfig(run_dir=run, max_new_tokens=10), lm, progress=False)  # resumes: no-op
     assert again.conversations == 2
+    # --skip-prompts: a second process (another run folder, the same pool) answers another part of the pool
+    (tmp_path / "part").mkdir()
+    (tmp_path / "part" / "pool.jsonl").symlink_to(run / "pool.jsonl")
+    part = teacher_forced_data(DataConfig(run_dir=tmp_path / "part", max_new_tokens=10, skip_prompts=1), lm,
+                               progress=False)
+    assert [c.key for c in part.iter_conversations()] == ["sharegpt:b"]
 
 
 def test_held_out_conversations_include_greedy_ones():

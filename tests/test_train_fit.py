@@ -202,3 +202,18 @@ def test_warm_start_takes_the_head_weights_and_a_fresh_vocabulary(run, peaked_ll
     assert meta["training"]["warm_start"] == {"from": "last.pt", "steps": 10}
     with pytest.raises(ConfigError, match="no such checkpoint"):
         fit(_cfg(tmp_path / "other", peaked_llama, init_from=tmp_path / "missing.pt"), progress=False)
+
+
+def test_also_features_trains_on_another_runs_store_too(run, peaked_llama, tmp_path):
+    """--also-features DIR: a second self-distillation process's store joins the corpus (its conversations are
+    trained on and held out like the run's own); a folder without a store is an error that names it."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    shutil.copytree(run / "features", mine / "features")
+    shutil.copytree(run / "features", other / "features")
+    alone = prepare(_cfg(mine, peaked_llama), load_target(str(peaked_llama)))[0]
+    both, train, held, _ = prepare(_cfg(mine, peaked_llama, also_features=[other / "features"]),
+                                   load_target(str(peaked_llama)))
+    assert len(both) == 2 * len(alone)
+    assert len(train) + len(held) == len(both)
+    with pytest.raises(ConfigError, match="no feature store"):
+        prepare(_cfg(mine, peaked_llama, also_features=[tmp_path / "nothing"]), load_target(str(peaked_llama)))

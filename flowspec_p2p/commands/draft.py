@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("--prompts", type=int, default=20000, help="pool prompts to answer (default 20000)")
+    data.add_argument("--skip-prompts", type=int, default=0,
+                      help="start this far into the pool (default 0), e.g. for a second process on another core "
+                      "in another run folder; fit reads its store with --also-features")
     data.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap (default 256)")
     data.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default 512)")
     data.add_argument("--batch", type=int, default=24, help="generation batch rows (default 24)")
@@ -82,6 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--init-from", type=Path, default=None,
                      help="warm start a new fit from this checkpoint's head weights (e.g. another run's "
                           "ckpt/last.pt after adding data); optimiser, schedule and draft vocabulary start afresh")
+    fit.add_argument("--also-features", type=Path, action="append", default=[], metavar="DIR",
+                     help="also train on this feature store (another run's features/ folder, e.g. one written by "
+                          "a second `draft data --skip-prompts` process); repeatable")
 
     out = argparse.ArgumentParser(add_help=False)
     out.add_argument("--out", default=None, help="export folder (default ~/.cache/flowspec_p2p/drafts; the "
@@ -104,7 +110,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _data_config(args: argparse.Namespace):
     from ..train.data import DataConfig
 
-    return DataConfig(run_dir=_run_dir(args), model=args.model, prompts=args.prompts,
+    return DataConfig(run_dir=_run_dir(args), model=args.model, prompts=args.prompts, skip_prompts=args.skip_prompts,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                       batch=args.batch, sampled_fraction=args.sampled_fraction, threads=args.threads,
                       source=args.source)
@@ -125,6 +131,7 @@ def _fit_config(args: argparse.Namespace):
                      lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab,
                      feature_weight=args.feature_weight, noise=args.noise, threads=args.threads,
                      heldout_per_mille=args.heldout_per_mille, use_fixed=not args.no_fixed, init_from=args.init_from,
+                     also_features=args.also_features,
                      warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20))
 
 

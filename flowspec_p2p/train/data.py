@@ -39,6 +39,7 @@ class DataConfig(FrozenModel):
     run_dir: Path
     model: str | None = None  # GGUF file or HF folder; None = the packaged default
     prompts: int = Field(20000, ge=1)  # how much of the pool to answer
+    skip_prompts: int = Field(0, ge=0)  # start this far into the pool (a second process answers another part)
     max_new_tokens: int = Field(256, ge=1)
     max_prompt_tokens: int = Field(512, ge=8)
     batch: int = Field(16, ge=1)
@@ -68,8 +69,13 @@ def _temperature(key: str, fraction: float) -> float:
     return 1.0 if zlib.crc32(f"temperature:{key}".encode()) % 1000 < fraction * 1000 else 0.0
 
 
+def _part(pool: list[Prompt], cfg: DataConfig) -> list[Prompt]:
+    """The pool prompts this run answers: ``cfg.prompts`` of them from ``cfg.skip_prompts`` on."""
+    return pool[cfg.skip_prompts : cfg.skip_prompts + cfg.prompts]
+
+
 def _requests(pool: list[Prompt], done: set[str], tokenizer, cfg: DataConfig, skipped: list[str]) -> Iterator[Request]:
-    for p in pool[: cfg.prompts]:
+    for p in _part(pool, cfg):
         if p.key in done:
             continue
         ids = tokenizer.chat([{"role": "user", "content": p.text}])
@@ -93,7 +99,7 @@ def generate_data(cfg: DataConfig, progress: bool = True) -> FeatureStore:
                          target_fingerprint=lm.fingerprint())
     pool = pool_for(cfg.run_dir, cfg.seed)
     done = store.done_keys()
-    todo = sum(1 for p in pool[: cfg.prompts] if p.key not in done)
+    todo = sum(1 for p in _part(pool, cfg) if p.key not in done)
     log.info("feature store %s: %d conversations, %d tokens; %d prompts to go", store.root, store.conversations,
              store.tokens, todo)
     gen = BatchGenerator(lm.shard, batch=cfg.batch, max_new_tokens=cfg.max_new_tokens,
@@ -138,7 +144,7 @@ def _answers(keys: set[str]) -> dict[str, str]:
 def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureStore:
     """Prefill the pool's ShareGPT prompts with their recorded answers; store the features in ``<run>/fixed``."""
     store = FeatureStore(cfg.run_dir / "fixed", hidden=lm.shard.cfg.hidden_size, target_fingerprint=lm.fingerprint())
-    pool = [p for p in pool_for(cfg.run_dir, cfg.seed)[: cfg.prompts] if p.key.startswith("sharegpt:")]
+    pool = [p for p in _part(pool_for(cfg.run_dir, cfg.seed), cfg) if p.key.startswith("sharegpt:")]
     done = store.done_keys()
     todo = [p for p in pool if p.key not in done]
     answers = _answers({p.key for p in todo})

@@ -77,6 +77,7 @@ class FitConfig(FrozenModel):
     # warm start: a run with no checkpoint yet starts from this checkpoint's head weights (its optimiser state,
     # schedule and draft vocabulary start afresh: the head's weights do not depend on the draft vocabulary)
     init_from: Path | None = None
+    also_features: tuple[Path, ...] = ()  # more self-distilled stores (other runs' features/ folders) to train on
 
     @property
     def checkpoint(self) -> Path:
@@ -186,8 +187,12 @@ def feature_rms(corpus: Corpus, sample: int = 200_000) -> float:
 
 
 def stores(cfg: FitConfig) -> list[FeatureStore]:
-    """The run's self-distilled store, then its teacher-forced one (if any and wanted)."""
-    out = [FeatureStore(cfg.run_dir / "features")]
+    """The run's self-distilled store, any ``also_features`` stores, then its teacher-forced one (if any and
+    wanted). Self-distilled conversations come first in the corpus (``data`` in fit counts on it)."""
+    for extra in cfg.also_features:
+        if not (extra / "manifest.json").is_file():
+            raise ConfigError(f"--also-features {extra}: no feature store there (no manifest.json)")
+    out = [FeatureStore(cfg.run_dir / "features"), *(FeatureStore(d) for d in cfg.also_features)]
     if cfg.use_fixed and (cfg.run_dir / "fixed" / "manifest.json").is_file():
         out.append(FeatureStore(cfg.run_dir / "fixed"))
     return out
