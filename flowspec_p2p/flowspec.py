@@ -24,7 +24,9 @@ Glossary (tree words as in tree.py, protocol words as in messages.py):
     prune           Prune(accept = accepted path, keep = accepted + surviving *sent* nodes), sent in band, so every
                     stage applies it exactly once, in order with the segments (no global barrier, §10.3)
     expansion       after every walk, draft a fresh tree from the new root with the newly accepted target features,
-                    merge it by token path (tree.merge) and send the new nodes as the next segment (§6.1)
+                    merge it by token path (tree.merge) and send the new nodes as the next segment (§6.1). A root
+                    with nothing drafted below it (the first token, or after a restart) goes out alone at once,
+                    and its best children (one row of the draft's LM head) follow before the full-depth draft
 
 Segments in flight that the leader has since pruned still return (stages compute them before they see the
 prune); the leader maps their rows through every prune made since they were sent and drops what died.
@@ -41,7 +43,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -98,6 +100,10 @@ class FlowSpecConfig(FrozenModel):
     # = floor(log(expand_min_path) / log(h)), between 1 and expand.depth. Each level is one draft-head forward
     # on the leader, so a weak draft costs the leader less time per walk. 0 = always expand.depth.
     expand_min_path: float = Field(0.15, ge=0.0, lt=1.0)
+    # When a root has nothing drafted below it (the first token, or after a restart), draft and send its top
+    # children (one row of the draft's LM head, no draft-head forward) before the full-depth draft, so they follow
+    # the root down the ring instead of waiting for every level.
+    first_children: bool = True
 
 
 @dataclass
@@ -229,9 +235,11 @@ def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
 class Growth(Protocol):
     """How a pipelined tree mode drafts and cuts its tree (FlowSpec here; PipeDec in pipedec.py)."""
 
-    async def initial(self, ctx: ModeContext, budget: int) -> DraftTree: ...
+    async def initial(self, ctx: ModeContext, state: FlowState, budget: int, send: Send) -> None:
+        """Draft the first tree below ``state.tree`` (the first token alone, not sent yet). ``send()`` sends what
+        is ready (the caller sends the rest after)."""
 
-    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool) -> bool:
+    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool, send: Send) -> bool:
         """Expand ``state.tree`` after a returned segment (``walked``: a walk just moved the root). -> drafted?"""
 
     def segment(self, state: FlowState, live: int) -> int:
@@ -249,6 +257,7 @@ class Growth(Protocol):
 
 
 CostFn = Callable[[int], float]
+Send = Callable[[], Awaitable[None]]  # fill the ring with what is ready to go
 
 
 def linear_cost(row_cost: float) -> CostFn:
@@ -383,18 +392,31 @@ class FlowSpecGrowth:
     def walked(self, state: FlowState, verdict: Verdict) -> None:
         self.calibration.update(state.tree, verdict)
 
-    async def initial(self, ctx: ModeContext, budget: int) -> DraftTree:
-        return await ctx.compute(ctx.drafter.draft, self.cfg.init.capped(budget - 1))
+    async def initial(self, ctx: ModeContext, state: FlowState, budget: int, send: Send) -> None:
+        await send()  # the first token goes down the ring while the leader drafts
+        if budget > 1:
+            await self._first_children(ctx, state, send)
+            state.tree, _ = await ctx.compute(expand, ctx.drafter, state.tree, self.cfg.init.capped(budget - 1))
+            state.rank_unsent(self.cfg.max_unsent)
 
-    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool) -> bool:
+    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool, send: Send) -> bool:
         cfg = self.cfg
         if not walked or (cfg.redraft_below and len(state.tree) - state.sent >= cfg.redraft_below):
             return False
+        if budget > 1 and len(state.tree) == state.sent:  # after a restart: nothing is ready behind the root
+            await self._first_children(ctx, state, send)
         depth = self.calibration.useful_depth(cfg.expand_min_path, cfg.expand.depth) if cfg.adaptive \
             else cfg.expand.depth
         state.tree, _ = await ctx.compute(expand, ctx.drafter, state.tree, cfg.expand.capped(min(depth, budget - 1)))
         state.rank_unsent(cfg.max_unsent)
         return True
+
+    async def _first_children(self, ctx: ModeContext, state: FlowState, send: Send) -> None:
+        """A root with nothing drafted below it would wait in the ring for a full-depth draft (one draft-head
+        forward per level). Its best children cost one row of the draft's LM head: draft and send them first."""
+        if self.cfg.first_children:
+            state.tree, _ = await ctx.compute(expand, ctx.drafter, state.tree, self.cfg.expand.capped(1))
+            await send()
 
     def segment(self, state: FlowState, live: int) -> int:
         cfg, a = self.cfg, state.sent
@@ -430,9 +452,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
         yield [token]
         if stats.new_tokens >= budget or token in ctx.stop_ids:
             return
-        td = time.perf_counter()
-        state = FlowState(tree=await growth.initial(ctx, budget - stats.new_tokens), committed=len(ctx.prompt))
-        draft_s += time.perf_counter() - td
+        state = FlowState(tree=DraftTree.root(token), committed=len(ctx.prompt))
 
         async def fill() -> None:
             """Keep ``in_flight`` live segments in the ring while unsent nodes exist. Segments that a prune emptied
@@ -447,6 +467,9 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
                 await ctx.forward(first=a, parents=t.parent_list[a:b], positions=positions, tokens=t.tokens[a:b],
                                   tag=tag)
 
+        td = time.perf_counter()
+        await growth.initial(ctx, state, budget - stats.new_tokens, fill)
+        draft_s += time.perf_counter() - td
         await fill()  # the initial tree, cut into segments, fills the ring
         while True:
             msg, tensors = await ctx.recv()
@@ -477,7 +500,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
                 draft_s += time.perf_counter() - td
                 walked = True
             td = time.perf_counter()
-            if await growth.grow(ctx, state, budget - stats.new_tokens, walked):
+            if await growth.grow(ctx, state, budget - stats.new_tokens, walked, fill):
                 state.counters["drafts"] = state.counters.get("drafts", 0) + 1
             draft_s += time.perf_counter() - td
             await fill()

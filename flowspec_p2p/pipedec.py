@@ -21,7 +21,7 @@ from functools import partial
 from pydantic import Field
 
 from .drafter import TreeShape
-from .flowspec import FlowState, tree_pipeline
+from .flowspec import FlowState, Send, tree_pipeline
 from .leader import ModeContext, ModeSpec
 from .messages import Forward
 from .tree import DraftTree
@@ -59,12 +59,12 @@ class PipeDecGrowth:
         w = self.cfg.width
         return TreeShape(total_tokens=1 + w + w * w * max(0, depth - 1), depth=depth, top_k=w, order="eagle")
 
-    async def initial(self, ctx: ModeContext, budget: int) -> DraftTree:
+    async def initial(self, ctx: ModeContext, state: FlowState, budget: int, send: Send) -> None:
         depth = min(self.levels, self.cfg.max_depth, budget - 1)
         tree = await ctx.compute(ctx.drafter.draft, self._shape(max(0, depth)))
-        return beam(tree, self.cfg.width)
+        state.tree = beam(tree, self.cfg.width)  # the caller sends it, level by level
 
-    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool) -> bool:
+    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool, send: Send) -> bool:
         tree = state.tree
         deepest = int(tree.depth.max())
         if deepest >= min(self.cfg.max_depth, budget - 1):

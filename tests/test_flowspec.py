@@ -129,6 +129,55 @@ async def test_greedy_flowspec_equals_single_device_autoregressive(parts, four_s
         assert totals["continues"] > 0
 
 
+class RecordingDrafter:
+    """A drafter that logs the depth of every draft into ``events``."""
+
+    def __init__(self, base, events):
+        self.base, self.events = base, events
+
+    def draft(self, shape):
+        self.events.append(("draft", shape.depth))
+        return self.base.draft(shape)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+async def test_a_bare_root_goes_out_alone_and_its_first_children_before_the_full_depth_draft(parts, monkeypatch):
+    """The first token, and every fresh root after a restart, go down the ring before the leader drafts; the
+    root's best children (a depth-1 draft: one LM-head row) go next (when worth their stage time: here always),
+    then the full-depth draft's nodes."""
+    events: list = []
+    claim = FlowState.next_segment
+
+    def next_segment(self, size):
+        tag, a, b = claim(self, size)
+        events.append(("send", a, b))
+        return tag, a, b
+
+    monkeypatch.setattr(FlowState, "next_segment", next_segment)
+    leader = Leader(parts.head, None, drafter=RecordingDrafter(drafter_for("partial", parts), events),
+                    modes=[flowspec_spec(FlowSpecConfig(min_value=0.0))],  # children always worth sending
+                    settings=LeaderSettings(max_context=200, prefill_chunk=4))
+    pipeline, _ = sync_pipeline(parts.stages, leader, F64)
+    async with asyncio.TaskGroup() as tg:
+        demux = tg.create_task(leader.run())
+        await leader.set_pipeline(pipeline)
+        out, stats = await run(leader, PROMPTS[0], 24)
+        demux.cancel()
+    assert out == parts.reference(PROMPTS[0], 24)
+    assert stats.extra["restarts"] > 0
+    assert events[:2] == [("send", 0, 1), ("draft", 1)], events[:4]
+    assert events[2][:2] == ("send", 1), events[:4]
+    assert events[3][0] == "draft"
+    assert events[3][1] > 1
+    deep = [i for i, e in enumerate(events) if e[0] == "draft" and e[1] > 1]
+    for i in deep[1:]:  # every full-depth draft from a bare root follows the root's children going out
+        if events[i - 1] == ("draft", 1):
+            pytest.fail(f"children drafted but not sent before the full-depth draft: {events[i - 3 : i + 1]}")
+    assert sum(1 for e in events if e == ("draft", 1)) >= stats.extra["restarts"] // 2
+
+
 @pytest.mark.parametrize("hops", ["memory", "ws"])
 async def test_flowspec_over_the_async_ring_equals_single_device(parts, hops):
     """The same through real stage workers (threads, queues, and websockets on port 0)."""
