@@ -34,12 +34,14 @@ from .verify import LazyRows, Verdict, verify_greedy, verify_sampling
 log = logging.getLogger(__name__)
 
 # The default tree for SmolLM2-135M on the 2-core CPU this project was built on, from `flowspec tune-tree
-# --threads 1` (docs/figures/spec-tune, 2026-11-30: the shipped head trained on 983k answer tokens, 12k draft
-# vocabulary; oneDNN-packed weights for tree forwards): 2/4/5/8/16 nodes cost 1.34x/1.44x/1.47x/1.79x/2.66x a
-# one-token forward; the head's teacher-forced tau was 1.85 with this 5-node tree (depth 2, two children per
-# node), the best estimate at 1.03x autoregressive. That margin is within this machine's noise, hence
-# `generate --mode ar` stays the default; rerun tune-tree on another device or when the head improves.
-DEFAULT_TREE = TreeShape(total_tokens=5, depth=2, top_k=2)
+# --threads 1` (docs/figures/spec-tune, 2026-11-30: the shipped head fine-tuned on 507k self-distilled answer
+# tokens, 12k draft vocabulary; oneDNN-packed weights for tree forwards and for the draft's LM head): 2/4/6/8/16
+# nodes cost 1.31x/1.53x/1.54x/1.79x/2.42x a one-token forward (a noisy curve: 5 nodes measured 1.73x while
+# another benchmark shared the host); teacher-forced tau 2.02 with this 6-node tree (depth 4, four children per
+# expanded node, the budget keeping the best 5 drafted tokens), estimated 1.09x autoregressive. Measured with
+# bench-spec on Spec-Bench lines 30-31: tau 2.32 at T=0, 1.02x autoregressive. That margin is within this
+# machine's noise, hence `generate --mode ar` stays the default; rerun tune-tree on another device.
+DEFAULT_TREE = TreeShape(total_tokens=6, depth=4, top_k=4)
 TUNING_FILE = "tree_tuning.json"  # under cache_dir(): written by `flowspec tune-tree`, read by the CLI
 
 

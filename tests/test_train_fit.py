@@ -200,6 +200,7 @@ def test_warm_start_takes_the_head_weights_and_a_fresh_vocabulary(run, peaked_ll
         torch.testing.assert_close(w, trained[name], atol=1e-6, rtol=0, msg=name)
     meta = DraftBundle.load(export(cfg, tmp_path / "drafts", "warm", evaluation={})).meta
     assert meta["training"]["warm_start"] == {"from": "last.pt", "steps": 10}
+    assert "teacher-forced" not in meta["data"]["source"]  # this run has no teacher-forced store
     with pytest.raises(ConfigError, match="no such checkpoint"):
         fit(_cfg(tmp_path / "other", peaked_llama, init_from=tmp_path / "missing.pt"), progress=False)
 

@@ -79,8 +79,9 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
         "data": {
             **data,
             "source": "ShareGPT V3 first turns + synthetic math/code/summary prompts (no Spec-Bench prompt), "
-                      "answers written by the target (self-distillation, greedy and T=1), plus ShareGPT's "
-                      "recorded answers teacher-forced through the target",
+                      "answers written by the target (self-distillation, greedy and T=1)"
+                      + (", plus ShareGPT's recorded answers teacher-forced through the target"
+                         if data.get("teacher_forced_conversations") else ""),
         },
         "training": {
             "steps": state["step"],
