@@ -17,6 +17,12 @@ flowspec bench --slowdown 1 --modes ar,flowspec --temperature 0 --per-dataset 4 
   --out "$OUT/bench-equality" --resume
 # issue 3: tau per dataset at T=0/T=1, single-device speculative vs autoregressive, greedy equality
 flowspec bench-spec --data "$DATA" --per-dataset 2 --max-tokens 128 --threads 1 --out "$OUT/spec-bench"
+# issue 3: tau on all of lines 30-49 (120 prompts), two processes of three sets each
+flowspec bench-spec --data "$DATA" --datasets mt_bench,humaneval,gsm8k --per-dataset 20 --max-tokens 128 --threads 1 \
+  --out "$OUT/spec-bench-full/a" &
+flowspec bench-spec --data "$DATA" --datasets alpaca,sum,qa --per-dataset 20 --max-tokens 128 --threads 1 \
+  --out "$OUT/spec-bench-full/b" &
+wait
 # issue 3: greedy equality of the shipped head over 24 prompts x 128 tokens
 flowspec bench-spec --data "$DATA" --per-dataset 4 --max-tokens 128 --temperatures 0 --threads 1 \
   --out "$OUT/spec-bench-equality"
