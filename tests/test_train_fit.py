@@ -211,10 +211,10 @@ def test_also_features_trains_on_another_runs_store_too(run, peaked_llama, tmp_p
     mine, other = tmp_path / "mine", tmp_path / "other"
     shutil.copytree(run / "features", mine / "features")
     shutil.copytree(run / "features", other / "features")
-    alone = prepare(_cfg(mine, peaked_llama), load_target(str(peaked_llama)))[0]
-    both, train, held, _ = prepare(_cfg(mine, peaked_llama, also_features=[other / "features"]),
-                                   load_target(str(peaked_llama)))
+    target = load_target(str(peaked_llama))
+    alone = prepare(_cfg(mine, peaked_llama), target)[0]
+    both, train, held, _ = prepare(_cfg(mine, peaked_llama, also_features=[other / "features"]), target)
     assert len(both) == 2 * len(alone)
     assert len(train) + len(held) == len(both)
     with pytest.raises(ConfigError, match="no feature store"):
-        prepare(_cfg(mine, peaked_llama, also_features=[tmp_path / "nothing"]), load_target(str(peaked_llama)))
+        prepare(_cfg(mine, peaked_llama, also_features=[tmp_path / "nothing"]), target)
