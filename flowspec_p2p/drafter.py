@@ -23,7 +23,7 @@ Three drafters plug into the same loop: ``HeadDrafter`` (a trained or random ``d
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal, Protocol
 
 import torch
@@ -63,6 +63,9 @@ class Drafter(Protocol):
     def draft(self, shape: TreeShape) -> DraftTree:
         """A tree rooted at the last ``next_token``."""
 
+    def draft_levels(self, shape: TreeShape, partial: bool = True) -> Iterator[DraftTree]:
+        """``draft`` one model forward at a time (TreeDrafter.draft_levels); the last tree is draft's."""
+
 
 class TreeDrafter(ABC):
     """EAGLE-2 tree search over a model that scores the children of a batch of same-depth nodes.
@@ -100,11 +103,20 @@ class TreeDrafter(ABC):
         self._slot: dict[int, int] = {}
 
     def draft(self, shape: TreeShape) -> DraftTree:
+        *_, tree = self.draft_levels(shape, partial=False)
+        return tree
+
+    def draft_levels(self, shape: TreeShape, partial: bool = True) -> Iterator[DraftTree]:
+        """``draft(shape)`` one level at a time: after each level (``partial``; else only at the end), the best
+        ``total_tokens - 1`` candidates so far (parent-closed, as draft's rerank); the last is ``draft(shape)``.
+        Each ``next()`` runs one model forward, so a caller can send what is ready, or stop early (close() drops
+        the tree's K/V). Drive it under torch.inference_mode()."""
         assert self.root is not None, "feed() the prompt first"
         k = min(shape.top_k, self.vocab_size)
         levels = min(shape.depth, shape.total_tokens - 1)
         if levels <= 0:
-            return DraftTree.root(self.root)
+            yield DraftTree.root(self.root)
+            return
         tokens, parents, depth, scores = [self.root], [-1], [0], [0.0]
         self._slot = {}
         try:
@@ -121,6 +133,8 @@ class TreeDrafter(ABC):
                 frontier, front_scores = _worth_expanding(frontier, front_scores, scores, shape.total_tokens - 1)
                 if not frontier:
                     break
+                if partial:
+                    yield _rerank(tokens, parents, scores, shape)
                 vals, ids = self._expand(frontier, tokens, parents, depth).topk(k, dim=-1)  # [m, k]
                 cu = front_scores[:, None] + vals.to(torch.float64)  # [m, k] cumulative log-prob
                 base = len(tokens)
@@ -134,12 +148,11 @@ class TreeDrafter(ABC):
         finally:
             self.cache.keep([])  # drop the tree's K/V; the committed context stays
             self._slot = {}
-        # 3. rerank: best total_tokens - 1 candidates; parent-closed because scores never increase along a path
-        s = torch.tensor(scores[1:], dtype=torch.float64)
-        best = (torch.sort(-s, stable=True).indices[: shape.total_tokens - 1] + 1).tolist()
-        chosen = [0, *(sorted(best) if shape.order == "eagle" else best)]
-        pool = DraftTree.from_lists(tokens, parents, scores)
-        return pool.select(chosen, keep_order=True)
+            self._draft_done()
+        yield _rerank(tokens, parents, scores, shape)
+
+    def _draft_done(self) -> None:  # noqa: B027 (a hook: most drafters keep no per-draft state)
+        """Drop per-draft state."""
 
     def _tree_mask(self, nodes: list[int], parents: list[int]) -> torch.Tensor:
         """[1, m, cache.length + m] bool: committed context, the slots of each node's ancestors, itself.
@@ -220,10 +233,10 @@ class HeadDrafter(TreeDrafter):
 
     @torch.inference_mode()
     def draft(self, shape: TreeShape) -> DraftTree:
-        try:
-            return super().draft(shape)
-        finally:
-            self._feat = {}
+        return super().draft(shape)
+
+    def _draft_done(self) -> None:
+        self._feat = {}
 
 
 class OracleDrafter(TreeDrafter):
@@ -265,6 +278,15 @@ class OracleDrafter(TreeDrafter):
     @torch.inference_mode()
     def draft(self, shape: TreeShape) -> DraftTree:
         return super().draft(shape)
+
+
+def _rerank(tokens: list[int], parents: list[int], scores: list[float], shape: TreeShape) -> DraftTree:
+    """The best ``total_tokens - 1`` candidates and the root; parent-closed because scores never increase along a
+    path (ties go to the earlier candidate, which is never a descendant of a later one)."""
+    s = torch.tensor(scores[1:], dtype=torch.float64)
+    best = (torch.sort(-s, stable=True).indices[: shape.total_tokens - 1] + 1).tolist()
+    chosen = [0, *(sorted(best) if shape.order == "eagle" else best)]
+    return DraftTree.from_lists(tokens, parents, scores).select(chosen, keep_order=True)
 
 
 def _worth_expanding(

@@ -98,7 +98,9 @@ class DeviceClock:
         self.window = window
         self.recent: dict[int, deque[float]] = {}  # rows -> compute seconds of the last ``window`` such forwards
 
-    def extra_wait(self, rows: int, compute_s: float) -> float:
+    def extra_wait(self, rows: int, compute_s: float, record: bool = True) -> float:
+        """Seconds to hold a forward of ``rows`` rows that computed in ``compute_s``. ``record``: a sample of
+        this device's speed (not for a forward cut short)."""
         e = self.emulation
         if not e.enabled:
             return 0.0
@@ -107,7 +109,10 @@ class DeviceClock:
         if rows <= 0:  # every row was skipped (look-ahead): no forward ran, only bookkeeping
             return e.extra_wait(compute_s)
         seen = self.recent.setdefault(rows, deque(maxlen=self.window))
-        seen.append(compute_s)
+        if record:
+            seen.append(compute_s)
+        elif not seen:
+            return e.extra_wait(compute_s)
         return max(0.0, e.slowdown * min(seen) - compute_s)
 
 

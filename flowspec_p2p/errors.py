@@ -29,6 +29,11 @@ class ProtocolError(FlowSpecError):
     """A peer sent a frame or message that fails validation."""
 
 
+class ForwardStopped(FlowSpecError):
+    """A stage stopped a forward between two layers because a queued prune discards every node in it (internal:
+    the stage marks the rows dead and passes the forward on)."""
+
+
 class PeerGone(FlowSpecError):
     """A peer's link closed or it stopped answering."""
 

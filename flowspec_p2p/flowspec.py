@@ -38,12 +38,13 @@ distribution (verify.verify_greedy / verify_sampling), made exactly once per emi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
@@ -51,7 +52,7 @@ from typing import Protocol
 import torch
 from pydantic import Field
 
-from .drafter import TreeShape, expand
+from .drafter import TreeShape
 from .leader import ModeContext, ModeSpec, prefill
 from .messages import Forward
 from .sampling import target_probs
@@ -100,10 +101,9 @@ class FlowSpecConfig(FrozenModel):
     # = floor(log(expand_min_path) / log(h)), between 1 and expand.depth. Each level is one draft-head forward
     # on the leader, so a weak draft costs the leader less time per walk. 0 = always expand.depth.
     expand_min_path: float = Field(0.15, ge=0.0, lt=1.0)
-    # When a root has nothing drafted below it (the first token, or after a restart), draft and send its top
-    # children (one row of the draft's LM head, no draft-head forward) before the full-depth draft, so they follow
-    # the root down the ring instead of waiting for every level.
-    first_children: bool = True
+    # Send after every drafted level (one draft-head forward), not after the whole draft: a root's children follow
+    # it down the ring while the deeper levels are drafted, and a returned segment's walk need not wait for them.
+    stream_levels: bool = True
 
 
 @dataclass
@@ -133,6 +133,11 @@ class FlowState:
     @property
     def verified(self) -> int:
         return len(self.feats)
+
+    def live_returned(self, returned: int) -> bool:
+        """Whether one of the ``returned`` oldest in-flight segments (back at the leader, not yet taken) still
+        holds live nodes: its walk is due."""
+        return any(seg.nodes for _, seg in zip(range(returned), self.inflight, strict=False))
 
     def next_segment(self, size: int) -> tuple[int, int, int]:
         """Claim the next ``size`` unsent nodes [a, b) as a segment -> (tag, a, b)."""
@@ -230,6 +235,12 @@ def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
     probs = _Rows(state, lambda f: target_probs(ctx.logits(f), ctx.params))
     uniforms = torch.rand(len(state.tree) + 1, generator=ctx.gen, dtype=torch.float64)
     return verify_sampling(state.tree, probs, uniforms, verified_end=v, stop_ids=ctx.stop_ids)
+
+
+def _next_level(levels: Iterator[DraftTree]) -> DraftTree | None:
+    """One level of a Drafter.draft_levels draft (on the compute thread) -> the tree so far, None when done."""
+    with torch.inference_mode():
+        return next(levels, None)
 
 
 class Growth(Protocol):
@@ -395,28 +406,35 @@ class FlowSpecGrowth:
     async def initial(self, ctx: ModeContext, state: FlowState, budget: int, send: Send) -> None:
         await send()  # the first token goes down the ring while the leader drafts
         if budget > 1:
-            await self._first_children(ctx, state, send)
-            state.tree, _ = await ctx.compute(expand, ctx.drafter, state.tree, self.cfg.init.capped(budget - 1))
-            state.rank_unsent(self.cfg.max_unsent)
+            await self._draft(ctx, state, self.cfg.init.capped(budget - 1), send)
 
     async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool, send: Send) -> bool:
         cfg = self.cfg
         if not walked or (cfg.redraft_below and len(state.tree) - state.sent >= cfg.redraft_below):
             return False
-        if budget > 1 and len(state.tree) == state.sent:  # after a restart: nothing is ready behind the root
-            await self._first_children(ctx, state, send)
         depth = self.calibration.useful_depth(cfg.expand_min_path, cfg.expand.depth) if cfg.adaptive \
             else cfg.expand.depth
-        state.tree, _ = await ctx.compute(expand, ctx.drafter, state.tree, cfg.expand.capped(min(depth, budget - 1)))
-        state.rank_unsent(cfg.max_unsent)
+        await self._draft(ctx, state, cfg.expand.capped(min(depth, budget - 1)), send)
         return True
 
-    async def _first_children(self, ctx: ModeContext, state: FlowState, send: Send) -> None:
-        """A root with nothing drafted below it would wait in the ring for a full-depth draft (one draft-head
-        forward per level). Its best children cost one row of the draft's LM head: draft and send them first."""
-        if self.cfg.first_children:
-            state.tree, _ = await ctx.compute(expand, ctx.drafter, state.tree, self.cfg.expand.capped(1))
-            await send()
+    async def _draft(self, ctx: ModeContext, state: FlowState, shape: TreeShape, send: Send) -> None:
+        """Draft below the root one level (one draft-head forward) at a time: after each level, merge the new
+        nodes, rank the unsent ones and send what the ring takes, so the root's children go down the ring while
+        the deeper levels are drafted. A segment with live nodes that has come back stops the draft: its walk
+        comes first (it decides the root the next draft starts from)."""
+        levels = ctx.drafter.draft_levels(shape, partial=self.cfg.stream_levels)
+        try:
+            while (fresh := await ctx.compute(_next_level, levels)) is not None:
+                state.tree, _ = state.tree.merge(fresh)
+                state.rank_unsent(self.cfg.max_unsent)
+                await send()
+                if self.cfg.stream_levels and state.live_returned(ctx.returned):
+                    break
+        finally:
+            # close() drops the draft's K/V; ValueError: cancelled while the compute thread still runs the level
+            # (the next request's drafter.reset() drops it then)
+            with contextlib.suppress(ValueError):
+                levels.close()
 
     def segment(self, state: FlowState, live: int) -> int:
         cfg, a = self.cfg, state.sent

@@ -135,6 +135,7 @@ class ModeContext:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.seq = 0  # next sequence number of this request
         self.in_flight = 0  # forwards sent whose result has not come back
+        self.returned = 0  # forward results queued here, not yet taken by recv()
         self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
         self.busy: list[tuple[float, float]] = []  # time.time() (start, end) of each compute, emulated wait included
 
@@ -195,6 +196,7 @@ class ModeContext:
             raise StageFailed(f"stage {msg.stage}: {msg.message}")
         if isinstance(msg, Forward):
             self.in_flight -= 1
+            self.returned -= 1
         return msg, item.tensors
 
     async def recv_forward(self) -> tuple[Forward, dict[str, torch.Tensor]]:
@@ -399,6 +401,7 @@ class Leader:
                 if isinstance(ev, Frame):
                     ctx = self._active.get(ev.msg.request_id)
                     if ctx is not None:
+                        ctx.returned += isinstance(ev.msg, Forward)
                         ctx.queue.put_nowait(ev)
                     else:  # a late reply of a request that already ended
                         self.counters["dropped"] += 1

@@ -12,7 +12,7 @@ It is lossless for the same reason every tree is: the target verifies each node 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from pydantic import Field
@@ -78,7 +78,22 @@ class LookupDrafter:
         self.root = int(next_token)
 
     def draft(self, shape: TreeShape) -> DraftTree:
-        tree = self.base.draft(shape)
+        return self._with_chain(self.base.draft(shape), shape)
+
+    def draft_levels(self, shape: TreeShape, partial: bool = True) -> Iterator[DraftTree]:
+        levels = self.base.draft_levels(shape, partial)
+        try:
+            tree = None
+            for tree in levels:
+                if partial:
+                    yield tree
+            assert tree is not None
+            yield self._with_chain(tree, shape)
+        finally:
+            levels.close()
+
+    def _with_chain(self, tree: DraftTree, shape: TreeShape) -> DraftTree:
+        """``tree`` with the n-gram continuation of its root merged in."""
         chain = self.lookup.propose(tree.token_list[0], min(self.cfg.length, shape.depth))
         if not chain:
             return tree

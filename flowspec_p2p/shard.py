@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .arch import ModelConfig, rope_inv_freq
-from .errors import ContextOverflow
+from .errors import ContextOverflow, ForwardStopped
 from .kv_cache import KVCache
 from .types import LayerRange
 from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_names
@@ -315,8 +315,11 @@ class Shard(nn.Module):
         cache: KVCache | None,
         positions: torch.Tensor | None = None,  # [batch, n] absolute; default cache.length + arange(n)
         mask: torch.Tensor | None = None,  # [batch, n, cache.length + n] bool, or None (see module doc)
+        stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
-        """Run the shard; K/V of the new tokens are appended to ``cache``. -> hidden, or features if has_head."""
+        """Run the shard; K/V of the new tokens are appended to ``cache``. -> hidden, or features if has_head.
+        ``stop`` is asked before each layer; when it says yes the forward raises ForwardStopped, with the new
+        tokens' slots reserved in ``cache`` but unwritten from that layer on (the caller discards them)."""
         h = self.embed(x) if self.embed is not None else x.to(self.dtype)
         b, n, _ = h.shape
         start = 0 if cache is None else cache.reserve(n)
@@ -339,6 +342,10 @@ class Shard(nn.Module):
             else:  # all of the cache, causal among the new tokens
                 attn_mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)[None, None]
         for i, block in enumerate(self.blocks):
+            if stop is not None and stop():
+                if cache is not None:
+                    cache.advance(n)
+                raise ForwardStopped(f"stopped before layer {i} of {len(self.blocks)}")
             h = block(h, cos, sin, None if cache is None else (cache, i, start), attn_mask, causal)
         if cache is not None:
             cache.advance(n)

@@ -15,12 +15,13 @@ ancestor-closed sets), and the next prune removes them from the indexing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
 
-from .errors import ContextOverflow, FlowSpecError, ProtocolError
+from .errors import ContextOverflow, FlowSpecError, ForwardStopped, ProtocolError
 from .kv_cache import KVCache
 from .messages import Forward, Prune, Release, Reset, StageError, TensorSpec
 from .shard import Shard
@@ -87,16 +88,19 @@ class StageCore:
 
     # ------------------------------------------------------------------------------------------ dispatch
 
-    def handle(self, msg, tensors: Tensors, upcoming: list | tuple = ()) -> tuple[object, Tensors]:
+    def handle(self, msg, tensors: Tensors, upcoming: list | tuple = (), stop: Callable[[], bool] | None = None
+               ) -> tuple[object, Tensors]:
         """Apply one message. Errors specific to a request become a StageError passed on; they never raise.
-        ``upcoming``: messages queued behind this one (look-ahead: a Forward skips rows a queued Prune discards)."""
+        ``upcoming``: messages queued behind this one (look-ahead: a Forward skips rows a queued Prune discards).
+        ``stop``: asked between layers of a tree forward; yes means a prune that arrived since discards every
+        node of it, so the forward stops there and passes its rows on as dead (the worker decides, worker.py)."""
         if isinstance(msg, StageError):
             self.requests.pop(msg.request_id, None)
             return msg, {}
         try:
             state = self._state(msg)
             if isinstance(msg, Forward):
-                out = self._forward(state, msg, tensors, _next_prune(msg.request_id, upcoming))
+                out = self._forward(state, msg, tensors, _next_prune(msg.request_id, upcoming), stop)
             elif isinstance(msg, Prune):
                 self._prune(state, msg)
                 out = (msg, {})
@@ -135,8 +139,8 @@ class StageCore:
 
     # ---------------------------------------------------------------------------------------- messages
 
-    def _forward(self, state: RequestState, msg: Forward, tensors: Tensors, ahead: Prune | None
-                 ) -> tuple[Forward, Tensors]:
+    def _forward(self, state: RequestState, msg: Forward, tensors: Tensors, ahead: Prune | None,
+                 stop: Callable[[], bool] | None = None) -> tuple[Forward, Tensors]:
         cache = state.cache
         m = len(msg.parents)
         first = msg.first
@@ -187,9 +191,17 @@ class StageCore:
                 mask = ancestor_mask(cache.committed, parents, first, slot, live)[None]  # [1, n_live, C + slots]
             idx = torch.tensor(live)
             positions = torch.tensor([[msg.positions[i] for i in live]], dtype=torch.long)  # [1, n_live]
-            with torch.inference_mode():
-                y = self.shard(x[:, idx], cache, positions=positions, mask=mask)[0]  # [n_live, hidden]
-            out[idx] = y.to(self.wire_dtype)
+            try:
+                with torch.inference_mode():
+                    y = self.shard(x[:, idx], cache, positions=positions, mask=mask,
+                                   stop=None if msg.commit else stop)[0]  # [n_live, hidden]
+                out[idx] = y.to(self.wire_dtype)
+            except ForwardStopped as e:  # the reserved slots hold nothing: no node points at them, the prune drops them
+                log.debug("stage %d: request %s forward %d %s", self.index, msg.request_id, msg.tag, e)
+                dead |= set(live)
+                slot = [None if i >= first and i - first in dead else s for i, s in enumerate(slot)]
+                live = []
+                self.counters["stopped"] = self.counters.get("stopped", 0) + 1
         state.parents, state.depth, state.slot = parents, depth, slot
         if msg.commit:
             cache.commit(m)

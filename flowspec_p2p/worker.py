@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from .emulation import NO_COMPUTE_EMULATION, ComputeEmulation, DeviceClock
 from .errors import PeerGone
-from .messages import Forward, Release, StageError
+from .messages import Forward, Prune, Release, Reset, StageError
 from .stage import StageCore
 from .transport import LINK_LOST, Frame, LinkDown, Sender
 
@@ -49,6 +51,32 @@ class BusyInterval:
     request_id: str
     nodes: int
     tag: int
+
+
+class _DiscardWatch:
+    """Whether the first prune of a tree forward's request that arrives behind it discards every node of it.
+    Arriving events are appended to the worker's backlog in order (they are handled after the forward)."""
+
+    def __init__(self, msg: Forward, backlog: deque):
+        self.msg, self.backlog = msg, backlog
+        self.nodes = set(range(msg.first, msg.first + len(msg.parents)))
+        self.armed = not msg.commit  # committing forwards (prefill) are never discarded
+        self.discarded = False
+        for ev in backlog:  # a prune already queued was applied by look-ahead; later ones cannot cut this forward
+            if self._decides(ev):
+                self.armed = False
+                break
+
+    def _decides(self, ev) -> bool:
+        """Whether ``ev`` is the message that settles this forward's fate (a prune or the request's end)."""
+        return isinstance(ev, Frame) and ev.msg.request_id == self.msg.request_id and isinstance(
+            ev.msg, Prune | Reset | Release | StageError)
+
+    def arrived(self, ev) -> None:
+        self.backlog.append(ev)
+        if self.armed and self._decides(ev):
+            self.armed = False
+            self.discarded = isinstance(ev.msg, Prune) and not self.nodes & set(ev.msg.keep)
 
 
 class StageWorker:
@@ -112,27 +140,80 @@ class StageWorker:
             self.counters["frames_in"] += 1
             self._origin[msg.request_id] = ev.link
             if isinstance(msg, Forward):
-                start = time.time()
-                t0 = time.perf_counter()
-                upcoming = [e.msg for e in backlog if isinstance(e, Frame)]  # look-ahead (stage.py)
-                out = await loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming)
-                compute_s = time.perf_counter() - t0
-                result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
-                wait = self.clock.extra_wait(len(msg.parents) if result is None else result.computed_rows, compute_s)
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                end = time.time()
-                self.counters["compute_s"] += compute_s
-                self.counters["busy_s"] += end - start
-                self.timeline_buffer.append(BusyInterval(start, end, compute_s, msg.request_id, len(msg.parents),
-                                                         msg.tag))
-                if result is not None:
-                    out = (result.model_copy(update={"stage_s": [*result.stage_s, round(end - start, 6)]}), out[1])
+                out = await self._forward(loop, executor, ev, backlog)
             else:
                 out = self.core.handle(msg, ev.tensors)
             if isinstance(out[0], Release | StageError):
                 self._origin.pop(msg.request_id, None)
             self._out.put_nowait(out)
+
+    async def _forward(self, loop, executor: ThreadPoolExecutor, ev: Frame, backlog: deque) -> tuple[object, dict]:
+        """Run one Forward, then hold it for the emulated device. Frames that arrive meanwhile join ``backlog``;
+        when the first prune of this request among them discards every node of the forward, the forward stops
+        at its next layer (stage.py) and an emulated device at its next emulated layer boundary."""
+        msg = ev.msg
+        start = time.time()
+        t0 = time.perf_counter()
+        upcoming = [e.msg for e in backlog if isinstance(e, Frame)]  # look-ahead (stage.py)
+        stop = threading.Event()
+        watch = _DiscardWatch(msg, backlog)
+        job = loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming, stop.is_set)
+        if await self._watch(job, None, watch):
+            stop.set()
+            await job
+        out = job.result()
+        compute_s = time.perf_counter() - t0
+        result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
+        rows = len(msg.parents) if result is None else result.computed_rows
+        if stop.is_set() or watch.discarded:  # nothing to learn about the device's speed from a cut forward
+            hold = max(0.0, self.clock.extra_wait(rows, compute_s, record=False))
+        else:
+            hold = max(0.0, self.clock.extra_wait(rows, compute_s))
+        if hold > 0:
+            emulated = compute_s + hold  # the whole forward on the emulated device, one layer at a time
+            layer = emulated / max(1, len(self.core.shard.blocks))
+            if watch.discarded or await self._watch(None, t0 + emulated, watch):
+                elapsed = time.perf_counter() - t0  # the emulated device stops at its next layer boundary
+                cut = min(emulated, math.ceil(elapsed / layer - 1e-9) * layer)
+                await asyncio.sleep(max(0.0, t0 + cut - time.perf_counter()))
+        if result is not None and (stop.is_set() or watch.discarded):
+            result = result.model_copy(update={"dead": list(range(len(msg.parents)))})
+            self.counters["cut"] = self.counters.get("cut", 0) + 1
+        end = time.time()
+        self.counters["compute_s"] += compute_s
+        self.counters["busy_s"] += end - start
+        self.timeline_buffer.append(BusyInterval(start, end, compute_s, msg.request_id, len(msg.parents), msg.tag))
+        if result is None:
+            return out
+        return result.model_copy(update={"stage_s": [*result.stage_s, round(end - start, 6)]}), out[1]
+
+    async def _watch(self, job: asyncio.Future | None, deadline: float | None, watch: _DiscardWatch) -> bool:
+        """Wait until ``job`` is done (or time.perf_counter() reaches ``deadline``), moving arriving frames to the
+        backlog. -> True as soon as ``watch`` sees a prune that discards the forward (the wait is cut short)."""
+        if watch.discarded:
+            return True
+        if not watch.armed:
+            if job is not None:
+                await job
+            else:
+                await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+            return False
+        while True:
+            getter = asyncio.ensure_future(self.inbox.get())
+            waits = {getter} if job is None else {getter, job}
+            timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                await asyncio.wait({getter})  # it may have taken a frame before the cancel landed
+            if not getter.cancelled():
+                watch.arrived(getter.result())
+                while not self.inbox.empty():
+                    watch.arrived(self.inbox.get_nowait())
+            if watch.discarded:
+                return True
+            if (job is not None and job.done()) or (deadline is not None and time.perf_counter() >= deadline):
+                return False
 
     def _link_down(self, ev: LinkDown) -> None:
         if ev.direction != "in":

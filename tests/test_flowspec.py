@@ -130,23 +130,25 @@ async def test_greedy_flowspec_equals_single_device_autoregressive(parts, four_s
 
 
 class RecordingDrafter:
-    """A drafter that logs the depth of every draft into ``events``."""
+    """A drafter that logs the depth of every tree it yields, level by level, into ``events``."""
 
     def __init__(self, base, events):
         self.base, self.events = base, events
 
-    def draft(self, shape):
-        self.events.append(("draft", shape.depth))
-        return self.base.draft(shape)
+    def draft_levels(self, shape, partial=True):
+        for tree in self.base.draft_levels(shape, partial):
+            self.events.append(("level", int(tree.depth.max())))
+            yield tree
 
     def __getattr__(self, name):
         return getattr(self.base, name)
 
 
-async def test_a_bare_root_goes_out_alone_and_its_first_children_before_the_full_depth_draft(parts, monkeypatch):
-    """The first token, and every fresh root after a restart, go down the ring before the leader drafts; the
-    root's best children (a depth-1 draft: one LM-head row) go next (when worth their stage time: here always),
-    then the full-depth draft's nodes."""
+async def test_a_bare_root_goes_out_alone_and_every_drafted_level_goes_out_before_the_next_is_drafted(
+        parts, monkeypatch):
+    """The first token, and every fresh root after a restart, go down the ring before the leader drafts; each
+    drafted level (one draft-head forward) goes out (when worth its stage time: here always) before the next
+    level is drafted, so a root's children follow it at once."""
     events: list = []
     claim = FlowState.next_segment
 
@@ -156,6 +158,9 @@ async def test_a_bare_root_goes_out_alone_and_its_first_children_before_the_full
         return tag, a, b
 
     monkeypatch.setattr(FlowState, "next_segment", next_segment)
+    # the synchronous ring returns every segment at once, which would stop each draft after its first level
+    # (the next test): here the drafts run to their full depth
+    monkeypatch.setattr(FlowState, "live_returned", lambda self, returned: False)
     leader = Leader(parts.head, None, drafter=RecordingDrafter(drafter_for("partial", parts), events),
                     modes=[flowspec_spec(FlowSpecConfig(min_value=0.0))],  # children always worth sending
                     settings=LeaderSettings(max_context=200, prefill_chunk=4))
@@ -167,15 +172,37 @@ async def test_a_bare_root_goes_out_alone_and_its_first_children_before_the_full
         demux.cancel()
     assert out == parts.reference(PROMPTS[0], 24)
     assert stats.extra["restarts"] > 0
-    assert events[:2] == [("send", 0, 1), ("draft", 1)], events[:4]
+    assert events[:2] == [("send", 0, 1), ("level", 1)], events[:4]
     assert events[2][:2] == ("send", 1), events[:4]
-    assert events[3][0] == "draft"
-    assert events[3][1] > 1
-    deep = [i for i, e in enumerate(events) if e[0] == "draft" and e[1] > 1]
-    for i in deep[1:]:  # every full-depth draft from a bare root follows the root's children going out
-        if events[i - 1] == ("draft", 1):
-            pytest.fail(f"children drafted but not sent before the full-depth draft: {events[i - 3 : i + 1]}")
-    assert sum(1 for e in events if e == ("draft", 1)) >= stats.extra["restarts"] // 2
+    bare = [i for i, e in enumerate(events) if e[0] == "send" and e[1:] == (0, 1)]
+    assert len(bare) >= stats.extra["restarts"]
+    for i in bare:  # a bare root's children go out before its next level is drafted
+        j = next((k for k in range(i + 1, len(events)) if events[k][0] == "level"), None)
+        if j is not None and events[j][1] == 1 and j + 1 < len(events) and events[j + 1][0] != "level":
+            assert events[j + 1][0] == "send", events[i : j + 3]
+    deeper = [i for i, e in enumerate(events) if e[0] == "level" and e[1] > 1]
+    assert deeper, "some drafts went deeper than one level"
+    for i in deeper:  # the shallower level before it went out first (a draft's last tree may repeat its depth)
+        prev = events[i - 1]
+        assert prev[0] == "send" or (prev[0] == "level" and prev[1] >= events[i][1]), events[i - 3 : i + 1]
+
+
+async def test_a_returned_live_segment_stops_the_draft_for_its_walk(parts):
+    """With every segment back at once (a synchronous ring), each draft stops after its first level: the walk of
+    the returned root comes before deeper drafting. The output is still the target's."""
+    events: list = []
+    leader = Leader(parts.head, None, drafter=RecordingDrafter(drafter_for("partial", parts), events),
+                    modes=[flowspec_spec(FlowSpecConfig(min_value=0.0, redraft_below=0))],
+                    settings=LeaderSettings(max_context=200, prefill_chunk=4))
+    pipeline, _ = sync_pipeline(parts.stages, leader, F64)
+    async with asyncio.TaskGroup() as tg:
+        demux = tg.create_task(leader.run())
+        await leader.set_pipeline(pipeline)
+        out, _ = await run(leader, PROMPTS[0], 24)
+        demux.cancel()
+    assert out == parts.reference(PROMPTS[0], 24)
+    levels = [e[1] for e in events if e[0] == "level"]
+    assert levels and max(levels) == 1, levels
 
 
 @pytest.mark.parametrize("hops", ["memory", "ws"])
