@@ -37,8 +37,8 @@ from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_n
 # calls it with several rows, while tree verification computes its rows one at a time along the walk) and for
 # the draft head's reduced LM head (``project``: a 16-node draft took 0.62-0.68x the time). One
 # row stays on MKL (oneDNN is 10-20% slower there, and decoding is one row), and so do big prompt chunks. The
-# reordered copy doubles a block's weight memory, is made lazily on the first few-row inference forward (a
-# process that only decodes autoregressively never makes it), and is remade if the weights change. float32
+# reordered copy doubles a block's weight memory, is made lazily on the first few-row inference forward (pipeline
+# stages make it when they load: Shard.pack), and is remade if the weights change. float32
 # only; set FLOWSPEC_PACKED_WEIGHTS=0 to turn it off (e.g. to save memory).
 PACKED_ENV = "FLOWSPEC_PACKED_WEIGHTS"
 PACKED_MAX_ROWS = 32  # above this MKL's blocking is as good, and prompt chunks keep MKL's numerics
@@ -352,6 +352,15 @@ class Shard(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return h
+
+    def pack(self) -> None:
+        """Make the blocks' oneDNN-packed copies now (a stage does at load: made on the first tree forward, they
+        would cost that forward ~0.2 s for a quarter of the default model, multiplied on an emulated slow
+        device). No-op where packing is off."""
+        if packing_enabled(self.dtype):
+            with torch.inference_mode():
+                for block in self.blocks:
+                    block._weights(2)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., hidden] -> [..., vocab]"""

@@ -202,7 +202,8 @@ async def test_a_returned_live_segment_stops_the_draft_for_its_walk(parts):
         demux.cancel()
     assert out == parts.reference(PROMPTS[0], 24)
     levels = [e[1] for e in events if e[0] == "level"]
-    assert levels and max(levels) == 1, levels
+    assert levels
+    assert max(levels) == 1, levels
 
 
 @pytest.mark.parametrize("hops", ["memory", "ws"])

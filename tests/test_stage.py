@@ -12,6 +12,7 @@ from flowspec_p2p.types import LayerRange
 from flowspec_p2p.weights import open_source
 
 F64 = torch.float64
+SEED_STOP = 2
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +28,12 @@ def pipeline(tiny_llama):
     return stages, whole
 
 
-def run(stages, msg, tensors=None, ahead=None, sees=()):
-    """Pass ``msg`` through the chain; stages whose index is in ``sees`` find ``ahead`` queued behind it."""
+def run(stages, msg, tensors=None, ahead=None, sees=(), stops=None):
+    """Pass ``msg`` through the chain; stages whose index is in ``sees`` find ``ahead`` queued behind it; stage i
+    gets ``stops[i]`` as its stop callable (the worker's: a prune that arrived meanwhile discards the forward)."""
     for i, s in enumerate(stages):
-        msg, tensors = s.handle(msg, tensors or {}, [ahead] if ahead is not None and i in sees else [])
+        msg, tensors = s.handle(msg, tensors or {}, [ahead] if ahead is not None and i in sees else [],
+                                (stops or {}).get(i))
         if isinstance(msg, StageError):
             return msg, tensors
     return msg, tensors
@@ -49,12 +52,14 @@ def reference(whole, committed, tokens, parents):
         return whole(torch.tensor([tokens]), cache, positions=pos, mask=mask)[0]
 
 
-@pytest.mark.parametrize("lookahead", [False, True])
-def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline, lookahead):
+@pytest.mark.parametrize(("lookahead", "stop"), [(False, False), (True, False), (False, True)])
+def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline, lookahead, stop):
     """Random trees grown segment by segment, random prunes; with ``lookahead`` some stages see the next prune
-    queued behind a forward and skip the rows it discards (the rest learn them from ``Forward.dead``)."""
+    queued behind a forward and skip the rows it discards (the rest learn them from ``Forward.dead``). With
+    ``stop``, a forward whose every node the next prune discards is stopped part-way through one stage (after
+    0-2 of its layers), as when that prune arrives while the stage computes it."""
     stages, whole = pipeline
-    rng = random.Random(0 if not lookahead else 1)
+    rng = random.Random(SEED_STOP if stop else 1 if lookahead else 0)
     rid, seq = "r1", 0
     committed = [rng.randrange(96) for _ in range(9)]
     out, t = run(stages, Forward(request_id=rid, seq=seq, first=0, parents=[-1, *range(8)],
@@ -99,12 +104,18 @@ def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline, lookahead):
         seq += 1
         skippable = any(i >= first and i not in keep for i in range(len(parents)))
         sees = {rng.randrange(3)} if lookahead and skippable else ()
-        out, t = run(stages, msg, {"tokens": torch.tensor(tokens[first:])}, ahead=prune, sees=sees)
+        stops = None
+        if stop and not set(keep) & set(range(first, len(parents))):
+            calls = iter(range(rng.randrange(3) + 1))
+            stops = {rng.randrange(3): lambda calls=calls: next(calls, None) is None}  # yes after 0-2 layers
+        out, t = run(stages, msg, {"tokens": torch.tensor(tokens[first:])}, ahead=prune, sees=sees, stops=stops)
         assert isinstance(out, Forward), out
         ref = reference(whole, committed, tokens, parents)
         dead = set(out.dead)
         if sees:
             assert dead == {r for r in range(len(parents) - first) if first + r not in keep}
+        elif stops:
+            assert dead == set(range(len(parents) - first))
         else:
             assert not dead
         live = [r for r in range(len(parents) - first) if r not in dead]
@@ -135,6 +146,8 @@ def test_tree_forwards_and_prunes_match_a_from_scratch_run(pipeline, lookahead):
     assert (t["features"] - reference(whole, committed, tokens, parents)[first:]).abs().max() <= 1e-10
     if lookahead:
         assert sum(s.counters.get("skipped", 0) for s in stages) > 0, "look-ahead never skipped a row"
+    if stop:
+        assert sum(s.counters.get("stopped", 0) for s in stages) > 0, "no forward was stopped"
     out, _ = run(stages, Release(request_id=rid, seq=seq + 1))
     assert isinstance(out, Release)
     assert all(rid not in s.requests for s in stages)

@@ -163,3 +163,28 @@ async def test_results_for_a_gone_successor_are_dropped_not_fatal(shard):
             await asyncio.sleep(0.01)
         assert r.worker.counters["dropped_out"] == 1
         assert not r.task.done()
+
+
+async def test_a_prune_that_discards_a_whole_forward_cuts_it_at_the_next_emulated_layer(shard):
+    """A slow device stops a tree forward once a prune arriving behind it discards every node of it: the result
+    goes on with every row dead, after about half its emulated time (the prune comes during the first of the
+    stage's two layers). A prune that keeps one of its nodes cuts nothing."""
+    slow = 200.0
+    async with Running(shard, compute=ComputeEmulation(slowdown=slow, basis="measured")) as r:
+        r.put(fwd("a", 0, 3), hidden(3))
+        await r.get()
+        for seq, keep in ((1, []), (3, [1])):  # discards both nodes / keeps node 1
+            r.put(Forward(request_id="a", seq=seq, first=0, parents=[-1, -1], positions=[3, 3]), hidden(2))
+            await asyncio.sleep(0.02)
+            r.put(Prune(request_id="a", seq=seq + 1, accept=0, keep=keep))
+            out = await r.get()
+            assert (await r.get()).kind == "prune"
+            b = r.worker.timeline()[-1]
+            emulated = slow * b["compute_s"]
+            if not keep:
+                assert out.dead == [0, 1]
+                assert b["end"] - b["start"] <= 0.5 * emulated + 0.05
+            else:
+                assert out.dead == []
+                assert b["end"] - b["start"] >= emulated - 1e-3
+        assert r.worker.snapshot()["cut"] == 1
