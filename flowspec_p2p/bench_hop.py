@@ -116,7 +116,7 @@ def _ring_parts(stages: int, model_path: str | None):
     shards = [Shard.from_source(src, LayerRange(start=a, end=b), embed=a == 0, head=b == n).eval()
               for a, b in itertools.pairwise(cuts)]
     for s in shards:
-        s.pack()  # as an agent's stage does at load
+        s.warm_up()  # as an agent's stage does at load
     head = Shard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True).eval()
     return lm, shards, head
 

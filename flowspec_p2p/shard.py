@@ -38,7 +38,7 @@ from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_n
 # the draft head's reduced LM head (``project``: a 16-node draft took 0.62-0.68x the time). One
 # row stays on MKL (oneDNN is 10-20% slower there, and decoding is one row), and so do big prompt chunks. The
 # reordered copy doubles a block's weight memory, is made lazily on the first few-row inference forward (pipeline
-# stages make it when they load: Shard.pack), and is remade if the weights change. float32
+# stages make it when they load: Shard.warm_up), and is remade if the weights change. float32
 # only; set FLOWSPEC_PACKED_WEIGHTS=0 to turn it off (e.g. to save memory).
 PACKED_ENV = "FLOWSPEC_PACKED_WEIGHTS"
 PACKED_MAX_ROWS = 32  # above this MKL's blocking is as good, and prompt chunks keep MKL's numerics
@@ -353,14 +353,21 @@ class Shard(nn.Module):
             h = self.norm(h)
         return h
 
-    def pack(self) -> None:
-        """Make the blocks' oneDNN-packed copies now (a stage does at load: made on the first tree forward, they
-        would cost that forward ~0.2 s for a quarter of the default model, multiplied on an emulated slow
-        device). No-op where packing is off."""
-        if packing_enabled(self.dtype):
-            with torch.inference_mode():
-                for block in self.blocks:
-                    block._weights(2)
+    def warm_up(self, max_rows: int = 8) -> None:
+        """Make the blocks' oneDNN-packed copies now and run a tree forward of each size 1..max_rows through a
+        scratch cache (a stage does at load). Otherwise the first tree forward pays for the copies (~0.2 s for a
+        quarter of the default model) and the first of each size for oneDNN's set-up of that shape, and an
+        emulated slow device multiplies both."""
+        cache = self.new_cache(max_rows)
+        with torch.inference_mode():
+            for m in range(1, max_rows + 1):
+                if self.embed is not None:
+                    x = torch.zeros(1, m, dtype=torch.long)  # [1, m] ids
+                else:
+                    x = torch.zeros(1, m, self.cfg.hidden_size, dtype=self.dtype)  # [1, m, hidden]
+                mask = torch.eye(m, dtype=torch.bool)[None]  # [1, m, m]: each node sees itself
+                self(x, cache, positions=torch.zeros(1, m, dtype=torch.long), mask=mask)
+                cache.keep([])
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., hidden] -> [..., vocab]"""

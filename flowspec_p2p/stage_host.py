@@ -334,5 +334,5 @@ def build_shard(source, node: RingNode, dtype: torch.dtype, donors: list[Shard] 
                 shard.norm = donor.norm
             else:
                 shard.norm.weight.copy_(source.load(NORM))
-    shard.pack()  # tree forwards need the packed copies; made now, not by the first request
+    shard.warm_up()  # tree forwards' packed copies and shapes set up now, not by the first request
     return shard.eval()
