@@ -73,8 +73,13 @@ class FlowSpecConfig(FrozenModel):
     # top-k 4, 6-node segments, ring always full, re-draft after every walk) ran at 0.35x pipelined AR, fixed
     # 2-node segments 0.5x, these adaptive defaults 0.9-1.0x. With a draft this weak (about 1 in 2 first
     # tokens right) a full ring mostly carries nodes that die, and each delays the next root at every stage.
+    # Since stages cut a forward that a prune discards entirely (worker.py) and the leader sends each drafted
+    # level at once, wider expansions and a fuller ring pay (`flowspec bench --modes ar,flowspec --per-dataset 1
+    # --max-tokens 48 --temperature 0`, 6 prompts, each setting vs AR in its own run): expansion top-k 2 and
+    # min_value 0.3 1.22x AR; top-k 4 1.26x; top-k 4 and min_value 0.1 1.31x; top-k 6 and 0.1 1.34x; top-k 8
+    # and 0.1 1.29x; top-k 4 and 0.05 1.28x; 2 and 0 (always fill) 1.14x.
     init: TreeShape = TreeShape(total_tokens=32, depth=6, top_k=4, order="score")
-    expand: TreeShape = TreeShape(total_tokens=32, depth=4, top_k=2, order="score")
+    expand: TreeShape = TreeShape(total_tokens=32, depth=4, top_k=6, order="score")
     in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
     segment_cap: int = Field(4, ge=1)  # nodes per segment at most
     # Adaptive segments: each segment takes the k next nodes (score order) that maximise expected accepted tokens
@@ -91,7 +96,7 @@ class FlowSpecConfig(FrozenModel):
     # stage time, sum(p) / cost(k) >= min_value. A node that dies in flight still delays every
     # segment behind it at every stage, the next root's included; with a weak draft the ring stays shallow, with
     # a strong one it fills up to in_flight. 0 = always fill the ring.
-    min_value: float = Field(0.3, ge=0.0)
+    min_value: float = Field(0.1, ge=0.0)
     max_unsent: int = Field(48, ge=1)  # drafted-but-unsent nodes kept at most (the lowest-scored are dropped)
     # Re-draft from the new root after a walk only when fewer than this many unsent nodes remain below it (0 =
     # after every walk, as the reference does). Drafting is the leader's main cost per step.
