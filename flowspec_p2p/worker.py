@@ -214,6 +214,8 @@ class StageWorker:
                 return True
             if (job is not None and job.done()) or (deadline is not None and time.perf_counter() >= deadline):
                 return False
+            if not watch.armed:  # the deciding message came and keeps some node: nothing more to watch for
+                return await self._watch(job, deadline, watch)
 
     def _link_down(self, ev: LinkDown) -> None:
         if ev.direction != "in":
