@@ -216,15 +216,19 @@ class Agent:
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.load, src.path, src.config.eos_token_ids)
         settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
                                   slowdown=cfg.emulation.slowdown)
-        self.leader = Leader(head, tokenizer, drafter=_drafter(self.model_fp, head, cfg.draft), settings=settings,
-                             modes=_modes(), model_id=src.path.stem)
+        drafter = _drafter(self.model_fp, head, cfg.draft)
+        self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(),
+                             model_id=src.path.stem)
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
         self.stage_host.leader_inbox = self.leader.inbox
         from .codec import wire_dtype
 
+        base = getattr(drafter, "base", drafter)  # LookupDrafter wraps the head drafter
+        extra = base.extra_bytes(packing_enabled(dtype)) if hasattr(base, "extra_bytes") else 0
         model = describe_model(src, context=cfg.planning.context, fingerprint=self.model_fp,
-                               dtype_bytes=torch.finfo(dtype).bits // 8, packed=packing_enabled(dtype))
+                               dtype_bytes=torch.finfo(dtype).bits // 8, packed=packing_enabled(dtype),
+                               draft_extra_bytes=extra)
         self.coordinator = Coordinator(cfg, self.info, net=self, leader=self.leader, weights=self.weights,
                                        stage_host=self.stage_host, ring=self.ring, session=self.session,
                                        model=model, model_config=src.config, wire_dtype=wire_dtype)

@@ -193,6 +193,12 @@ class HeadDrafter(TreeDrafter):
     def _new_cache(self, capacity: int) -> KVCache:
         return self.head.new_cache(capacity)
 
+    def extra_bytes(self, packed: bool) -> int:
+        """Memory beyond the head's parameters and the target's LM head: the reduced LM-head copy (none for the
+        full vocabulary) and, with ``packed`` (shard.packing_enabled), its oneDNN copy for expansions."""
+        t = self.lm_head
+        return t.numel() * t.element_size() * ((self.draft_vocab is not None) + packed)
+
     def _to_target(self, ids: torch.Tensor) -> list[int]:
         return (ids if self.draft_vocab is None else self.draft_vocab[ids]).tolist()
 

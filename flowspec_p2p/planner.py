@@ -147,10 +147,12 @@ class Change(FrozenModel):
 
 
 def describe_model(source, *, context: int, name: str | None = None, fingerprint: str = "",
-                   draft_params: int | None = None, dtype_bytes: int = 4, packed: bool = False) -> ModelSpec:
+                   draft_params: int | None = None, dtype_bytes: int = 4, packed: bool = False,
+                   draft_extra_bytes: int = 0) -> ModelSpec:
     """A ModelSpec from an open weight source's config (runtime sizes are parameters x ``dtype_bytes``).
     ``packed``: stages keep a second, oneDNN-packed copy of their layers for tree forwards (shard.py), so a
-    layer (and the draft head's block, and the LM head) takes twice its bytes."""
+    layer (and the draft head's block, and the LM head) takes twice its bytes. ``draft_extra_bytes``: what the
+    leader's drafter holds beyond its head (HeadDrafter.extra_bytes: its reduced LM-head copy)."""
     cfg = source.config
     h, v = cfg.hidden_size, cfg.vocab_size
     layer = cfg.layer_params()
@@ -164,7 +166,7 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
         embed_bytes=v * h * dtype_bytes,
         head_bytes=(v * h * (2 if packed else 1) + h) * dtype_bytes,
         norm_bytes=h * dtype_bytes,
-        draft_bytes=(draft_params + (layer if packed else 0)) * dtype_bytes,  # its block is packed too
+        draft_bytes=(draft_params + (layer if packed else 0)) * dtype_bytes + draft_extra_bytes,  # block packed too
         kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),
         hidden_size=h,
         vocab_size=v,

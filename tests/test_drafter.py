@@ -187,6 +187,12 @@ def test_a_reduced_draft_vocabulary_drafts_only_its_tokens(tiny_llama):
     tree = drafter.draft(TreeShape(total_tokens=20, depth=4, top_k=4))
     assert all(t % 2 == 0 for t in tree.token_list[1:])
     tree.check()
+    # the planner counts the reduced LM-head copy [hidden, V/2] (and its packed copy); the full vocabulary
+    # reuses the target's LM head, so only a packed copy would be extra
+    copy = target.cfg.hidden_size * len(vocab) * 8  # float64
+    assert (drafter.extra_bytes(False), drafter.extra_bytes(True)) == (copy, 2 * copy)
+    full = HeadDrafter(random_head(target), target)
+    assert (full.extra_bytes(False), full.extra_bytes(True)) == (0, 2 * copy)
 
 
 def test_float32_drafting_with_packed_weights_drafts_the_same_tree(tiny_llama, monkeypatch):
