@@ -23,13 +23,15 @@ Glossary (tree words as in tree.py, protocol words as in messages.py):
                     but the new tree goes out at once (no drain, §10.5)
     prune           Prune(accept = accepted path, keep = accepted + surviving *sent* nodes), sent in band, so every
                     stage applies it exactly once, in order with the segments (no global barrier, §10.3)
-    expansion       after every walk, draft a fresh tree from the new root with the newly accepted target features,
-                    merge it by token path (tree.merge) and send the new nodes as the next segment (§6.1). A root
-                    with nothing drafted below it (the first token, or after a restart) goes out alone at once,
-                    and its best children (one row of the draft's LM head) follow before the full-depth draft
+    expansion       after a walk, draft a fresh tree from the new root with the newly accepted target features,
+                    one level (draft-head forward) at a time; merge each level by token path (tree.merge) and
+                    send its new nodes at once (§6.1). A root with nothing drafted below it (the first token, or
+                    after a restart) goes out alone first. A returned segment with live nodes stops the draft:
+                    its walk comes first
 
-Segments in flight that the leader has since pruned still return (stages compute them before they see the
-prune); the leader maps their rows through every prune made since they were sent and drops what died.
+Segments in flight that the leader has since pruned still return (stages skip, or stop part-way through, what a
+prune discards, and pass it on as dead rows); the leader maps their rows through every prune made since they were
+sent and drops what died.
 
 Lossless: a node's features depend only on the committed prefix and its ancestors (tree attention, causal-
 consistent prunes), and each decision at a verified node is the target's argmax or an exact sample from its
