@@ -215,7 +215,7 @@ class Agent:
             lambda: Shard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True, dtype=dtype).eval())
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.load, src.path, src.config.eos_token_ids)
         settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
-                                  slowdown=cfg.emulation.slowdown)
+                                  default_mode=cfg.decoding, slowdown=cfg.emulation.slowdown)
         drafter = _drafter(self.model_fp, head, cfg.draft)
         self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(),
                              model_id=src.path.stem)

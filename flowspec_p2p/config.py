@@ -76,6 +76,9 @@ class AgentConfig(FrozenModel):
     # activations between stages: float32 keeps every mode exactly equal to single-device decoding (lossless);
     # float16 / bfloat16 halve the bytes on slow links but round the hidden states (greedy output may drift)
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
+    # (leader) the API's decoding mode when a request names none; default: the first the leader offers of
+    # flowspec, chunk, ar (flowspec whenever a draft head is installed)
+    decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None
     secret: SecretStr | None = None
     emulation: Emulation = Emulation()
     profile: ProfileOverrides = ProfileOverrides()

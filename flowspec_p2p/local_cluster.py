@@ -65,6 +65,7 @@ class ClusterOptions(FrozenModel):
     leader_layers: Literal["auto", "always", "never"] | None = None
     dtype: Literal["float32", "bfloat16", "float64"] | None = None
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
+    decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None  # the leader's default mode
     secret: str | None = None  # default: a random one
     state_root: Path | None = None  # default: a temporary folder, removed by stop()
     verbose: int = 1  # agents' -v count (their logs go to <state_root>/agent<i>.log)
@@ -144,7 +145,7 @@ class LocalCluster:
             if o.draft is not None:
                 args += ["--draft", str(o.draft)]
             flags |= {"--context": o.context, "--stages": o.stages, "--leader-layers": o.leader_layers,
-                      "--wire-dtype": o.wire_dtype}
+                      "--wire-dtype": o.wire_dtype, "--decoding": o.decoding}
         elif o.members_have_model:
             from .weights import default_model_path
 

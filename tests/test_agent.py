@@ -16,11 +16,12 @@ __all__ = ["make_fixture", "parts_fixture", "quick_timing_fixture"]
 
 
 async def test_three_agents_find_each_other_fetch_their_layers_and_serve(make, parts):
-    leader = Agent(make("lead", leader=True, planning={"context": 128, "stages": 3, "leader_layers": "always"}),
-                   tokenizer=ByteTokenizer())
+    leader = Agent(make("lead", leader=True, planning={"context": 128, "stages": 3, "leader_layers": "always"},
+                        decoding="ar"), tokenizer=ByteTokenizer())
     a, b = Agent(make("a")), Agent(make("b"))
     async with running(leader, a, b):
         await until(serving(leader, 2))
+        assert leader.leader.default_mode() == "ar"  # --decoding
         assert len(leader.coordinator.plan.stages) == 3
         assert {s.agent_id for s in leader.coordinator.plan.stages} == {leader.id, a.id, b.id}
         prompt = ByteTokenizer().encode("abc hello")
@@ -78,6 +79,9 @@ def test_config_layers_profile_flags_and_environment(tmp_path):
         load(None, {"peers": ["nohost"]}, env={})
     with pytest.raises(ConfigError, match="cluster name"):
         load(None, {"cluster": "bad name!"}, env={})
+    assert load(None, {"decoding": "ar"}, env={}).decoding == "ar"
+    with pytest.raises(ConfigError, match="decoding"):
+        load(None, {"decoding": "fastest"}, env={})
 
 
 def test_the_example_agent_profiles_load():

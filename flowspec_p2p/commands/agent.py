@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="(leader) activations between stages (default float32: exact; float16/bfloat16 halve "
                    "the bytes but round hidden states)")
+    p.add_argument("--decoding", choices=["ar", "chunk", "pipedec", "flowspec"], default=None,
+                   help="(leader) the API's decoding mode when a request names none (default: flowspec when a "
+                   "draft head is installed, else ar). On one host whose agents share few cores, ar can be faster")
     p.add_argument("--memory-mb", type=float, default=None, help="offer this much memory instead of measuring")
     p.add_argument("--gflops", type=float, default=None, help="use this compute score instead of measuring")
     p.add_argument("--link-mbps", type=float, default=None, help="emulate this link bandwidth (Mbit/s)")
@@ -70,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> config_mod.AgentConfig:
         "cluster": args.cluster, "name": args.name, "leader": args.leader, "model": args.model, "draft": args.draft,
         "interfaces": args.interfaces, "peers": args.peers, "mdns": args.mdns, "port": args.port,
         "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
-        "secret": args.secret, "wire_dtype": args.wire_dtype,
+        "secret": args.secret, "wire_dtype": args.wire_dtype, "decoding": args.decoding,
         "planning": {"context": args.context, "stages": args.stages, "leader_layers": args.leader_layers},
         "profile": {"memory_mb": args.memory_mb, "gflops": args.gflops},
         "emulation": {"link_mbps": args.link_mbps, "link_latency_ms": args.link_latency_ms,

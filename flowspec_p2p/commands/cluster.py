@@ -56,6 +56,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=None, help="KV tokens per request (default 2048)")
     p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="activations between stages (default float32: exact; float16/bfloat16 halve the bytes)")
+    p.add_argument("--decoding", choices=["ar", "chunk", "pipedec", "flowspec"], default=None,
+                   help="the API's decoding mode when a request names none (default: flowspec). The agents share "
+                   "this host's cores, so with fewer cores than agents ar can be faster")
     p.add_argument("--state-dir", type=Path, default=None, help="keep agents' state and logs here (default: temp)")
 
 
@@ -63,7 +66,8 @@ def _options(args: argparse.Namespace) -> ClusterOptions:
     return ClusterOptions(api_port=args.api_port, model=args.model, members_have_model=args.members_have_model,
                           threads=args.threads, link_mbps=args.link_mbps, link_latency_ms=args.link_latency_ms,
                           slowdown=args.slowdown, stages=args.stages, leader_layers=args.leader_layers,
-                          context=args.context, wire_dtype=args.wire_dtype, state_root=args.state_dir)
+                          context=args.context, wire_dtype=args.wire_dtype, state_root=args.state_dir,
+                          decoding=args.decoding)
 
 
 def _wait_for_signal() -> None:
