@@ -144,6 +144,20 @@ class RecordingDrafter:
         return getattr(self.base, name)
 
 
+async def recorded_run(parts, events: list, config: FlowSpecConfig, n: int = 24):
+    """One greedy request for PROMPTS[0] through the synchronous 3-stage ring, the partial drafter logging each
+    drafted level into ``events``. -> (tokens, stats)"""
+    leader = Leader(parts.head, None, drafter=RecordingDrafter(drafter_for("partial", parts), events),
+                    modes=[flowspec_spec(config)], settings=LeaderSettings(max_context=200, prefill_chunk=4))
+    pipeline, _ = sync_pipeline(parts.stages, leader, F64)
+    async with asyncio.TaskGroup() as tg:
+        demux = tg.create_task(leader.run())
+        await leader.set_pipeline(pipeline)
+        out = await run(leader, PROMPTS[0], n)
+        demux.cancel()
+    return out
+
+
 async def test_a_bare_root_goes_out_alone_and_every_drafted_level_goes_out_before_the_next_is_drafted(
         parts, monkeypatch):
     """The first token, and every fresh root after a restart, go down the ring before the leader drafts; each
@@ -161,15 +175,7 @@ async def test_a_bare_root_goes_out_alone_and_every_drafted_level_goes_out_befor
     # the synchronous ring returns every segment at once, which would stop each draft after its first level
     # (the next test): here the drafts run to their full depth
     monkeypatch.setattr(FlowState, "live_returned", lambda self, returned: False)
-    leader = Leader(parts.head, None, drafter=RecordingDrafter(drafter_for("partial", parts), events),
-                    modes=[flowspec_spec(FlowSpecConfig(min_value=0.0))],  # children always worth sending
-                    settings=LeaderSettings(max_context=200, prefill_chunk=4))
-    pipeline, _ = sync_pipeline(parts.stages, leader, F64)
-    async with asyncio.TaskGroup() as tg:
-        demux = tg.create_task(leader.run())
-        await leader.set_pipeline(pipeline)
-        out, stats = await run(leader, PROMPTS[0], 24)
-        demux.cancel()
+    out, stats = await recorded_run(parts, events, FlowSpecConfig(min_value=0.0))  # children always worth sending
     assert out == parts.reference(PROMPTS[0], 24)
     assert stats.extra["restarts"] > 0
     assert events[:2] == [("send", 0, 1), ("level", 1)], events[:4]
@@ -191,15 +197,7 @@ async def test_a_returned_live_segment_stops_the_draft_for_its_walk(parts):
     """With every segment back at once (a synchronous ring), each draft stops after its first level: the walk of
     the returned root comes before deeper drafting. The output is still the target's."""
     events: list = []
-    leader = Leader(parts.head, None, drafter=RecordingDrafter(drafter_for("partial", parts), events),
-                    modes=[flowspec_spec(FlowSpecConfig(min_value=0.0, redraft_below=0))],
-                    settings=LeaderSettings(max_context=200, prefill_chunk=4))
-    pipeline, _ = sync_pipeline(parts.stages, leader, F64)
-    async with asyncio.TaskGroup() as tg:
-        demux = tg.create_task(leader.run())
-        await leader.set_pipeline(pipeline)
-        out, _ = await run(leader, PROMPTS[0], 24)
-        demux.cancel()
+    out, _ = await recorded_run(parts, events, FlowSpecConfig(min_value=0.0, redraft_below=0))
     assert out == parts.reference(PROMPTS[0], 24)
     levels = [e[1] for e in events if e[0] == "level"]
     assert levels
