@@ -14,7 +14,7 @@ Glossary (tree words as in tree.py):
     draft vocabulary an EAGLE head may score only V_d frequent tokens (``draft_vocab`` maps draft id -> target
                    id); the tree holds target ids, and verification is over the full vocabulary (lossless).
     expansion      FlowSpec: after a partial acceptance, feed the newly committed tokens, draft from the new root
-                   and merge the result into the pruned tree (``expand``).
+                   one level at a time (``draft_levels``) and merge each level into the pruned tree (flowspec.py).
 
 Three drafters plug into the same loop: ``HeadDrafter`` (a trained or random ``draft.DraftHead``) and
 ``OracleDrafter`` (the target itself: greedy drafts are always accepted; for tests and upper bounds).
@@ -314,11 +314,3 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
     return torch.log_softmax(logits, dim=-1).clamp(max=0.0)
-
-
-def expand(drafter: Drafter, tree: DraftTree, shape: TreeShape) -> tuple[DraftTree, range]:
-    """FlowSpec §6.1 expansion: draft from the drafter's root (the root of ``tree``, already fed) and merge into
-    ``tree``. Returns the merged tree and the appended (new) indices, a contiguous range at its end."""
-    fresh = drafter.draft(shape)
-    merged, _ = tree.merge(fresh)
-    return merged, range(len(tree), len(merged))

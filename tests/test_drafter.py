@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flowspec_p2p.draft import DraftHead
-from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape, expand
+from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.generate import ARDecoder, generate_ids
 from flowspec_p2p.sampling import SamplingParams
 from flowspec_p2p.shard import PACKED_ENV, Shard, packing_enabled
@@ -215,7 +215,8 @@ def test_float32_drafting_with_packed_weights_drafts_the_same_tree(tiny_llama, m
 
 def test_expansion_from_a_new_root_appends_to_the_pruned_tree(tiny_llama):
     """FlowSpec §6.1: accept a path, continue from a drafted child (x_new), feed the committed tokens, draft
-    from the new root and merge: old indices stay, new nodes follow, invariants hold."""
+    from the new root one level at a time and merge each level: old indices stay, new nodes follow, invariants
+    hold."""
     target = tiny_target(tiny_llama)
     drafter = HeadDrafter(trained_head(tiny_llama), target)
     _root, cache = start(drafter, target, PROMPT)
@@ -228,11 +229,17 @@ def test_expansion_from_a_new_root_appends_to_the_pruned_tree(tiny_llama):
         c = cache.committed
         f = target(tree.tokens[None], cache, positions=tree.positions(c)[None], mask=tree.attention_mask(c)[None])
         drafter.feed(tree.tokens[accepted].tolist(), f[0, accepted], tree.token_list[new_root])
-    merged, new = expand(drafter, pruned, shape)
-    merged.check()
-    assert torch.equal(merged.tokens[: len(pruned)], pruned.tokens)
-    assert new == range(len(pruned), len(merged))
-    assert len(merged) > len(pruned)
+    merged, sizes = pruned, []
+    with torch.inference_mode():
+        for level in drafter.draft_levels(shape):  # as FlowSpecGrowth._draft: merge every level as it comes
+            grown, _ = merged.merge(level)
+            grown.check()
+            assert torch.equal(grown.tokens[: len(merged)], merged.tokens)  # old indices stay, new nodes follow
+            merged = grown
+            sizes.append(len(merged))
+    assert sizes[-1] > len(pruned)
+    assert sizes == sorted(sizes)
+    assert merged.token_list[0] == tree.token_list[new_root]
 
 
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=lambda s: f"{s.total_tokens}-{s.depth}-{s.top_k}-{s.order}")
