@@ -22,6 +22,8 @@ Glossary (flowspec-algorithm.md §8.1):
     paired        only prompts that every mode finished (at that temperature) count, so modes are compared on the
                   same prompts
     speedup       ξ(mode) / ξ(baseline), per temperature, overall and per dataset
+    walk costs    ``walk_costs_ms`` (pipelined tree modes): mean time from a walk to the next by the first walk's
+                  outcome (flowspec.WalkClock), and a live segment's mean trip round the ring
 
 Greedy equality: at T=0 every lossless mode's token ids must equal ``ar``'s; the report counts matching prompts per
 mode and shows the first divergence.
@@ -39,7 +41,14 @@ MODE_ORDER = ("ar", "chunk", "pipedec", "flowspec")  # table order; unknown mode
 METRIC_KEYS = ("tokens_per_s", "e2e_tokens_per_s", "tau", "tokens_per_round", "utilization")
 # mode-specific stats extras summed over requests (diagnostics: where the work went)
 EXTRA_SUMS = ("draft_s", "verify_s", "segments", "nodes_sent", "nodes_returned", "nodes_dead", "walks", "continues",
-              "restarts")
+              "continues_unsent", "restarts", "trip_s", "trips", "continue_gap_s", "continue_gaps",
+              "continue_unsent_gap_s", "continue_unsent_gaps", "restart_gap_s", "restart_gaps")
+# means over those sums, shown instead of them: what a walk outcome costs (time to the next walk, flowspec.WalkClock)
+# and a live segment's trip round the ring
+EXTRA_MEANS = {"ms after continue": ("continue_gap_s", "continue_gaps"),
+               "ms after unsent continue": ("continue_unsent_gap_s", "continue_unsent_gaps"),
+               "ms after restart": ("restart_gap_s", "restart_gaps"),
+               "live trip ms": ("trip_s", "trips")}
 DATASET_NAMES = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
                  "sum": "CNN/DM", "qa": "Nat. Q."}
 
@@ -138,6 +147,8 @@ def metrics(records: Sequence[dict]) -> dict:
         "prefill_s": round(prefill, 4),
         "stage_forward_ms": round(1e3 * compute / forwards, 2) if forwards else None,
         "extras": extras,
+        "walk_costs_ms": {name: round(1e3 * extras[s] / extras[n], 1) for name, (s, n) in EXTRA_MEANS.items()
+                          if extras.get(n)},
     }
 
 
@@ -278,18 +289,24 @@ def markdown(res: dict) -> str:
     lines += ["", "Definitions: ξ = Σ new tokens / Σ decode time (prefill excluded, as the paper); e2e includes "
               "prefill; tau = new tokens / the mode's own steps (not comparable across modes); tokens/round = "
               "(new tokens - 1) / verification rounds; utilization = mean over stages of the busy fraction of the "
-              "decode window (emulated slowdown included); only prompts every mode finished are counted.", ""]
+              "decode window (emulated slowdown included); ms after continue / unsent continue / restart = mean "
+              "time from a walk with that outcome to the next walk (a continue to a child already in flight, to one "
+              "not yet sent, a fresh root); live trip ms = mean time from sending a segment to its return, for "
+              "segments that came back with live nodes; only prompts every mode finished are counted.", ""]
     return "\n".join(lines)
 
 
 def _diagnostics(table: dict[str, dict]) -> list[str]:
-    keys = [k for k in EXTRA_SUMS if any(k in (m.get("extras") or {}) for m in table.values())]
-    lines = ["| mode | stage forward ms | prompt prefill s | " + " | ".join(keys) + " |",
-             "|---|---:|---:|" + "---:|" * len(keys)]
+    hidden = {k for pair in EXTRA_MEANS.values() for k in pair}
+    keys = [k for k in EXTRA_SUMS if k not in hidden and any(k in (m.get("extras") or {}) for m in table.values())]
+    means = [k for k in EXTRA_MEANS if any(k in (m.get("walk_costs_ms") or {}) for m in table.values())]
+    lines = ["| mode | stage forward ms | prompt prefill s | " + " | ".join(keys + means) + " |",
+             "|---|---:|---:|" + "---:|" * len(keys + means)]
     for name, m in table.items():
-        ex = m.get("extras") or {}
+        ex, costs = m.get("extras") or {}, m.get("walk_costs_ms") or {}
         prefill = m["prefill_s"] / m["prompts"] if m["prompts"] else None
-        cells = [_f(m.get("stage_forward_ms"), ".1f"), _f(prefill), *(_f(ex.get(k), "g") for k in keys)]
+        cells = [_f(m.get("stage_forward_ms"), ".1f"), _f(prefill), *(_f(ex.get(k), "g") for k in keys),
+                 *(_f(costs.get(k), ".0f") for k in means)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 

@@ -18,7 +18,9 @@ Glossary (tree words as in tree.py, protocol words as in messages.py):
                     walks (+1 for the prefill), so tau = tokens per verification as for chunk and spec; the
                     returned segments are ``extra["segments"]``
     continue        the decided token equals a child of the last accepted node that is already in the tree (sent or
-                    not): that child becomes the new root and its subtree survives — no pipeline drain
+                    not): that child becomes the new root and its subtree survives — no pipeline drain. If the
+                    child was still unsent (``continues_unsent``), its features are a ring trip away, as after
+                    a restart (WalkClock measures what each outcome costs)
     restart         the decided token is not in the tree: it becomes a fresh root; every in-flight node is pruned,
                     but the new tree goes out at once (no drain, §10.5)
     prune           Prune(accept = accepted path, keep = accepted + surviving *sent* nodes), sent in band, so every
@@ -121,6 +123,7 @@ class Segment:
     sent_rows: int
     rows: list[int]
     nodes: list[int]
+    sent_at: float = 0.0  # time.perf_counter() when it went out
 
 
 @dataclass
@@ -135,7 +138,9 @@ class FlowState:
     inflight: deque[Segment] = field(default_factory=deque)
     next_tag: int = 0
     counters: dict = field(default_factory=lambda: dict(
-        segments=0, nodes_sent=0, nodes_returned=0, nodes_dead=0, walks=0, continues=0, restarts=0, prunes=0))
+        segments=0, nodes_sent=0, nodes_returned=0, nodes_dead=0, walks=0, continues=0, continues_unsent=0,
+        restarts=0, prunes=0, trip_s=0.0, trips=0))
+    outcome: str = ""  # of the last walk applied: "continue", "continue_unsent" (new root not yet sent), "restart"
 
     @property
     def verified(self) -> int:
@@ -155,7 +160,7 @@ class FlowState:
         tag = self.next_tag
         self.next_tag += 1
         self.sent = b
-        self.inflight.append(Segment(tag, b - a, list(range(b - a)), list(range(a, b))))
+        self.inflight.append(Segment(tag, b - a, list(range(b - a)), list(range(a, b)), time.perf_counter()))
         self.counters["segments"] += 1
         self.counters["nodes_sent"] += b - a
         return tag, a, b
@@ -174,6 +179,9 @@ class FlowState:
         assert not set(rows) & set(msg.dead), f"segment {seg.tag}: a live row came back dead"
         self.counters["nodes_returned"] += len(seg.nodes)
         self.counters["nodes_dead"] += seg.sent_rows - len(seg.nodes)
+        if seg.nodes:  # a live segment's trip round the ring (queueing behind earlier segments included)
+            self.counters["trip_s"] += time.perf_counter() - seg.sent_at
+            self.counters["trips"] += 1
         v = self.verified
         assert seg.nodes == list(range(v, v + len(seg.nodes))), (seg.nodes, v)
         return seg.nodes, features[rows]
@@ -189,9 +197,12 @@ class FlowState:
         new_tree, keep = tree.prune(acc, verdict.next_child)
         if new_tree is None:  # restart: the decided token is a fresh root
             new_tree = DraftTree.root(verdict.token)
+            self.outcome = "restart"
             self.counters["restarts"] += 1
         else:
+            self.outcome = "continue" if verdict.next_child < self.sent else "continue_unsent"
             self.counters["continues"] += 1
+            self.counters["continues_unsent"] += self.outcome == "continue_unsent"
         keep_sent = [i for i in keep if i < self.sent]
         a = len(acc)
         new_of = {old: new - a for new, old in enumerate(keep_sent) if new >= a}
@@ -215,6 +226,29 @@ class FlowState:
         scores = self.tree.scores.tolist()
         best = sorted(range(a, n), key=lambda i: (-scores[i], i))[:max_unsent]
         self.tree = self.tree.select([*range(a), *best], keep_order=True)
+
+
+@dataclass
+class WalkClock:
+    """What each walk outcome costs: the time from a walk to the next one, summed by the first walk's outcome
+    (FlowState.outcome), into GenStats.extra as ``<outcome>_gap_s`` and ``<outcome>_gaps``. A continue whose
+    child was in flight costs about one stage time; a restart, or a continue to an unsent child, a trip round
+    the ring. ``flowspec bench`` reports the mean of each. Call ``walked`` at every walk and ``outcome`` once
+    the walk is applied (the request's last walk has none)."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    last: tuple[float, str | None] | None = None
+
+    def walked(self, now: float) -> None:
+        if self.last is not None and self.last[1] is not None:
+            t, kind = self.last
+            self.sums[f"{kind}_gap_s"] = round(self.sums.get(f"{kind}_gap_s", 0.0) + now - t, 6)
+            self.sums[f"{kind}_gaps"] = self.sums.get(f"{kind}_gaps", 0) + 1
+        self.last = (now, None)
+
+    def outcome(self, kind: str) -> None:
+        assert self.last is not None, "outcome() of a walk that was not clocked"
+        self.last = (self.last[0], kind)
 
 
 class _Rows:
@@ -473,6 +507,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
     draft_s = verify_s = 0.0
     t1 = time.perf_counter()
     state: FlowState | None = None
+    clock = WalkClock()
     try:
         yield [token]
         if stats.new_tokens >= budget or token in ctx.stop_ids:
@@ -508,6 +543,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
                 state.feats += list(f)
                 verdict = await ctx.compute(_walk, ctx, state)  # the root is always in the verified prefix here
                 verify_s += time.perf_counter() - tv
+                clock.walked(time.perf_counter())
                 state.counters["walks"] += 1
                 stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
                 out = verdict.emitted(state.tree)[: budget - stats.new_tokens]
@@ -518,6 +554,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
                     return
                 growth.walked(state, verdict)
                 accept, keep, acc_tokens, acc_feats = state.apply(verdict)
+                clock.outcome(state.outcome)
                 await ctx.prune(accept, keep)
                 await fill()  # surviving unsent nodes go out before we spend time drafting
                 td = time.perf_counter()
@@ -532,8 +569,9 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
     finally:
         stats.decode_s = time.perf_counter() - t1
         if state is not None:
+            counters = {**state.counters, "trip_s": round(state.counters["trip_s"], 6)}
             stats.extra.update(draft_s=round(draft_s, 4), verify_s=round(verify_s, 4), in_flight=in_flight,
-                               **state.counters, **growth.report())
+                               **counters, **clock.sums, **growth.report())
 
 
 async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) -> AsyncIterator[list[int]]:

@@ -65,6 +65,21 @@ def test_metrics_are_ratios_of_sums_decode_only_and_with_prefill():
     assert chunk["tokens_per_round"] == pytest.approx(20 / 5)
 
 
+def test_walk_costs_are_mean_times_to_the_next_walk_by_outcome_over_all_requests():
+    rs = [rec("flowspec", walks=5, continue_gap_s=0.3, continue_gaps=3, restart_gap_s=0.5, restart_gaps=1,
+              trip_s=1.0, trips=4),
+          rec("flowspec", walks=3, continue_gap_s=0.1, continue_gaps=1, continue_unsent_gap_s=0.25,
+              continue_unsent_gaps=1)]
+    m = rep.metrics(rs)
+    assert m["walk_costs_ms"] == {"ms after continue": 100.0, "ms after unsent continue": 250.0,
+                                  "ms after restart": 500.0, "live trip ms": 250.0}
+    assert rep.metrics([rec("ar")])["walk_costs_ms"] == {}
+    md = "\n".join(rep._diagnostics({"ar": rep.metrics([rec("ar")]), "flowspec": m}))
+    assert "| walks | ms after continue | ms after unsent continue | ms after restart | live trip ms |" in md
+    assert md.splitlines()[-1].endswith("| 8 | 100 | 250 | 500 | 250 |")  # the raw sums are not shown
+    assert "continue_gap_s" not in md
+
+
 def test_only_prompts_every_mode_finished_are_compared():
     rs = [rec(m, line=30) for m in MODES] + [rec("ar", line=31), rec("chunk", line=31)]  # flowspec missing
     rs += [rec("ar", line=32), rec("chunk", line=32), rec("flowspec", line=32, ok=False)]

@@ -16,6 +16,7 @@ from flowspec_p2p.flowspec import (
     FlowSpecGrowth,
     FlowState,
     StageCost,
+    WalkClock,
     best_segment,
     flowspec_spec,
     linear_cost,
@@ -118,6 +119,10 @@ async def test_greedy_flowspec_equals_single_device_autoregressive(parts, four_s
             assert stats.new_tokens == 48
             for k in totals:
                 totals[k] += stats.extra[k]
+            x = stats.extra  # every walk but the last is followed by one, timed by its outcome (WalkClock)
+            assert sum(x.get(f"{k}_gaps", 0) for k in ("continue", "continue_unsent", "restart")) == x["walks"] - 1
+            assert x["continues_unsent"] <= x["continues"]
+            assert 0 < x["trips"] <= x["segments"]
         demux.cancel()
     assert all(c.counters["errors"] == 0 for c in cores)
     assert all(not c.requests for c in cores), "every request released on every stage"
@@ -342,6 +347,26 @@ def test_expansion_depth_follows_the_measured_hit_rate():
         cal.update(tree, miss)
     assert cal.useful_depth(0.15, 4) == 1  # never below one level
     assert cal.useful_depth(0.0, 4) == 4  # 0 turns it off
+
+
+def test_a_walk_is_a_continue_to_a_sent_child_a_continue_to_an_unsent_one_or_a_restart():
+    tree = DraftTree.from_lists([5, 6, 7], [-1, 0, 0], scores=[0.0, -0.5, -1.0])
+    for child, token, outcome in ((1, 6, "continue"), (2, 7, "continue_unsent"), (None, 9, "restart")):
+        state = FlowState(tree=tree, committed=10)
+        state.next_segment(2)  # root and node 1 went out; node 2 did not
+        state.feats = [torch.zeros(4)]
+        state.apply(Verdict([0], token, child))
+        assert state.outcome == outcome
+        assert state.tree.token_list[0] == token
+        assert (state.counters["continues"], state.counters["continues_unsent"], state.counters["restarts"]) == (
+            int(outcome != "restart"), int(outcome == "continue_unsent"), int(outcome == "restart"))
+    clock = WalkClock()
+    for t, outcome in ((0.0, "continue"), (0.1, "restart"), (0.4, "continue"), (0.45, None)):  # the last ends
+        clock.walked(t)
+        if outcome:
+            clock.outcome(outcome)
+    assert clock.sums == {"continue_gap_s": pytest.approx(0.15), "continue_gaps": 2,
+                          "restart_gap_s": pytest.approx(0.3), "restart_gaps": 1}
 
 
 def test_flowspec_growth_sends_a_weak_segment_only_into_an_empty_ring():
