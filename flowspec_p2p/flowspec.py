@@ -81,7 +81,10 @@ class FlowSpecConfig(FrozenModel):
     # level at once, wider expansions and a fuller ring pay (`flowspec bench --modes ar,flowspec --per-dataset 1
     # --max-tokens 48 --temperature 0`, 6 prompts, each setting vs AR in its own run): expansion top-k 2 and
     # min_value 0.3 1.22x AR; top-k 4 1.26x; top-k 4 and min_value 0.1 1.31x; top-k 6 and 0.1 1.34x; top-k 8
-    # and 0.1 1.29x; top-k 4 and 0.05 1.28x; 2 and 0 (always fill) 1.14x.
+    # and 0.1 1.29x; top-k 4 and 0.05 1.28x; 2 and 0 (always fill) 1.14x. Later, same command: segment_cap 1
+    # 1.34x (a continue then takes ~73 ms, not ~180, but fewer nodes fit the ring and more walks restart),
+    # segment_cap 2 1.27x, cap 1 with in_flight 8 1.32x, cap 1 with expansion top-k 3 1.25x; all within the
+    # run-to-run noise (about +-0.05), so these defaults stay.
     init: TreeShape = TreeShape(total_tokens=32, depth=6, top_k=4, order="score")
     expand: TreeShape = TreeShape(total_tokens=32, depth=4, top_k=6, order="score")
     in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
