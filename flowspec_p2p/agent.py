@@ -217,7 +217,7 @@ class Agent:
         settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
                                   default_mode=cfg.decoding, slowdown=cfg.emulation.slowdown)
         drafter = _drafter(self.model_fp, head, cfg.draft)
-        self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(),
+        self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(cfg.flowspec),
                              model_id=src.path.stem)
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
@@ -376,11 +376,17 @@ class Agent:
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
-def _modes() -> list:
-    """The decoding modes this build offers (the leader picks what its drafter allows)."""
+def _modes(flowspec: dict | None = None) -> list:
+    """The decoding modes this build offers (the leader picks what its drafter allows); ``flowspec``: FlowSpecConfig
+    fields that differ from the defaults (AgentConfig.flowspec)."""
+    from .flowspec import FlowSpecConfig, flowspec_spec
     from .leader import builtin_modes
 
-    return builtin_modes()
+    modes = builtin_modes()
+    if flowspec:
+        tuned = flowspec_spec(FlowSpecConfig.model_validate(flowspec))
+        modes = [tuned if m.name == tuned.name else m for m in modes]
+    return modes
 
 
 def _drafter(model_fp: str, head, stem: Path | None = None):

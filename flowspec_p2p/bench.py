@@ -30,8 +30,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from . import bench_report as report
 from .errors import ConfigError, FlowSpecError
@@ -51,7 +52,7 @@ HTTP_TIMEOUT_S = 30.0
 # setup entries that must match for --resume to append to earlier records
 RESUME_KEYS = ("stages", "link_mbps", "link_latency_ms", "slowdown", "leader_slowdown", "max_tokens", "wire_dtype",
                "threads_per_agent", "context", "model_fingerprint", "draft_fingerprint", "leader_layers",
-               "compute_basis")
+               "compute_basis", "flowspec_config")
 
 
 class BenchConfig(FrozenModel):
@@ -70,11 +71,21 @@ class BenchConfig(FrozenModel):
     context: int = Field(2048, ge=16)
     model: Path | None = None
     draft: Path | None = None
+    flowspec: dict[str, Any] | None = None  # FlowSpecConfig fields that differ from the defaults (--flowspec-config)
     data: Path = SPEC_BENCH_DIR
     out: Path = Path("bench/flowspec")
     resume: bool = False
     progress: bool = True
     request_timeout_s: float = Field(REQUEST_TIMEOUT_S, gt=0)
+
+    @field_validator("flowspec")
+    @classmethod
+    def _flowspec(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        from .flowspec import FlowSpecConfig  # here, not at import: it pulls in torch
+
+        if v:
+            FlowSpecConfig.model_validate(v)  # before any agent starts; a ValidationError names the field
+        return v
 
 
 @dataclass(frozen=True)
@@ -213,6 +224,7 @@ def make_setup(cfg: BenchConfig, slowdown: float, view: dict | None, modes: list
         "lines": f"[{cfg.start}, {cfg.start + cfg.per_dataset}) of each set, first turn",
         "prompts_per_dataset": prompts_per_dataset,
         "temperatures": list(cfg.temperatures),
+        "flowspec_config": cfg.flowspec or None,  # None: the defaults (flowspec.FlowSpecConfig)
         "seeds": "fixed per prompt: crc32('<dataset>:<line>'), the same for every mode and temperature",
         "max_tokens": cfg.max_tokens,
         "host_cores": cores,
@@ -329,7 +341,8 @@ def run(cfg: BenchConfig) -> dict:
         records_path.unlink()
     options = ClusterOptions(stages=cfg.stages, leader_layers="never", link_mbps=cfg.link_mbps,
                              link_latency_ms=cfg.link_latency_ms or None, slowdown=slowdown, threads=cfg.threads,
-                             wire_dtype=cfg.wire_dtype, context=cfg.context, model=cfg.model, draft=cfg.draft)
+                             wire_dtype=cfg.wire_dtype, context=cfg.context, model=cfg.model, draft=cfg.draft,
+                             flowspec=cfg.flowspec)
     log.warning("starting an emulated cluster: %d stages + leader, %s Mbit/s, %g ms, slowdown %g ...", cfg.stages,
                 cfg.link_mbps, cfg.link_latency_ms, slowdown)
     cluster = LocalCluster(cfg.stages + 1, options)

@@ -8,6 +8,7 @@ shared secret; preferred over ``--secret``, which other users can read from the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -79,6 +80,9 @@ class AgentConfig(FrozenModel):
     # (leader) the API's decoding mode when a request names none; default: the first the leader offers of
     # flowspec, chunk, ar (flowspec whenever a draft head is installed)
     decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None
+    # (leader) FlowSpec settings that differ from the tuned defaults: flowspec.FlowSpecConfig fields, e.g.
+    # {"segment_cap": 1} (a [flowspec] table in a profile, or --flowspec-config JSON); for A/Bs and other hardware
+    flowspec: dict[str, Any] = Field(default_factory=dict)
     secret: SecretStr | None = None
     emulation: Emulation = Emulation()
     profile: ProfileOverrides = ProfileOverrides()
@@ -89,6 +93,14 @@ class AgentConfig(FrozenModel):
     def _cluster_name(cls, v: str) -> str:
         if not CLUSTER_NAME.match(v):
             raise ValueError("a cluster name is 1-32 letters, digits, '-' or '_'")
+        return v
+
+    @field_validator("flowspec")
+    @classmethod
+    def _flowspec(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from .flowspec import FlowSpecConfig  # here, not at import: flowspec.py imports the leader's modules
+
+        FlowSpecConfig.model_validate(v)  # a ValidationError names the field
         return v
 
     @field_validator("peers")
@@ -131,6 +143,20 @@ def _merge(base: dict, over: Mapping[str, Any]) -> dict:
         else:
             out[k] = v
     return out
+
+
+def json_object(text: str | None, what: str) -> dict[str, Any] | None:
+    """A JSON object given on the command line (``what`` names the option in errors); None stays None."""
+    if text is None:
+        return None
+    example = "e.g. '{\"segment_cap\": 1}'"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what}: not JSON ({e.msg} at character {e.pos}); give an object, {example}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: give a JSON object, {example}, not a {type(value).__name__}")
+    return value
 
 
 def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,

@@ -33,7 +33,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -66,6 +66,7 @@ class ClusterOptions(FrozenModel):
     dtype: Literal["float32", "bfloat16", "float64"] | None = None
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
     decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None  # the leader's default mode
+    flowspec: dict[str, Any] | None = None  # the leader's FlowSpecConfig fields that differ from the defaults
     secret: str | None = None  # default: a random one
     state_root: Path | None = None  # default: a temporary folder, removed by stop()
     verbose: int = 1  # agents' -v count (their logs go to <state_root>/agent<i>.log)
@@ -145,7 +146,8 @@ class LocalCluster:
             if o.draft is not None:
                 args += ["--draft", str(o.draft)]
             flags |= {"--context": o.context, "--stages": o.stages, "--leader-layers": o.leader_layers,
-                      "--wire-dtype": o.wire_dtype, "--decoding": o.decoding}
+                      "--wire-dtype": o.wire_dtype, "--decoding": o.decoding,
+                      "--flowspec-config": json.dumps(o.flowspec) if o.flowspec else None}
         elif o.members_have_model:
             from .weights import default_model_path
 

@@ -238,6 +238,8 @@ def test_resume_reads_finished_records_and_refuses_another_setup(tmp_path):
     check_resume(SETUP, dict(SETUP))
     with pytest.raises(ConfigError, match="slowdown"):
         check_resume(SETUP, {**SETUP, "slowdown": 2.0})
+    with pytest.raises(ConfigError, match="flowspec_config"):  # an A/B of FlowSpec settings is another setup
+        check_resume(SETUP, {**SETUP, "flowspec_config": {"segment_cap": 1}})
 
 
 def test_bench_help_and_defaults(capsys):
@@ -248,7 +250,7 @@ def test_bench_help_and_defaults(capsys):
         parser.parse_args(["bench", "--help"])
     text = capsys.readouterr().out
     for flag in ("--stages", "--link-mbps", "--link-latency-ms", "--slowdown", "--per-dataset", "--temperature",
-                 "--max-tokens", "--out", "--modes", "--resume"):
+                 "--max-tokens", "--out", "--modes", "--resume", "--flowspec-config"):
         assert flag in text
     a = parser.parse_args(["bench"])
     assert (a.stages, a.link_mbps, a.link_latency_ms, a.per_dataset, a.max_tokens) == (4, 100.0, 2.0, 20, 256)
@@ -256,6 +258,21 @@ def test_bench_help_and_defaults(capsys):
 
     assert _floats(a.temperature, (0.0, 1.0)) == (0.0, 1.0)
     assert _floats(["0,1", "0.7"], ()) == (0.0, 1.0, 0.7)
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    (["--flowspec-config", '{"segment_cap": 0}'], "flowspec.segment_cap"),
+    (["--flowspec-config", '{"no_such_setting": 1}'], "no_such_setting"),
+    (["--flowspec-config", "segment_cap=1"], "not JSON"),
+    (["--flowspec-config", "[1]"], "JSON object"),
+    (["--stages", "0"], "stages"),
+])
+def test_bad_bench_options_fail_with_the_reason_before_any_agent_starts(tmp_path, caplog, flag, message):
+    from flowspec_p2p.cli import main
+
+    assert main(["bench", "--out", str(tmp_path / "out"), *flag]) == 1
+    assert message in caplog.text
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------ leader and API hooks

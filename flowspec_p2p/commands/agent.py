@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decoding", choices=["ar", "chunk", "pipedec", "flowspec"], default=None,
                    help="(leader) the API's decoding mode when a request names none (default: flowspec when a "
                    "draft head is installed, else ar). On one host whose agents share few cores, ar can be faster")
+    p.add_argument("--flowspec-config", default=None, metavar="JSON",
+                   help="(leader) FlowSpec settings that differ from the defaults, as JSON of FlowSpecConfig fields, "
+                   "e.g. '{\"segment_cap\": 1, \"in_flight\": 8}' (for A/Bs; see flowspec_p2p/flowspec.py)")
     p.add_argument("--memory-mb", type=float, default=None, help="offer this much memory instead of measuring")
     p.add_argument("--gflops", type=float, default=None, help="use this compute score instead of measuring")
     p.add_argument("--link-mbps", type=float, default=None, help="emulate this link bandwidth (Mbit/s)")
@@ -74,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> config_mod.AgentConfig:
         "interfaces": args.interfaces, "peers": args.peers, "mdns": args.mdns, "port": args.port,
         "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
         "secret": args.secret, "wire_dtype": args.wire_dtype, "decoding": args.decoding,
+        "flowspec": config_mod.json_object(args.flowspec_config, "--flowspec-config"),
         "planning": {"context": args.context, "stages": args.stages, "leader_layers": args.leader_layers},
         "profile": {"memory_mb": args.memory_mb, "gflops": args.gflops},
         "emulation": {"link_mbps": args.link_mbps, "link_latency_ms": args.link_latency_ms,

@@ -58,6 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, default=None, help="the model (default: the packaged SmolLM2-135M)")
     p.add_argument("--draft", type=Path, default=None,
                    help="the leader's draft head bundle (default: the one installed for the model)")
+    p.add_argument("--flowspec-config", default=None, metavar="JSON",
+                   help="FlowSpec settings that differ from the defaults, as JSON of FlowSpecConfig fields, e.g. "
+                   "'{\"segment_cap\": 1}' (A/B one setting against ar in its own run; recorded in the setup)")
     p.add_argument("--resume", action="store_true", help="continue the records in --out (skip finished requests)")
     p.add_argument("--report-only", action="store_true", help="rebuild the reports from --out's records; run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -65,7 +68,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from .. import bench
+    from ..config import json_object
+    from ..errors import ConfigError
 
     if args.report_only:
         bench.report_only(args.out)
@@ -75,11 +82,16 @@ def run(args: argparse.Namespace) -> int:
                   "temperatures": _floats(args.temperature, (0.0, 1.0)), "max_tokens": args.max_tokens,
                   "modes": _names(args.modes), "wire_dtype": args.wire_dtype, "threads": args.threads,
                   "context": args.context, "model": args.model, "draft": args.draft, "out": args.out,
-                  "resume": args.resume, "progress": not args.no_progress}
+                  "resume": args.resume, "progress": not args.no_progress,
+                  "flowspec": json_object(args.flowspec_config, "--flowspec-config")}
         if args.datasets:
             fields["datasets"] = _names(args.datasets)
         if args.data:
             fields["data"] = args.data
-        bench.run(bench.BenchConfig(**fields))
+        try:
+            cfg = bench.BenchConfig(**fields)
+        except ValidationError as e:
+            raise ConfigError(f"invalid bench options: {e}") from None
+        bench.run(cfg)
     sys.stdout.write((args.out / "results.md").read_text())
     return 0
