@@ -30,11 +30,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from . import bench_report as report
+from .config import FlowSpecOverrides
 from .errors import ConfigError, FlowSpecError
 from .train.prompts import SPEC_BENCH_DIR
 from .types import FrozenModel
@@ -71,21 +71,12 @@ class BenchConfig(FrozenModel):
     context: int = Field(2048, ge=16)
     model: Path | None = None
     draft: Path | None = None
-    flowspec: dict[str, Any] | None = None  # FlowSpecConfig fields that differ from the defaults (--flowspec-config)
+    flowspec: FlowSpecOverrides | None = None  # --flowspec-config
     data: Path = SPEC_BENCH_DIR
     out: Path = Path("bench/flowspec")
     resume: bool = False
     progress: bool = True
     request_timeout_s: float = Field(REQUEST_TIMEOUT_S, gt=0)
-
-    @field_validator("flowspec")
-    @classmethod
-    def _flowspec(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        from .flowspec import FlowSpecConfig  # here, not at import: it pulls in torch
-
-        if v:
-            FlowSpecConfig.model_validate(v)  # before any agent starts; a ValidationError names the field
-        return v
 
 
 @dataclass(frozen=True)

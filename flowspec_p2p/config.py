@@ -14,9 +14,9 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 from .types import FrozenModel
@@ -59,6 +59,18 @@ class PlanningConfig(FrozenModel):
     leader_layers: Literal["auto", "always", "never"] = "auto"
 
 
+def _valid_flowspec(v: dict[str, Any]) -> dict[str, Any]:
+    from .flowspec import FlowSpecConfig  # here, not at import: flowspec.py imports the leader's modules and torch
+
+    FlowSpecConfig.model_validate(v)  # a ValidationError names the field
+    return v
+
+
+# FlowSpecConfig fields that differ from the defaults (AgentConfig.flowspec, bench.BenchConfig.flowspec), checked as
+# a FlowSpecConfig when read, before any agent uses them
+FlowSpecOverrides = Annotated[dict[str, Any], AfterValidator(_valid_flowspec)]
+
+
 class AgentConfig(FrozenModel):
     cluster: str = "default"
     name: str = ""  # a human label shown in /cluster; defaults to the host name
@@ -82,7 +94,7 @@ class AgentConfig(FrozenModel):
     decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None
     # (leader) FlowSpec settings that differ from the tuned defaults: flowspec.FlowSpecConfig fields, e.g.
     # {"segment_cap": 1} (a [flowspec] table in a profile, or --flowspec-config JSON); for A/Bs and other hardware
-    flowspec: dict[str, Any] = Field(default_factory=dict)
+    flowspec: FlowSpecOverrides = Field(default_factory=dict)
     secret: SecretStr | None = None
     emulation: Emulation = Emulation()
     profile: ProfileOverrides = ProfileOverrides()
@@ -93,14 +105,6 @@ class AgentConfig(FrozenModel):
     def _cluster_name(cls, v: str) -> str:
         if not CLUSTER_NAME.match(v):
             raise ValueError("a cluster name is 1-32 letters, digits, '-' or '_'")
-        return v
-
-    @field_validator("flowspec")
-    @classmethod
-    def _flowspec(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from .flowspec import FlowSpecConfig  # here, not at import: flowspec.py imports the leader's modules
-
-        FlowSpecConfig.model_validate(v)  # a ValidationError names the field
         return v
 
     @field_validator("peers")
