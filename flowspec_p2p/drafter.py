@@ -185,7 +185,7 @@ class HeadDrafter(TreeDrafter):
         self.lm_head = head_t.to(dtype).contiguous()  # [hidden, V_d]
         self.draft_vocab = None if draft_vocab is None else draft_vocab.to(torch.long)  # [V_d] target ids
         self.vocab_size = self.lm_head.shape[1]
-        self._lm_head_packed = PackedWeights()  # oneDNN copy for expansions of a few rows (shard.py)
+        self._lm_head_packed = PackedWeights()  # few-row copy for expansions (shard.py)
         self.last_feature: torch.Tensor | None = None  # [hidden] predicted feature of the root
         self._feat: dict[int, torch.Tensor] = {}  # node -> predicted feature, during one draft
         self.reset(1)
@@ -195,7 +195,7 @@ class HeadDrafter(TreeDrafter):
 
     def extra_bytes(self, packed: bool) -> int:
         """Memory beyond the head's parameters and the target's LM head: the reduced LM-head copy (none for the
-        full vocabulary) and, with ``packed`` (shard.packing_enabled), its oneDNN copy for expansions."""
+        full vocabulary) and, with ``packed`` (shard.packing_enabled), its few-row copy for expansions."""
         t = self.lm_head
         return t.numel() * t.element_size() * ((self.draft_vocab is not None) + packed)
 

@@ -150,7 +150,7 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
                    draft_params: int | None = None, dtype_bytes: int = 4, packed: bool = False,
                    draft_extra_bytes: int = 0) -> ModelSpec:
     """A ModelSpec from an open weight source's config (runtime sizes are parameters x ``dtype_bytes``).
-    ``packed``: stages keep a second, oneDNN-packed copy of their layers for tree forwards (shard.py), so a
+    ``packed``: stages keep a second, packed copy of their layers for tree forwards (shard.py), so a
     layer (and the draft head's block, and the LM head) takes twice its bytes. ``draft_extra_bytes``: what the
     leader's drafter holds beyond its head (HeadDrafter.extra_bytes: its reduced LM-head copy)."""
     cfg = source.config

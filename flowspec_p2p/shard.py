@@ -17,11 +17,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fewrow
 from .arch import ModelConfig, rope_inv_freq
 from .errors import ContextOverflow, ForwardStopped
 from .kv_cache import KVCache
@@ -31,67 +33,105 @@ from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_n
 # -- matmuls of a few rows -----------------------------------------------------------------------------------------
 # MKL's sgemm streams the whole weight matrix once per row when a matmul has only a few rows (2-32: tree
 # verification, pipeline segments, the draft head's frontier), so on a CPU an n-node forward costs close to n
-# one-node ones. oneDNN with weights reordered into its blocked layout once reads them once for all rows: over
-# the default model's 30 layers, 4 rows cost 1.3-1.5x one row instead of 2-2.6x (docs/figures/spec-tune), and
-# the same holds for the LM head (the largest matmul: 16 rows ~31 ms instead of ~66 ms here; batched generation
-# calls it with several rows, while tree verification computes its rows one at a time along the walk) and for
-# the draft head's reduced LM head (``project``: a 16-node draft took 0.62-0.68x the time). One
-# row stays on MKL (oneDNN is 10-20% slower there, and decoding is one row), and so do big prompt chunks. The
-# reordered copy doubles a block's weight memory, is made lazily on the first few-row inference forward (pipeline
-# stages make it when they load: Shard.warm_up), and is remade if the weights change. float32
-# only; set FLOWSPEC_PACKED_WEIGHTS=0 to turn it off (e.g. to save memory).
+# one-node ones. A kernel that reads the weights once for all rows makes a few rows cost about what one does: with
+# a second copy of each weight in the kernel's layout, made once. Two backends, best first:
+#   fewrow  this package's AVX2 kernel (fewrow.py, csrc/fewrow.c; needs a C compiler, built on first use, one
+#           torch thread): 2-6 rows cost what one row does on MKL, 8 rows ~1.3x, 16 ~2x (the matmuls alone,
+#           `python -m flowspec_p2p.fewrow`; a quarter of the default model's layers, attention included: 2, 4, 6,
+#           8, 16 rows 1.10x, 1.13x, 1.20x, 1.44x, 2.04x one row, against oneDNN's 1.42x, 1.65x, 1.85x, 2.04x,
+#           2.59x and MKL's 1.44x, 2.13x, 2.30x, 2.37x, 2.98x);
+#   onednn  oneDNN with weights reordered into its blocked layout.
+# One row stays on MKL's gemv with either (a stage's one-row forward: fewrow 8% slower, oneDNN 10-20%).
+# The same holds for the LM head (the largest matmul) and the draft head's reduced LM head (``project``). Big
+# prompt chunks stay on MKL. The copy doubles a block's weight memory, is made lazily on the first few-row inference
+# forward (pipeline stages make it when they load: Shard.warm_up), and is remade if the weights change. float32
+# only. FLOWSPEC_PACKED_WEIGHTS: 1 (default) the best available backend, ``fewrow`` or ``onednn`` that one, 0 none
+# (e.g. to save memory).
 PACKED_ENV = "FLOWSPEC_PACKED_WEIGHTS"
 PACKED_MAX_ROWS = 32  # above this MKL's blocking is as good, and prompt chunks keep MKL's numerics
 _PACK_HINT = 16  # oneDNN's batch-size hint for the reorder; 4-64 measured alike for 2-16 rows
 
 
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x: [..., in] float32 @ a weight reordered by _onednn_pack -> [..., out]"""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _onednn_pack(w_t: torch.Tensor) -> torch.Tensor:
+    """w_t: [in, out] -> oneDNN's blocked copy"""
+    return torch.ops.mkldnn._reorder_linear_weight(w_t.detach().t().contiguous(), _PACK_HINT)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How few-row matmuls (2..PACKED_MAX_ROWS rows) run: ``pack`` makes the copy of an [in, out] weight,
+    ``matmul(x, copy)`` uses it."""
+
+    name: str
+    pack: Callable[[torch.Tensor], object]
+    matmul: Callable[[torch.Tensor, object], torch.Tensor]
+
+
+ONEDNN = Backend("onednn", _onednn_pack, _onednn_linear)
+FEWROW = Backend("fewrow", fewrow.pack, fewrow.matmul)
+
+
 @functools.cache
 def _onednn_available() -> bool:
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 3), _PACK_HINT)  # [out, in]
-        y = _linear_packed(torch.ones(2, 3), w)
+        y = _onednn_linear(torch.ones(2, 3), _onednn_pack(torch.ones(3, 2)))
     except (AttributeError, RuntimeError):
         return False
     return torch.backends.mkldnn.is_available() and torch.equal(y, torch.full((2, 2), 3.0))
 
 
+def backend(dtype: torch.dtype = torch.float32) -> Backend | None:
+    """The few-row backend for ``dtype`` now (FLOWSPEC_PACKED_WEIGHTS, what this host has, torch's thread count:
+    the fewrow kernel is single-threaded), or None: plain matmuls."""
+    choice = os.environ.get(PACKED_ENV, "1")
+    if dtype != torch.float32 or choice == "0":
+        return None
+    if choice in ("1", "fewrow") and torch.get_num_threads() == 1 and fewrow.library() is not None:
+        return FEWROW
+    if choice in ("1", "onednn", "fewrow") and _onednn_available():
+        return ONEDNN
+    return None
+
+
 def packing_enabled(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether few-row matmuls in ``dtype`` use oneDNN-packed weights (and so weights take twice the memory)."""
-    return dtype == torch.float32 and os.environ.get(PACKED_ENV, "1") != "0" and _onednn_available()
+    """Whether few-row matmuls in ``dtype`` use packed copies (and so weights take twice the memory)."""
+    return backend(dtype) is not None
 
 
-def _packs(rows: int, dtype: torch.dtype) -> bool:
-    """Whether a matmul of ``rows`` rows in ``dtype`` goes through the packed copy (inference only: autograd
-    never sees it)."""
-    return 1 < rows <= PACKED_MAX_ROWS and not torch.is_grad_enabled() and packing_enabled(dtype)
+def _backend_for(rows: int, dtype: torch.dtype) -> Backend | None:
+    """The backend a matmul of ``rows`` rows in ``dtype`` goes through, or None (inference only: autograd never
+    sees a packed copy)."""
+    if not 1 < rows <= PACKED_MAX_ROWS or torch.is_grad_enabled():
+        return None
+    return backend(dtype)
 
 
 class PackedWeights:
-    """oneDNN-reordered copies of some [in, out] weights, remade when any of them changes."""
+    """One backend's copies of some [in, out] weights, remade when any of them (or the backend) changes."""
 
     def __init__(self) -> None:
-        self.key: tuple[int, ...] | None = None
-        self.weights: list[torch.Tensor] = []
+        self.key: tuple | None = None
+        self.weights: list = []
 
-    def get(self, ws: list[torch.Tensor]) -> list[torch.Tensor]:
-        key = tuple(w._version for w in ws) + tuple(w.data_ptr() for w in ws)
+    def get(self, ws: list[torch.Tensor], b: Backend) -> list:
+        key = (b.name, *(w._version for w in ws), *(w.data_ptr() for w in ws))
         if key != self.key:
             with torch.inference_mode():
-                self.weights = [torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), _PACK_HINT)
-                                for w in ws]
+                self.weights = [b.pack(w) for w in ws]
             self.key = key
         return self.weights
 
 
-def _linear_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x: [..., in] float32 @ a weight packed by PackedWeights -> [..., out]"""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
 def project(x: torch.Tensor, w_t: torch.Tensor, packed: PackedWeights) -> torch.Tensor:
     """x: [..., in] @ w_t: [in, out] -> [..., out], through ``packed``'s copy of w_t for a few rows."""
-    if _packs(x.numel() // x.shape[-1], w_t.dtype):
-        return _linear_packed(x, packed.get([w_t])[0])
+    b = _backend_for(x.numel() // x.shape[-1], w_t.dtype)
+    if b is not None:
+        return b.matmul(x, packed.get([w_t], b)[0])
     return x @ w_t
 
 
@@ -157,11 +197,12 @@ class DecoderBlock(nn.Module):
         self._packed = PackedWeights()
 
     def _weights(self, rows: int) -> tuple[Callable, list[torch.Tensor]]:
-        """(matmul, [wqkv, wo, w13, w2]) for a forward of ``rows`` rows: oneDNN with the packed copies when that
-        is faster (see above), else ``@`` with the parameters themselves."""
+        """(matmul, [wqkv, wo, w13, w2]) for a forward of ``rows`` rows: the few-row backend with its copies when
+        one applies (see above), else ``@`` with the parameters themselves."""
         ws = [self.wqkv, self.wo, self.w13, self.w2]
-        if _packs(rows, self.wqkv.dtype):
-            return _linear_packed, self._packed.get(ws)
+        b = _backend_for(rows, self.wqkv.dtype)
+        if b is not None:
+            return b.matmul, self._packed.get(ws, b)
         return torch.matmul, ws
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -263,7 +304,7 @@ class Shard(nn.Module):
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in layers.indices())
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if head else None
         self.head_t: torch.Tensor | None = None  # [hidden, vocab]: the LM head, transposed (see DecoderBlock)
-        self._head_packed = PackedWeights()  # its oneDNN copy for a few rows at once (see the top of the file)
+        self._head_packed = PackedWeights()  # its few-row copy (see the top of the file)
         self.max_position = max_position or cfg.max_position
         self.rotary = Rotary(cfg, self.max_position, dtype, rope_freqs)
         self.to(dtype)
@@ -354,9 +395,9 @@ class Shard(nn.Module):
         return h
 
     def warm_up(self, max_rows: int = 8) -> None:
-        """Make the blocks' oneDNN-packed copies now and run a tree forward of each size 1..max_rows through a
+        """Make the blocks' few-row copies now and run a tree forward of each size 1..max_rows through a
         scratch cache (a stage does at load). Otherwise the first tree forward pays for the copies (~0.2 s for a
-        quarter of the default model) and the first of each size for oneDNN's set-up of that shape, and an
+        quarter of the default model) and (with oneDNN) the first of each size for its set-up of that shape, and an
         emulated slow device multiplies both."""
         cache = self.new_cache(max_rows)
         with torch.inference_mode():

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from flowspec_p2p.shard import PACKED_ENV, Shard, packing_enabled
+from flowspec_p2p import fewrow
+from flowspec_p2p import shard as shard_mod
+from flowspec_p2p.shard import PACKED_ENV, Shard
 from flowspec_p2p.types import LayerRange
 from flowspec_p2p.weights import open_source
 
@@ -95,9 +97,25 @@ def test_default_model_matches_transformers_in_float32(default_model):
     assert (ours - ref).abs().max().item() <= 1e-3
 
 
-@pytest.mark.skipif(not packing_enabled(), reason="this torch build has no oneDNN packed linear")
-def test_packed_few_row_matmuls_agree_and_follow_the_weights(tiny_llama, monkeypatch):
-    """Tree-sized forwards in float32 go through oneDNN-packed weights: same outputs as MKL's (to float32
+def _backends() -> list:
+    """Each few-row backend this host has, as a pytest param (the others skipped with the reason)."""
+    have = {"onednn": shard_mod._onednn_available(), "fewrow": fewrow.library() is not None}
+    return [pytest.param(name, marks=() if ok else pytest.mark.skip(reason=f"no {name} backend on this host"))
+            for name, ok in have.items()]
+
+
+@pytest.fixture
+def one_thread():
+    """The fewrow kernel serves one torch thread only (stages and the leader run one)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name", _backends())
+def test_packed_few_row_matmuls_agree_and_follow_the_weights(tiny_llama, monkeypatch, one_thread, name):
+    """Tree-sized forwards in float32 go through the backend's packed copies: same outputs as MKL's (to float32
     rounding), never for one row, float64, or under autograd, and repacked when the weights change."""
     shard = _whole(tiny_llama, dtype=torch.float32)
     block = shard.blocks[0]
@@ -110,17 +128,22 @@ def test_packed_few_row_matmuls_agree_and_follow_the_weights(tiny_llama, monkeyp
 
     plain = run("0")
     assert block._packed.key is None
-    run("1", ids[:, :1])
+    run(name, ids[:, :1])
     assert block._packed.key is None  # one row: MKL
-    packed = run("1")
+    packed = run(name)
     assert block._packed.key is not None
+    assert block._packed.key[0] == name
     assert (packed - plain).abs().max().item() <= 1e-5
-    assert block._packed.weights[0].is_mkldnn  # a separate copy in oneDNN's layout
+    copy = block._packed.weights[0]
+    if name == "onednn":
+        assert copy.is_mkldnn  # a separate copy in oneDNN's layout
+    else:
+        assert copy.panels.data_ptr() != block.wqkv.data_ptr()
     with torch.no_grad():
         block.w13.mul_(0.5)
-    assert (run("1") - run("0")).abs().max().item() <= 1e-5
-    assert (run("1") - packed).abs().max().item() > 1e-3  # the new weights were used, not the stale copy
-    monkeypatch.setenv(PACKED_ENV, "1")
+    assert (run(name) - run("0")).abs().max().item() <= 1e-5
+    assert (run(name) - packed).abs().max().item() > 1e-3  # the new weights were used, not the stale copy
+    monkeypatch.setenv(PACKED_ENV, name)
     fresh = _whole(tiny_llama, dtype=torch.float32)
     fresh(ids, None)
     assert fresh.blocks[0]._packed.key is None  # autograd on: training never sees the packed path
@@ -130,8 +153,8 @@ def test_packed_few_row_matmuls_agree_and_follow_the_weights(tiny_llama, monkeyp
     assert f64.blocks[0]._packed.key is None
 
 
-@pytest.mark.skipif(not packing_enabled(), reason="this torch build has no oneDNN packed linear")
-def test_packed_lm_head_agrees_for_a_few_rows_only(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("name", _backends())
+def test_packed_lm_head_agrees_for_a_few_rows_only(tiny_llama, monkeypatch, one_thread, name):
     """The LM head verifies a few rows through its packed copy (same logits to float32 rounding, same argmax);
     one row and long prompt chunks stay on MKL."""
     shard = _whole(tiny_llama, dtype=torch.float32)
@@ -142,10 +165,25 @@ def test_packed_lm_head_agrees_for_a_few_rows_only(tiny_llama, monkeypatch):
         with torch.inference_mode():
             return shard.logits(x)
 
-    assert torch.equal(logits("1", feats[:, :1]), feats[:, :1] @ shard.head_t)
-    assert torch.equal(logits("1", feats), feats @ shard.head_t)  # 40 rows: a prompt chunk, MKL
+    assert torch.equal(logits(name, feats[:, :1]), feats[:, :1] @ shard.head_t)
+    assert torch.equal(logits(name, feats), feats @ shard.head_t)  # 40 rows: a prompt chunk, MKL
     assert shard._head_packed.key is None
-    plain, packed = logits("0", feats[0, :5]), logits("1", feats[0, :5])  # [5, vocab]
-    assert shard._head_packed.key is not None
+    plain, packed = logits("0", feats[0, :5]), logits(name, feats[0, :5])  # [5, vocab]
+    assert shard._head_packed.key[0] == name
     assert (packed - plain).abs().max().item() <= 1e-5
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+
+
+def test_the_best_backend_is_the_kernel_on_one_thread_and_onednn_on_more(monkeypatch, one_thread):
+    """FLOWSPEC_PACKED_WEIGHTS=1 picks the fewrow kernel where it runs (one torch thread), else oneDNN; 0 picks
+    none; float64 never packs."""
+    monkeypatch.setenv(PACKED_ENV, "1")
+    kernel = fewrow.library() is not None
+    onednn = shard_mod.ONEDNN if shard_mod._onednn_available() else None
+    assert shard_mod.backend() is (shard_mod.FEWROW if kernel else onednn)
+    torch.set_num_threads(2)
+    assert shard_mod.backend() is onednn
+    monkeypatch.setenv(PACKED_ENV, "0")
+    assert shard_mod.backend() is None
+    monkeypatch.setenv(PACKED_ENV, "1")
+    assert shard_mod.backend(torch.float64) is None
