@@ -84,7 +84,11 @@ class FlowSpecConfig(FrozenModel):
     # and 0.1 1.29x; top-k 4 and 0.05 1.28x; 2 and 0 (always fill) 1.14x. Later, same command: segment_cap 1
     # 1.34x (a continue then takes ~73 ms, not ~180, but fewer nodes fit the ring and more walks restart),
     # segment_cap 2 1.27x, cap 1 with in_flight 8 1.32x, cap 1 with expansion top-k 3 1.25x; all within the
-    # run-to-run noise (about +-0.05), so these defaults stay.
+    # run-to-run noise (about +-0.05), so these defaults stay. With the fewrow kernel (shard.py: a stage's 2-6 node
+    # forward costs 1.1-1.2x a one-node one, was 1.4-1.9x) the defaults gave 1.50x AR (was 1.31x), and again nothing
+    # beat them beyond the noise: segment_cap 6 1.52x, 8 1.48x; stream_levels off 1.42x (cap 8: 1.43x); in_flight 3
+    # 1.46x; min_value 0.3 1.44x (a continue ~111 ms instead of ~145: less queueing, but utilization 36% and more
+    # restarts); min_value 0.2 with cap 8 1.53x.
     init: TreeShape = TreeShape(total_tokens=32, depth=6, top_k=4, order="score")
     expand: TreeShape = TreeShape(total_tokens=32, depth=4, top_k=6, order="score")
     in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
@@ -96,8 +100,9 @@ class FlowSpecConfig(FrozenModel):
     # segment_cap nodes, and always the full expansion depth (expand_min_path is ignored).
     adaptive: bool = True
     # The prior for a stage's forward cost per extra node, relative to a one-node forward, until the stages' own
-    # timings (Forward.stage_s) measure it (StageCost). On this project's CPU (one thread, the default model,
-    # oneDNN-packed weights) 2 nodes cost 1.3x one and 4 nodes 1.5x (`flowspec tune-tree`); on a GPU it is ~0.
+    # timings (Forward.stage_s) measure it (StageCost), after a few segments. On this project's CPU (one thread,
+    # the default model) 2 and 4 nodes cost 1.10x and 1.13x one with the fewrow kernel (1.4x and 1.65x with oneDNN,
+    # which serves where the kernel cannot; shard.py); on a GPU it is ~0. The prior stays the cautious one.
     row_cost: float = Field(0.25, ge=0.0)
     # Adaptive ring depth: a segment beyond the first live one goes out only if it is expected to be worth its
     # stage time, sum(p) / cost(k) >= min_value. A node that dies in flight still delays every
