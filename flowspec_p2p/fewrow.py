@@ -58,6 +58,10 @@ def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
     """x: [..., k] float32 @ w -> [..., n]. Needs ``library()``."""
     lib = library()
     assert lib is not None, "fewrow kernel not available"
+    # the kernel trusts its pointers and sizes: check them here
+    if x.dtype != torch.float32 or w.panels.dtype != torch.float32 or x.shape[-1] != w.k or x.device.type != "cpu":
+        raise ValueError(f"fewrow.matmul: {x.dtype} {tuple(x.shape)} on {x.device} @ a packed "
+                         f"{w.panels.dtype} [{w.k}, {w.n}]")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k).contiguous()  # [m, k]
     m = x2.shape[0]

@@ -32,6 +32,15 @@ def test_leading_dims_and_non_contiguous_inputs_keep_their_shape():
     assert torch.allclose(y, x @ w, atol=1e-4)
 
 
+@needs_kernel
+def test_wrong_shapes_and_dtypes_are_refused_before_the_kernel_reads_memory():
+    p = fewrow.pack(torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"fewrow\.matmul"):
+        fewrow.matmul(torch.randn(2, 9), p)  # k mismatch: the kernel would read past x
+    with pytest.raises(ValueError, match=r"fewrow\.matmul"):
+        fewrow.matmul(torch.randn(2, 8, dtype=torch.float64), p)
+
+
 def test_pack_lays_columns_out_in_zero_padded_panels_of_16():
     w = torch.arange(3 * 20, dtype=torch.float32).reshape(3, 20)  # [k, n]
     p = fewrow.pack(w)
