@@ -142,7 +142,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def _main() -> None:
-    """Time the kernel against MKL and oneDNN on one quarter of the default model's layer shapes, one thread."""
+    """Time the kernel against MKL and oneDNN on one quarter of the default model's layer shapes, one thread; then a
+    stage forward through each backend (_stage)."""
     import statistics
     import sys
     import time
@@ -171,6 +172,62 @@ def _main() -> None:
     for m in rows:
         cells = [f"{n} {statistics.median(times[(m, n)]) / one:.2f}x" for n in ways]
         sys.stdout.write(f"{m:2d} rows: {'  '.join(cells)} (of one row on MKL)\n")
+    _stage()
+
+
+def _stage() -> None:
+    """Time a stage's tree forward (layers 8-14 of the default model, attention over a 200-token context included)
+    through each backend of shard.py, interleaved, relative to one row on MKL."""
+    import statistics
+    import sys
+    import time
+
+    from .model import load_model
+    from .shard import PACKED_ENV, Shard
+    from .types import LayerRange
+
+    source = load_model(tokenizer=False).source
+    hidden = source.config.hidden_size
+    names = {"0": "mkl", "onednn": "onednn", "fewrow": "fewrow"}
+    shards = {env: Shard.from_source(source, LayerRange(start=8, end=15), embed=False, head=False).eval()
+              for env in names}  # one per backend: each keeps its own packed copy
+    caches = {env: sh.new_cache(512) for env, sh in shards.items()}
+    rows = (1, 2, 4, 6, 8, 16)
+    times: dict[tuple[int, str], list[float]] = {}
+
+    def forward(env: str, n: int) -> float:
+        os.environ[PACKED_ENV] = env
+        cache, ctx = caches[env], 200
+        mask = torch.ones(1, n, ctx + n, dtype=torch.bool)  # [1, n, ctx + n]: the context, causal among the new
+        mask[0, :, ctx:] = torch.ones(n, n, dtype=torch.bool).tril()
+        t = time.perf_counter()
+        shards[env](torch.randn(1, n, hidden), cache, positions=torch.arange(ctx, ctx + n)[None],
+                    mask=mask if n > 1 else None)
+        dt = time.perf_counter() - t
+        cache.keep([])  # drop the new rows; the context stays
+        return dt
+
+    before = os.environ.get(PACKED_ENV)
+    with torch.inference_mode():
+        for env, sh in shards.items():
+            os.environ[PACKED_ENV] = env
+            sh(torch.randn(1, 200, hidden), caches[env])  # the context
+            caches[env].commit(200)
+            for n in rows:
+                forward(env, n)  # packs, warms up
+        for _ in range(12):
+            for n in rows:
+                for env in names:
+                    times.setdefault((n, env), []).append(forward(env, n))
+    if before is None:
+        os.environ.pop(PACKED_ENV, None)
+    else:
+        os.environ[PACKED_ENV] = before
+    one = statistics.median(times[(1, "0")])
+    sys.stdout.write(f"a stage's forward (7 layers, 200-token context; one row on MKL: {one * 1e3:.1f} ms):\n")
+    for n in rows:
+        cells = [f"{name} {statistics.median(times[(n, env)]) / one:.2f}x" for env, name in names.items()]
+        sys.stdout.write(f"{n:2d} rows: {'  '.join(cells)}\n")
 
 
 if __name__ == "__main__":

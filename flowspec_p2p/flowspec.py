@@ -85,7 +85,7 @@ class FlowSpecConfig(FrozenModel):
     # 1.34x (a continue then takes ~73 ms, not ~180, but fewer nodes fit the ring and more walks restart),
     # segment_cap 2 1.27x, cap 1 with in_flight 8 1.32x, cap 1 with expansion top-k 3 1.25x; all within the
     # run-to-run noise (about +-0.05), so these defaults stay. With the fewrow kernel (shard.py: a stage's 2-6 node
-    # forward costs 1.1-1.2x a one-node one, was 1.4-1.9x) the defaults gave 1.50x AR (was 1.31x), and again nothing
+    # forward costs 1.05-1.23x a one-node one, was 1.36-1.95x) the defaults gave 1.50x AR (was 1.31x), and again nothing
     # beat them beyond the noise: segment_cap 6 1.52x, 8 1.48x; stream_levels off 1.42x (cap 8: 1.43x); in_flight 3
     # 1.46x; min_value 0.3 1.44x (a continue ~111 ms instead of ~145: less queueing, but utilization 36% and more
     # restarts); min_value 0.2 with cap 8 1.53x.
@@ -101,7 +101,7 @@ class FlowSpecConfig(FrozenModel):
     adaptive: bool = True
     # The prior for a stage's forward cost per extra node, relative to a one-node forward, until the stages' own
     # timings (Forward.stage_s) measure it (StageCost), after a few segments. On this project's CPU (one thread,
-    # the default model) 2 and 4 nodes cost 1.10x and 1.13x one with the fewrow kernel (1.4x and 1.65x with oneDNN,
+    # the default model) 2 and 4 nodes cost 1.05x and 1.15x one with the fewrow kernel (1.36x and 1.75x with oneDNN,
     # which serves where the kernel cannot; shard.py); on a GPU it is ~0. The prior stays the cautious one.
     row_cost: float = Field(0.25, ge=0.0)
     # Adaptive ring depth: a segment beyond the first live one goes out only if it is expected to be worth its

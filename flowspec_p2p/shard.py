@@ -36,12 +36,12 @@ from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_n
 # one-node ones. A kernel that reads the weights once for all rows makes a few rows cost about what one does: with
 # a second copy of each weight in the kernel's layout, made once. Two backends, best first:
 #   fewrow  this package's AVX2 kernel (fewrow.py, csrc/fewrow.c; needs a C compiler, built on first use, one
-#           torch thread): 2-6 rows cost what one row does on MKL, 8 rows ~1.3x, 16 ~2x (the matmuls alone,
-#           `python -m flowspec_p2p.fewrow`; a quarter of the default model's layers, attention included: 2, 4, 6,
-#           8, 16 rows 1.10x, 1.13x, 1.20x, 1.44x, 2.04x one row, against oneDNN's 1.42x, 1.65x, 1.85x, 2.04x,
-#           2.59x and MKL's 1.44x, 2.13x, 2.30x, 2.37x, 2.98x);
+#           torch thread). `python -m flowspec_p2p.fewrow` times both: a quarter of the default model's layers,
+#           attention over a 200-token context included, took 1.05x, 1.15x, 1.23x, 1.55x, 2.21x the one-row time
+#           for 2, 4, 6, 8, 16 rows, against oneDNN's 1.36x, 1.75x, 1.95x, 2.13x, 2.91x and MKL's 1.53x, 2.51x,
+#           2.58x, 2.78x, 3.43x (the matmuls alone: fewrow 1.02-1.19x for 2-6 rows);
 #   onednn  oneDNN with weights reordered into its blocked layout.
-# One row stays on MKL's gemv with either (a stage's one-row forward: fewrow 8% slower, oneDNN 10-20%).
+# One row stays on MKL's gemv with either (one row's matmuls: fewrow 2-8% slower, oneDNN 26-37%).
 # The same holds for the LM head (the largest matmul) and the draft head's reduced LM head (``project``). Big
 # prompt chunks stay on MKL. The copy doubles a block's weight memory, is made lazily on the first few-row inference
 # forward (pipeline stages make it when they load: Shard.warm_up), and is remade if the weights change. float32
