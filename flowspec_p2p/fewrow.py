@@ -58,7 +58,11 @@ def matmul(x: torch.Tensor, w: Packed) -> torch.Tensor:
     """x: [..., k] float32 @ w -> [..., n]. Needs ``library()``."""
     lib = library()
     assert lib is not None, "fewrow kernel not available"
-    # the kernel trusts its pointers and sizes: check them here
+    return _matmul(lib, x, w)
+
+
+def _matmul(lib: ctypes.CDLL, x: torch.Tensor, w: Packed) -> torch.Tensor:
+    """matmul through a given build of the kernel. It trusts its pointers and sizes: they are checked here."""
     if x.dtype != torch.float32 or w.panels.dtype != torch.float32 or x.shape[-1] != w.k or x.device.type != "cpu":
         raise ValueError(f"fewrow.matmul: {x.dtype} {tuple(x.shape)} on {x.device} @ a packed "
                          f"{w.panels.dtype} [{w.k}, {w.n}]")
@@ -118,10 +122,7 @@ def load(path: Path) -> ctypes.CDLL:
     g = torch.Generator().manual_seed(0)
     for m, k, n in ((1, 37, 40), (7, 64, 16), (13, 5, 33)):
         x, w = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-        p = pack(w)
-        y = torch.empty(m, n)
-        lib.fewrow_matmul(x.data_ptr(), m, k, p.panels.data_ptr(), n, y.data_ptr())
-        if not torch.allclose(y, x @ w, atol=1e-4, rtol=1e-4):
+        if not torch.allclose(_matmul(lib, x, pack(w)), x @ w, atol=1e-4, rtol=1e-4):
             raise RuntimeError(f"{path}: wrong result for {m}x{k} @ {k}x{n}")
     return lib
 
@@ -148,17 +149,17 @@ def _main() -> None:
     import sys
     import time
 
+    from .shard import FEWROW, ONEDNN
+
     torch.set_num_threads(1)
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 7  # 7 SmolLM2-135M layers: qkv, o, gate|up, down
     ws = [torch.randn(k, n) * 0.05 for k, n in shapes]
-    ours = [pack(w) for w in ws]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 16) for w in ws]
-    ways = {
-        "mkl": lambda x: [x[w.shape[0]] @ w for w in ws],
-        "onednn": lambda x: [torch.ops.mkldnn._linear_pointwise(x[w.shape[0]], p, None, "none", [], "")
-                             for w, p in zip(ws, onednn, strict=True)],
-        "fewrow": lambda x: [matmul(x[p.k], p) for p in ours],
-    }
+    copies = {b.name: [b.pack(w) for w in ws] for b in (ONEDNN, FEWROW)}
+
+    def through(b):  # the backend's matmul over its copies; x: {k: [m, k]}
+        return lambda x: [b.matmul(x[w.shape[0]], c) for w, c in zip(ws, copies[b.name], strict=True)]
+
+    ways = {"mkl": lambda x: [x[w.shape[0]] @ w for w in ws], "onednn": through(ONEDNN), "fewrow": through(FEWROW)}
     times: dict[tuple[int, str], list[float]] = {}
     rows = (1, 2, 4, 6, 8, 16, 32)
     for _ in range(15):
