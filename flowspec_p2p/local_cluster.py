@@ -33,11 +33,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from .config import ENV_SECRET
+from .config import ENV_SECRET, FlowSpecOverrides
 from .errors import FlowSpecError
 from .types import FrozenModel
 
@@ -66,7 +66,7 @@ class ClusterOptions(FrozenModel):
     dtype: Literal["float32", "bfloat16", "float64"] | None = None
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
     decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None  # the leader's default mode
-    flowspec: dict[str, Any] | None = None  # the leader's FlowSpecConfig fields that differ from the defaults
+    flowspec: FlowSpecOverrides | None = None  # the leader's FlowSpecConfig fields that differ from the defaults
     secret: str | None = None  # default: a random one
     state_root: Path | None = None  # default: a temporary folder, removed by stop()
     verbose: int = 1  # agents' -v count (their logs go to <state_root>/agent<i>.log)

@@ -109,3 +109,34 @@ def test_cluster_up_serves_replans_around_a_killed_member_and_stops_cleanly(defa
                     os.kill(p, signal.SIGKILL)
     assert proc.returncode == 0
     assert not [p for p in pids if alive(p)]  # no orphans
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ('{"segmnt_cap": 6}', "segmnt_cap"),
+    ('{"segment_cap": 0}', "flowspec.segment_cap"),
+    ("segment_cap=6", "not JSON"),
+])
+def test_cluster_up_rejects_bad_flowspec_settings_with_the_reason_before_any_agent_starts(tmp_path, caplog, config,
+                                                                                         message):
+    from flowspec_p2p.cli import main
+
+    state = tmp_path / "state"
+    assert main(["cluster", "up", "--api-port", "0", "--state-dir", str(state), "--flowspec-config", config]) == 1
+    assert message in caplog.text
+    assert not state.exists()
+
+
+def test_cluster_up_passes_its_flowspec_settings_to_the_leader_only(tmp_path):
+    import argparse
+
+    from flowspec_p2p.commands import cluster as cluster_cmd
+    from flowspec_p2p.local_cluster import LocalCluster
+
+    parser = argparse.ArgumentParser()
+    cluster_cmd._common(parser)
+    parser.add_argument("--api-port", type=int, default=0)
+    args = parser.parse_args(["-n", "2", "--state-dir", str(tmp_path), "--flowspec-config", '{"segment_cap": 6}'])
+    cluster = LocalCluster(args.n, cluster_cmd._options(args))
+    leader, member = (a.args for a in cluster.agents)
+    assert json.loads(leader[leader.index("--flowspec-config") + 1]) == {"segment_cap": 6}
+    assert "--flowspec-config" not in member

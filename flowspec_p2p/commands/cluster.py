@@ -15,6 +15,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from ..config import json_object
+from ..errors import ConfigError
 from ..local_cluster import ClusterOptions, LocalCluster
 
 log = logging.getLogger(__name__)
@@ -59,15 +63,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoding", choices=["ar", "chunk", "pipedec", "flowspec"], default=None,
                    help="the API's decoding mode when a request names none (default: flowspec). The agents share "
                    "this host's cores, so with fewer cores than agents ar can be faster")
+    p.add_argument("--flowspec-config", default=None, metavar="JSON",
+                   help="the leader's FlowSpec settings that differ from the defaults, as a JSON object of "
+                   "FlowSpecConfig fields, e.g. '{\"segment_cap\": 6}' (see flowspec_p2p/flowspec.py)")
     p.add_argument("--state-dir", type=Path, default=None, help="keep agents' state and logs here (default: temp)")
 
 
 def _options(args: argparse.Namespace) -> ClusterOptions:
-    return ClusterOptions(api_port=args.api_port, model=args.model, members_have_model=args.members_have_model,
-                          threads=args.threads, link_mbps=args.link_mbps, link_latency_ms=args.link_latency_ms,
-                          slowdown=args.slowdown, stages=args.stages, leader_layers=args.leader_layers,
-                          context=args.context, wire_dtype=args.wire_dtype, state_root=args.state_dir,
-                          decoding=args.decoding)
+    try:
+        return ClusterOptions(api_port=args.api_port, model=args.model, members_have_model=args.members_have_model,
+                              threads=args.threads, link_mbps=args.link_mbps, link_latency_ms=args.link_latency_ms,
+                              slowdown=args.slowdown, stages=args.stages, leader_layers=args.leader_layers,
+                              context=args.context, wire_dtype=args.wire_dtype, state_root=args.state_dir,
+                              decoding=args.decoding,
+                              flowspec=json_object(args.flowspec_config, "--flowspec-config"))
+    except ValidationError as e:
+        raise ConfigError(f"invalid cluster options: {e}") from None
 
 
 def _wait_for_signal() -> None:
