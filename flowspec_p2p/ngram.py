@@ -88,7 +88,9 @@ class LookupDrafter:
                 if partial:
                     yield tree
             assert tree is not None
-            yield self._with_chain(tree, shape)
+            merged = self._with_chain(tree, shape)
+            if not partial or merged is not tree:  # the base's last tree was yielded already; yield it only changed
+                yield merged
         finally:
             levels.close()
 

@@ -60,6 +60,27 @@ def test_the_chain_is_merged_below_the_root(tiny_llama):
         assert node is not None, tree.token_list
 
 
+@pytest.mark.parametrize(("context", "chained"), [(REPETITIVE, True), ([1, 2, 3, 4, 11, 12, 13, 14], False)])
+def test_levels_end_with_the_chained_tree_and_yield_no_tree_twice(tiny_llama, context, chained):
+    target = tiny_target(tiny_llama)
+    shape = TreeShape(total_tokens=6, depth=3, top_k=2)
+    base, drafter = HeadDrafter(random_head(target), target), LookupDrafter(HeadDrafter(random_head(target), target))
+    with torch.inference_mode():
+        feats = target(torch.tensor([context[:-1]]), None)[0]
+        for d in (base, drafter):
+            d.reset(64)
+            d.feed(context[:-1], feats, context[-1])
+        base_levels = [t.token_list for t in base.draft_levels(shape)]
+        levels = [t.token_list for t in drafter.draft_levels(shape)]
+    assert levels[: len(base_levels)] == base_levels  # the base's levels, as they come
+    assert len(levels) == len(base_levels) + chained  # then the chained tree, only when the chain adds nodes
+    assert levels[-1] != base_levels[-1] if chained else levels[-1] == base_levels[-1]
+    with torch.inference_mode():
+        drafter.reset(64)
+        drafter.feed(context[:-1], feats, context[-1])
+        assert drafter.draft(shape).token_list == levels[-1]
+
+
 @pytest.mark.parametrize("shape", [TreeShape(total_tokens=6, depth=4, top_k=2), TreeShape(total_tokens=2, depth=1,
                                                                                           top_k=1)])
 def test_speculation_with_lookup_equals_autoregressive_decoding(tiny_llama, shape):
