@@ -23,7 +23,7 @@ Glossary (flowspec-algorithm.md §8.1):
                   same prompts
     speedup       ξ(mode) / ξ(baseline), per temperature, overall and per dataset
     walk costs    ``walk_costs_ms`` (pipelined tree modes): mean time from a walk to the next by the first walk's
-                  outcome (flowspec.WalkClock), and a live segment's mean trip round the ring
+                  outcome (flowstate.WalkClock), and a live segment's mean trip round the ring
 
 Greedy equality: at T=0 every lossless mode's token ids must equal ``ar``'s; the report counts matching prompts per
 mode and shows the first divergence.
@@ -43,7 +43,7 @@ METRIC_KEYS = ("tokens_per_s", "e2e_tokens_per_s", "tau", "tokens_per_round", "u
 EXTRA_SUMS = ("draft_s", "verify_s", "segments", "nodes_sent", "nodes_returned", "nodes_dead", "walks", "continues",
               "continues_unsent", "restarts", "trip_s", "trips", "continue_gap_s", "continue_gaps",
               "continue_unsent_gap_s", "continue_unsent_gaps", "restart_gap_s", "restart_gaps")
-# means over those sums, shown instead of them: what a walk outcome costs (time to the next walk, flowspec.WalkClock)
+# means over those sums, shown instead of them: what a walk outcome costs (time to the next walk, flowstate.WalkClock)
 # and a live segment's trip round the ring
 EXTRA_MEANS = {"ms after continue": ("continue_gap_s", "continue_gaps"),
                "ms after unsent continue": ("continue_unsent_gap_s", "continue_unsent_gaps"),

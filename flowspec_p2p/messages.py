@@ -54,7 +54,7 @@ class Forward(FrozenModel):
     tag: int = 0  # the leader's segment id, echoed back unchanged
     dead: list[int] = Field(default_factory=list)  # rows a queued Prune already discards: not computed, zeros
     # each stage appends its busy seconds for this forward (compute + any emulated slowdown): the leader sizes
-    # FlowSpec's segments from what the stages really cost (flowspec.StageCost)
+    # FlowSpec's segments from what the stages really cost (flowstate.StageCost)
     stage_s: list[Annotated[float, Field(ge=0.0, le=86_400.0, allow_inf_nan=False)]] = Field(
         default_factory=list, max_length=MAX_STAGES)
     tensors: list[TensorSpec] = Field(default_factory=list)

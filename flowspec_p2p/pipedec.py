@@ -21,7 +21,8 @@ from functools import partial
 from pydantic import Field
 
 from .drafter import TreeShape
-from .flowspec import FlowState, Send, tree_pipeline
+from .flowspec import Send, tree_pipeline
+from .flowstate import FlowState
 from .leader import ModeContext, ModeSpec
 from .messages import Forward
 from .tree import DraftTree

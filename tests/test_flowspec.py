@@ -10,17 +10,8 @@ import torch
 
 from flowspec_p2p.draft import DraftHead
 from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
-from flowspec_p2p.flowspec import (
-    Calibration,
-    FlowSpecConfig,
-    FlowSpecGrowth,
-    FlowState,
-    StageCost,
-    WalkClock,
-    best_segment,
-    flowspec_spec,
-    linear_cost,
-)
+from flowspec_p2p.flowspec import FlowSpecConfig, FlowSpecGrowth, flowspec_spec
+from flowspec_p2p.flowstate import Calibration, FlowState, StageCost, WalkClock, best_segment, linear_cost
 from flowspec_p2p.generate import GenStats
 from flowspec_p2p.leader import AR, Leader, LeaderSettings
 from flowspec_p2p.loopback import LoopbackRing
