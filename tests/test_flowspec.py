@@ -374,3 +374,58 @@ def test_flowspec_growth_sends_a_weak_segment_only_into_an_empty_ring():
     assert eager.segment(state, live=3) == 2
     fixed = FlowSpecGrowth(FlowSpecConfig(segment_cap=4, adaptive=False))
     assert fixed.segment(state, live=3) == 2  # the rest of the tree, up to the cap
+
+
+def test_the_first_stage_is_expected_free_after_the_live_segments_sent_to_it():
+    tree = DraftTree.from_lists(list(range(10, 17)), [-1, 0, 0, 1, 1, 2, 2], scores=[0.0] * 7)
+    state = FlowState(tree=tree, committed=10)
+    assert state.first_stage_free_at(lambda k: 1.0) is None  # nothing in flight
+    state.next_segment(1)
+    state.next_segment(2)
+    state.next_segment(2)
+    a, b, c = state.inflight
+    a.sent_at, b.sent_at, c.sent_at = 100.0, 100.5, 105.0
+    cost = {1: 1.0, 2: 1.5}.__getitem__
+    assert state.first_stage_free_at(cost) == 106.5  # a: 100-101, b: 101-102.5, c: 105-106.5
+    c.nodes = c.rows = []  # a prune emptied c: the stages skip it
+    assert state.first_stage_free_at(cost) == 102.5
+    b.nodes, b.rows = b.nodes[:1], b.rows[:1]  # one of b's nodes died: the stages compute the other alone
+    assert state.first_stage_free_at(cost) == 102.0
+
+
+def test_hold_keeps_the_next_segment_while_the_first_stage_is_busy(monkeypatch):
+    tree = DraftTree.from_lists([5, 6, 7, 8], [-1, 0, 0, 1], scores=[0.0, -0.1, -0.2, -0.3])
+    growth = FlowSpecGrowth(FlowSpecConfig(hold=True, segment_cap=1, min_value=0.0))
+    state = FlowState(tree=tree, committed=10)
+    assert growth.wake_at(state) is None  # no stage time measured yet: never hold
+    for _ in range(3):
+        growth.stage_cost.observe(1, [5.0, 4.0])  # seconds: far more than this test takes
+    state.next_segment(1)
+    now = state.inflight[0].sent_at
+    wake = growth.wake_at(state)  # busy until now + 5 s; wake a quarter of a one-node forward before
+    assert wake is not None
+    assert wake == pytest.approx(now + 5.0 - 0.25 * 5.0)
+    assert growth.segment(state, live=1) == 0
+    assert growth.segment(state, live=0) == 1  # an empty ring never waits
+    state.inflight[0].sent_at -= 10.0  # long done by now
+    assert growth.wake_at(state) is None
+    assert growth.segment(state, live=1) == 1
+    assert FlowSpecGrowth(FlowSpecConfig(hold=False)).wake_at(state) is None
+
+
+async def test_greedy_flowspec_with_held_segments_equals_single_device(parts, monkeypatch):
+    """With ``hold``, through real stage workers whose first stage seems to take 1 ms per node (shorter than a trip
+    here), the leader holds segments back and sends them on its own timer: the output is still the target's,
+    token for token."""
+    monkeypatch.setattr(StageCost, "seconds_fn", lambda self: lambda k: 0.001 * k)
+    leader = Leader(parts.head, None, drafter=drafter_for("partial", parts),
+                    modes=[flowspec_spec(FlowSpecConfig(hold=True, segment_cap=3))],
+                    settings=LeaderSettings(max_context=200, prefill_chunk=4, step_timeout_s=20.0))
+    holds = 0
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
+        for prompt in PROMPTS:
+            out, stats = await run(leader, prompt, 40)
+            assert out == parts.reference(prompt, 40), prompt
+            holds += stats.extra["holds"]
+        assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
+    assert holds > 0, "the leader never sent a held segment on its timer: the test did not exercise the hold"
