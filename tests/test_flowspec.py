@@ -414,18 +414,15 @@ def test_hold_keeps_the_next_segment_while_the_first_stage_is_busy(monkeypatch):
 
 
 async def test_greedy_flowspec_with_held_segments_equals_single_device(parts, monkeypatch):
-    """With ``hold``, through real stage workers on links of 10 ms (emulated: a trip takes 40 ms at least) whose
-    first stage seems to take 2 ms per node, the leader holds segments back and sends them on its own timer before
-    anything returns: the output is still the target's, token for token."""
-    from flowspec_p2p.emulation import LinkEmulation
-
-    monkeypatch.setattr(StageCost, "seconds_fn", lambda self: lambda k: 0.002 * k)
+    """With ``hold``, through real stage workers whose first stage seems to take 1 ms per node (shorter than a trip
+    here), the leader holds segments back and sends them on its own timer: the output is still the target's,
+    token for token."""
+    monkeypatch.setattr(StageCost, "seconds_fn", lambda self: lambda k: 0.001 * k)
     leader = Leader(parts.head, None, drafter=drafter_for("partial", parts),
                     modes=[flowspec_spec(FlowSpecConfig(hold=True, segment_cap=3))],
                     settings=LeaderSettings(max_context=200, prefill_chunk=4, step_timeout_s=20.0))
     holds = 0
-    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64,
-                            link=LinkEmulation(latency_ms=10.0)) as ring:
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
         for prompt in PROMPTS:
             out, stats = await run(leader, prompt, 40)
             assert out == parts.reference(prompt, 40), prompt
