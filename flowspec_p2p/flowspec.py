@@ -42,7 +42,6 @@ distribution (verify.verify_greedy / verify_sampling), made exactly once per emi
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -119,15 +118,6 @@ class FlowSpecConfig(FrozenModel):
     # Send after every drafted level (one draft-head forward), not after the whole draft: a root's children follow
     # it down the ring while the deeper levels are drafted, and a returned segment's walk need not wait for them.
     stream_levels: bool = True
-    # Hold the next segment at the leader while the first stage is expected to be busy with the live segments
-    # already sent (from their send times and the measured stage times), and send it when the stage is about to
-    # be free: the nodes wait at the leader instead of in the stage's queue, so nodes drafted meanwhile (the
-    # children of a new root) can overtake them in score order, and what waited goes out as one wider segment
-    # (a k-node forward costs little more than a one-node one, shard.py). Off: send whenever the ring has room.
-    # Same A/B command as above (stop 14; defaults 1.48-1.49x AR in two runs): hold 1.48x (stage 1 busy 66% instead
-    # of 75%, a live trip 283 ms instead of ~295, but continues ~157 ms instead of ~147); hold with 8-node segments
-    # 1.52x, tau 1.22 instead of 1.13: within the noise, so it stays off.
-    hold: bool = False
 
 
 class _Rows:
@@ -180,10 +170,6 @@ class Growth(Protocol):
     def walked(self, state: FlowState, verdict: Verdict) -> None:
         """A walk over ``state.tree`` (before its prune) ended in ``verdict``."""
 
-    def wake_at(self, state: FlowState) -> float | None:
-        """When ``segment`` held back nodes that should go out without waiting for a returned segment: the
-        time.perf_counter() to call it again; None: no such hold."""
-
     def returned(self, msg: Forward) -> None:
         """A segment came back (``msg.stage_s``: each stage's busy seconds for it)."""
 
@@ -192,9 +178,6 @@ class Growth(Protocol):
 
 
 Send = Callable[[], Awaitable[None]]  # fill the ring with what is ready to go
-
-
-HOLD_MARGIN = 0.25  # FlowSpecConfig.hold sends this fraction of a one-node stage forward before the stage is free
 
 
 class FlowSpecGrowth:
@@ -257,23 +240,7 @@ class FlowSpecGrowth:
         k = best_segment(probs, cost, cfg.segment_cap)
         if live and segment_value(probs, k, cost) < cfg.min_value:
             return 0  # not worth delaying the segments (and the next root) behind it: wait for the next walk
-        if live and self.wake_at(state) is not None:
-            return 0  # the first stage is busy: wait at the leader (tree_pipeline wakes up in time)
         return k
-
-    def wake_at(self, state: FlowState) -> float | None:
-        """With ``hold``: when to send the next segment (time.perf_counter()), if the first stage is expected to be
-        busy until a little before then; None: send now (or nothing is known yet)."""
-        if not self.cfg.hold or state.sent >= len(state.tree):
-            return None
-        seconds = self.stage_cost.seconds_fn()
-        if seconds is None:
-            return None
-        free = state.first_stage_free_at(seconds)
-        if free is None:
-            return None
-        wake = free - HOLD_MARGIN * seconds(1)  # the link to the first stage, and room for error
-        return wake if wake > time.perf_counter() else None
 
 
 async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None = None,
@@ -318,17 +285,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
         draft_s += time.perf_counter() - td
         await fill()  # the initial tree, cut into segments, fills the ring
         while True:
-            wake = growth.wake_at(state)
-            if wake is None:
-                msg, tensors = await ctx.recv()
-            else:
-                try:
-                    async with asyncio.timeout_at(asyncio.get_running_loop().time() + wake - time.perf_counter()):
-                        msg, tensors = await ctx.recv()
-                except TimeoutError:  # the first stage is about to be free: send what was held
-                    state.counters["holds"] += 1
-                    await fill()
-                    continue
+            msg, tensors = await ctx.recv()
             if not isinstance(msg, Forward):
                 continue  # acks of our prunes: the FIFO bookkeeping is done at send time
             growth.returned(msg)

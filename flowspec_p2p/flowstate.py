@@ -50,7 +50,7 @@ class FlowState:
     next_tag: int = 0
     counters: dict = field(default_factory=lambda: dict(
         segments=0, nodes_sent=0, nodes_returned=0, nodes_dead=0, walks=0, continues=0, continues_unsent=0,
-        restarts=0, prunes=0, trip_s=0.0, trips=0, holds=0))
+        restarts=0, prunes=0, trip_s=0.0, trips=0))
     outcome: str = ""  # of the last walk applied: "continue", "continue_unsent" (new root not yet sent), "restart"
 
     @property
@@ -126,17 +126,6 @@ class FlowState:
         self.feats, self.rows = [], {}
         self.counters["prunes"] += 1
         return a, keep_sent, tokens, feats
-
-    def first_stage_free_at(self, stage_time: CostFn) -> float | None:
-        """When the first stage is expected to finish the live segments sent to it (time.perf_counter()), if each
-        starts when it was sent or when the one before it ends, and a k-node one takes ``stage_time(k)`` seconds.
-        Segments a prune emptied are skipped (the stages skip them); those already back are done. None: nothing
-        live in flight."""
-        end = None
-        for seg in self.inflight:
-            if seg.nodes:
-                end = max(seg.sent_at, end or seg.sent_at) + stage_time(len(seg.nodes))
-        return end
 
     def rank_unsent(self, max_unsent: int) -> None:
         """Order the drafted-but-unsent nodes by descending score (the stages know nothing of them yet, so they may
@@ -219,15 +208,6 @@ class StageCost:
     def measured(self) -> dict[int, float]:
         """{rows: median seconds} for the sizes with enough samples."""
         return {k: statistics.median(v) for k, v in sorted(self.samples.items()) if len(v) >= self.min_samples}
-
-    def seconds_fn(self) -> CostFn | None:
-        """A snapshot of a k-node forward's seconds on the slowest stage (cost(k) x a one-node forward's median);
-        None until one-node forwards are measured."""
-        med = self.measured().get(1)
-        if not med:
-            return None
-        cost = self.cost_fn()
-        return lambda k: med * cost(k)
 
     def cost_fn(self) -> CostFn:
         """A snapshot of cost(k) for one sizing decision."""

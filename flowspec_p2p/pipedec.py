@@ -91,9 +91,6 @@ class PipeDecGrowth:
     def report(self) -> dict:
         return {}
 
-    def wake_at(self, state: FlowState) -> float | None:
-        return None
-
     def segment(self, state: FlowState, live: int) -> int:
         """The unsent nodes of the next level (they were appended level by level)."""
         depth = state.tree.depth.tolist()
