@@ -89,13 +89,13 @@ class LookupDrafter:
                     yield tree
             assert tree is not None
             merged = self._with_chain(tree, shape)
-            if not partial or merged is not tree:  # the base's last tree was yielded already; yield it only changed
+            if not partial or merged is not tree:  # the base's last tree was yielded already: yield only a change
                 yield merged
         finally:
             levels.close()
 
     def _with_chain(self, tree: DraftTree, shape: TreeShape) -> DraftTree:
-        """``tree`` with the n-gram continuation of its root merged in."""
+        """``tree`` with the n-gram continuation of its root merged in (``tree`` itself when that adds no node)."""
         chain = self.lookup.propose(tree.token_list[0], min(self.cfg.length, shape.depth))
         if not chain:
             return tree
@@ -103,7 +103,7 @@ class LookupDrafter:
         candidate = DraftTree.from_lists([tree.token_list[0], *chain], list(range(-1, len(chain))),
                                          [lp * i for i in range(len(chain) + 1)])
         merged, _ = tree.merge(candidate)
-        return merged
+        return merged if len(merged) > len(tree) else tree  # a chain the tree already holds changes nothing
 
     def __getattr__(self, name: str):  # anything else (vocab_size, cache, ...) is the base drafter's
         if name == "base":
