@@ -188,3 +188,68 @@ async def test_a_prune_that_discards_a_whole_forward_cuts_it_at_the_next_emulate
                 assert out.dead == []
                 assert b["end"] - b["start"] >= emulated - 1e-3
         assert r.worker.snapshot()["cut"] == 1
+
+
+def tree(rid, seq, first, m, start):
+    """A tree segment of ``m`` nodes chained below node ``first - 1`` (or off the prefix at ``start``)."""
+    parents = list(range(first - 1, first + m - 1))
+    return Forward(request_id=rid, seq=seq, first=first, parents=parents, tag=100 + seq,
+                   positions=list(range(start + first, start + first + m)))
+
+
+@pytest.mark.parametrize(("batch_rows", "batches"), [(1, [[1], [2], [3], [4]]), (5, [[1, 2], [3, 4]]),
+                                                     (16, [[1, 2, 3, 4]])])
+async def test_tree_forwards_queued_back_to_back_run_as_one_batch(tiny_llama, shard, batch_rows, batches):
+    """A prefill then four 2-node segments, all queued at once: the stage batches the segments up to ``batch_rows``
+    nodes per forward and passes each batch on as one Forward; the last stage splits them back. The features equal
+    those of one-by-one forwards."""
+    torch.manual_seed(4)
+    x = {"hidden": torch.randn(5 + 8, 64, dtype=F64)}
+    last = tiny_parts(tiny_llama).stages[-1]  # has the final norm: it returns features to the leader
+    outs = {}
+    for name, sh in (("middle", shard), ("last", last)):
+        async with Running(sh, batch_rows=batch_rows) as r:
+            r.put(fwd("a", 0, 5), {"hidden": x["hidden"][:5]})
+            for seq in range(1, 5):
+                r.put(tree("a", seq, 2 * (seq - 1), 2, 5), {"hidden": x["hidden"][5 + 2 * (seq - 1):][:2]})
+            await r.get()  # the prefill
+            n_out = 4 if name == "last" else len(batches)
+            got = []
+            for _ in range(n_out):
+                async with asyncio.timeout(5):
+                    frame = await r.out.get()
+                got.append((frame.msg, frame.tensors))
+            outs[name] = got
+            snap = r.worker.snapshot()
+            assert snap["batched"] == 4 - len(batches)
+            assert snap["frames_in"] == 5
+            assert snap["forwards"] == 1 + len(batches)
+            assert [b["nodes"] for b in r.worker.timeline()] == [5, *(2 * len(b) for b in batches)]
+    middle = outs["middle"]
+    assert [[middle[i][0].seq + k for k in range(middle[i][0].span)] for i in range(len(batches))] == batches
+    assert all(len(m.parts) == (len(b) if len(b) > 1 else 0) for (m, _), b in zip(middle, batches, strict=True))
+    last_msgs = [m for m, _ in outs["last"]]
+    assert [(m.seq, m.tag, m.first, len(m.parents), m.batched) for m in last_msgs] == [
+        (s, 100 + s, 2 * (s - 1), 2, batch_rows > 2) for s in range(1, 5)]
+    assert all(len(m.stage_s) == 1 for m in last_msgs)
+    # the same rows as one-by-one forwards of the same stage
+    async with Running(shard, batch_rows=1) as r:
+        r.put(fwd("a", 0, 5), {"hidden": x["hidden"][:5]})
+        for seq in range(1, 5):
+            r.put(tree("a", seq, 2 * (seq - 1), 2, 5), {"hidden": x["hidden"][5 + 2 * (seq - 1):][:2]})
+        await r.get()
+        single = torch.cat([(await r.out.get()).tensors["hidden"] for _ in range(4)])
+    batched = torch.cat([t["hidden"] for _, t in middle])
+    assert (batched - single).abs().max() <= 1e-10
+
+
+async def test_a_prune_between_two_forwards_keeps_them_apart(shard):
+    async with Running(shard) as r:
+        r.put(fwd("a", 0, 5), hidden(5))
+        r.put(tree("a", 1, 0, 2, 5), hidden(2))
+        r.put(Prune(request_id="a", seq=2, accept=0, keep=[0, 1]))
+        r.put(tree("a", 3, 2, 2, 5), hidden(2))
+        r.put(Forward(request_id="b", seq=0, first=0, parents=[-1], positions=[0], commit=True), hidden(1))
+        kinds = [(m.kind, m.seq, len(getattr(m, "parts", []))) for m in [await r.get() for _ in range(5)]]
+        assert kinds == [("forward", 0, 0), ("forward", 1, 0), ("prune", 2, 0), ("forward", 3, 0), ("forward", 0, 0)]
+        assert r.worker.snapshot()["batched"] == 0
