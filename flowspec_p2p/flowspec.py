@@ -187,8 +187,7 @@ class FlowSpecGrowth:
         self.stage_cost = StageCost(cfg.row_cost)
 
     def returned(self, msg: Forward) -> None:
-        if not msg.batched:  # a batched segment's stage_s times its whole batch (worker.py)
-            self.stage_cost.observe(msg.computed_rows, msg.stage_s)
+        self.stage_cost.observe(msg.computed_rows, msg.stage_s)
 
     def report(self) -> dict:
         med = self.stage_cost.measured()

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from .types import FrozenModel
 
 PROTOCOL_VERSION = 1
 MAX_STAGES = 256  # stage_s entries a Forward may carry
-MAX_PARTS = 256  # Forwards a stage may batch into one
 WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int64", "int32")
 TENSOR_NAMES = ("tokens", "hidden", "features")
 
@@ -42,20 +41,8 @@ class TensorSpec(FrozenModel):
     shape: tuple[int, ...]
 
 
-class Part(FrozenModel):
-    """One of the Forwards a stage batched into one (see Forward.parts)."""
-
-    tag: int
-    nodes: int = Field(ge=1)
-
-
 class Forward(FrozenModel):
-    """Run ``len(parents)`` new nodes through the stage. They take tree indices ``first, first + 1, ...``.
-
-    Batching: a stage that finds several tree Forwards of a request queued back to back runs them as one forward
-    (worker.py), and passes them on as one Forward whose ``parts`` list the originals in order (their nodes are
-    consecutive; part i had sequence number ``seq + i``). The last stage splits it back into the originals, marked
-    ``batched`` (their ``stage_s`` then times the whole batch), so the leader sees the segments it sent."""
+    """Run ``len(parents)`` new nodes through the stage. They take tree indices ``first, first + 1, ...``."""
 
     kind: Literal["forward"] = "forward"
     request_id: str
@@ -71,21 +58,6 @@ class Forward(FrozenModel):
     stage_s: list[Annotated[float, Field(ge=0.0, le=86_400.0, allow_inf_nan=False)]] = Field(
         default_factory=list, max_length=MAX_STAGES)
     tensors: list[TensorSpec] = Field(default_factory=list)
-    parts: list[Part] = Field(default_factory=list, max_length=MAX_PARTS)  # empty, or the >= 2 batched Forwards
-    batched: bool = False  # computed in a batch with other Forwards on some stage (set when the batch is split)
-
-    @model_validator(mode="after")
-    def _parts(self) -> Forward:
-        if self.parts and (len(self.parts) < 2 or sum(p.nodes for p in self.parts) != len(self.parents)):
-            raise ValueError("parts must be two or more and account for every node")
-        if self.parts and self.commit:
-            raise ValueError("committing forwards are never batched")
-        return self
-
-    @property
-    def span(self) -> int:
-        """Sequence numbers this Forward stands for (its batched parts, or itself)."""
-        return len(self.parts) or 1
 
     @property
     def computed_rows(self) -> int:

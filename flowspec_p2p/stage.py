@@ -23,7 +23,7 @@ import torch
 
 from .errors import ContextOverflow, FlowSpecError, ForwardStopped, ProtocolError
 from .kv_cache import KVCache
-from .messages import Forward, Part, Prune, Release, Reset, StageError, TensorSpec
+from .messages import Forward, Prune, Release, Reset, StageError, TensorSpec
 from .shard import Shard
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class StageCore:
                 out = (msg, {})
             else:
                 raise ProtocolError(f"unexpected message {type(msg).__name__}")
-            state.next_seq = msg.seq + (msg.span if isinstance(msg, Forward) else 1)
+            state.next_seq = msg.seq + 1
             return out
         except FlowSpecError as e:
             self.counters["errors"] += 1
@@ -276,51 +276,3 @@ def _next_prune(request_id: str, upcoming) -> Prune | None:
         if isinstance(m, Reset | Release | StageError):
             return None
     return None
-
-
-# ------------------------------------------------------------------------------------------- batching
-
-
-def can_batch(a: Forward, a_tensors: Tensors, b: Forward, b_tensors: Tensors) -> bool:
-    """Whether tree Forward ``b``, queued right behind ``a``, can run in one forward with it: same request, the
-    next sequence number and tree indices, and tensors of the same names, dtypes and row shapes."""
-    return (a.request_id == b.request_id and not a.commit and not b.commit and b.seq == a.seq + a.span
-            and b.first == a.first + len(a.parents) and a_tensors.keys() == b_tensors.keys()
-            and all(a_tensors[k].dtype == b_tensors[k].dtype and a_tensors[k].shape[1:] == b_tensors[k].shape[1:]
-                    for k in a_tensors))
-
-
-def batch_forwards(items: list[tuple[Forward, Tensors]]) -> tuple[Forward, Tensors]:
-    """One Forward (with ``parts``) for consecutive tree Forwards that ``can_batch``. Its ``stage_s`` is the
-    element-wise max of theirs (each upstream stage's slowest); its tensors are theirs stacked by rows."""
-    first = items[0][0]
-    parts, parents, positions, dead, offset = [], [], [], [], 0
-    for msg, _ in items:
-        parts.extend(msg.parts or [Part(tag=msg.tag, nodes=len(msg.parents))])
-        parents.extend(msg.parents)
-        positions.extend(msg.positions)
-        dead.extend(offset + d for d in msg.dead)
-        offset += len(msg.parents)
-    stage_s = [max(ts) for ts in zip(*(msg.stage_s for msg, _ in items), strict=False)]
-    tensors = {k: torch.cat([t[k] for _, t in items]) for k in items[0][1]}  # [sum m, ...]
-    specs = [TensorSpec(name=k, dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape)) for k, t in tensors.items()]
-    msg = first.model_copy(update={"parents": parents, "positions": positions, "dead": dead, "parts": parts,
-                                   "stage_s": stage_s, "tensors": specs, "tag": parts[0].tag})
-    return msg, tensors
-
-
-def split_forward(msg: Forward, tensors: Tensors) -> list[tuple[Forward, Tensors]]:
-    """The batched Forwards back, in order, each marked ``batched`` (a Forward without parts comes back as is)."""
-    if not msg.parts:
-        return [(msg, tensors)]
-    out, offset = [], 0
-    for i, part in enumerate(msg.parts):
-        end = offset + part.nodes
-        piece = {k: t[offset:end] for k, t in tensors.items()}  # [part.nodes, ...]
-        specs = [TensorSpec(name=k, dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape)) for k, t in piece.items()]
-        out.append((msg.model_copy(update={
-            "seq": msg.seq + i, "tag": part.tag, "first": msg.first + offset, "parents": msg.parents[offset:end],
-            "positions": msg.positions[offset:end], "dead": [d - offset for d in msg.dead if offset <= d < end],
-            "parts": [], "batched": True, "tensors": specs}), piece))
-        offset = end
-    return out

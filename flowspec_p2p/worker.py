@@ -7,12 +7,6 @@ HTTP while a stage computes; cheap messages (prune, reset, release) are applied 
 the loop awaits each message before it takes the next. Sending runs as its own task, so computing message
 k+1 overlaps sending message k; order is kept by a FIFO queue.
 
-Batching: when a tree Forward's turn comes and more tree Forwards of the same request are queued right behind it,
-the stage runs them as one forward of up to ``batch_rows`` nodes (stage.py ``batch_forwards``): a forward of a
-few rows costs little more than one of a single row (fewrow.py), so the segments queued behind a busy stage no
-longer wait a whole forward each. The batch travels on as one Forward; the last stage splits it back
-(``split_forward``), so the leader sees the segments it sent.
-
 Compute emulation (issue 4 item 9, emulation.py): after a forward the stage holds the result (and the next
 message) until its DeviceClock says a device s times slower would be done, then appends its busy seconds to the
 returned Forward (``stage_s``).
@@ -38,15 +32,12 @@ from dataclasses import asdict, dataclass
 from .emulation import NO_COMPUTE_EMULATION, ComputeEmulation, DeviceClock
 from .errors import PeerGone
 from .messages import Forward, Prune, Release, Reset, StageError
-from .stage import StageCore, batch_forwards, can_batch, split_forward
+from .stage import StageCore
 from .transport import LINK_LOST, Frame, LinkDown, Sender
 
 log = logging.getLogger(__name__)
 
 TIMELINE_LENGTH = 8192  # busy intervals kept per stage
-# Nodes a stage batches into one forward at most (1: no batching). A 16-row stage forward of the default model
-# costs ~1.9x a one-row one with the fewrow kernel (`python -m flowspec_p2p.fewrow`); four 4-row ones ~4.4x.
-BATCH_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -95,10 +86,8 @@ class StageWorker:
     ``run`` closes the current one when it ends). ``run()`` runs until cancelled; give it to a TaskGroup."""
 
     def __init__(self, core: StageCore, successor: Sender | None = None, *, inbox: asyncio.Queue | None = None,
-                 compute: ComputeEmulation = NO_COMPUTE_EMULATION, name: str | None = None,
-                 batch_rows: int = BATCH_ROWS):
+                 compute: ComputeEmulation = NO_COMPUTE_EMULATION, name: str | None = None):
         self.core = core
-        self.batch_rows = batch_rows
         self.successor = successor
         self.inbox: asyncio.Queue = inbox if inbox is not None else asyncio.Queue()
         self.compute = compute
@@ -106,7 +95,7 @@ class StageWorker:
         self.name = name or f"stage{core.index}"
         self.timeline_buffer: deque[BusyInterval] = deque(maxlen=TIMELINE_LENGTH)
         self.counters = {"frames_in": 0, "frames_out": 0, "dropped_out": 0, "compute_s": 0.0, "busy_s": 0.0,
-                         "max_queue": 0, "batched": 0}
+                         "max_queue": 0}
         self._origin: dict[str, int] = {}  # request id -> the inbound link it arrived on
         self._out: asyncio.Queue = asyncio.Queue()
         self.running = False
@@ -151,34 +140,12 @@ class StageWorker:
             self.counters["frames_in"] += 1
             self._origin[msg.request_id] = ev.link
             if isinstance(msg, Forward):
-                ev = self._batch(ev, backlog)
                 out = await self._forward(loop, executor, ev, backlog)
-                if isinstance(out[0], Forward) and self.core.shard.has_head:
-                    for piece in split_forward(*out):  # the leader gets back the segments it sent
-                        self._out.put_nowait(piece)
-                    continue
             else:
                 out = self.core.handle(msg, ev.tensors)
             if isinstance(out[0], Release | StageError):
                 self._origin.pop(msg.request_id, None)
             self._out.put_nowait(out)
-
-    def _batch(self, ev: Frame, backlog: deque) -> Frame:
-        """``ev`` with the tree Forwards queued right behind it that can run in the same forward (stage.py
-        ``can_batch``), up to ``batch_rows`` nodes in all; they leave the backlog."""
-        items = [(ev.msg, ev.tensors)]
-        rows = len(ev.msg.parents)
-        while backlog and isinstance(backlog[0], Frame) and isinstance(nxt := backlog[0].msg, Forward):
-            if rows + len(nxt.parents) > self.batch_rows or not can_batch(*items[-1], nxt, backlog[0].tensors):
-                break
-            items.append((nxt, backlog.popleft().tensors))
-            rows += len(nxt.parents)
-        if len(items) == 1:
-            return ev
-        self.counters["frames_in"] += len(items) - 1
-        self.counters["batched"] += len(items) - 1
-        msg, tensors = batch_forwards(items)
-        return Frame(msg=msg, tensors=tensors, peer=ev.peer, link=ev.link, received_at=ev.received_at)
 
     async def _forward(self, loop, executor: ThreadPoolExecutor, ev: Frame, backlog: deque) -> tuple[object, dict]:
         """Run one Forward, then hold it for the emulated device. Frames that arrive meanwhile join ``backlog``;

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from flowspec_p2p import codec
 from flowspec_p2p.errors import ProtocolError
-from flowspec_p2p.messages import PROTOCOL_VERSION, Forward, Part, Prune, Release, Reset, StageError
+from flowspec_p2p.messages import PROTOCOL_VERSION, Forward, Prune, Release, Reset, StageError
 
 
 def forward(m=4, **kw):
@@ -36,13 +36,6 @@ def test_forward_round_trips_bit_exactly_in_every_float_dtype(dtype):
     assert torch.equal(tensors["hidden"], hidden)
     assert tensors["hidden"].dtype == dtype
     assert torch.equal(tensors["tokens"], torch.arange(4))
-
-
-def test_a_batched_forward_round_trips():
-    msg = forward(parts=[Part(tag=3, nodes=1), Part(tag=4, nodes=3)], stage_s=[0.25], dead=[1])
-    out, _ = codec.decode(codec.encode(msg, {"hidden": torch.randn(4, 8)}))
-    assert out.model_copy(update={"tensors": []}) == msg
-    assert out.span == 2
 
 
 def test_float_dtype_casts_activations_but_not_tokens():
@@ -130,9 +123,6 @@ def _with(path: list, value) -> bytes:
     (_with(["msg", "stage_s"], [0.01, -1.0]), "invalid header"),  # a stage's busy seconds: never negative,
     (_with(["msg", "stage_s"], [float("nan")]), "invalid header"),  # never NaN,
     (_with(["msg", "stage_s"], [0.01] * 1000), "invalid header"),  # at most one per stage of a sane ring
-    (_with(["msg", "parts"], [{"tag": 1, "nodes": 1}, {"tag": 2, "nodes": 2}]), "invalid header"),  # 3 of 4 nodes
-    (_with(["msg", "parts"], [{"tag": 1, "nodes": 4}]), "invalid header"),  # a batch of one
-    (_with(["msg", "parts"], [{"tag": 1, "nodes": 4}, {"tag": 2, "nodes": 0}]), "invalid header"),
 ])
 def test_malformed_frames_are_rejected_with_a_reason(frame, reason):
     with pytest.raises(ProtocolError, match=reason):

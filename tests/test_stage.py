@@ -4,11 +4,10 @@ import random
 
 import pytest
 import torch
-from pydantic import ValidationError
 
-from flowspec_p2p.messages import Forward, Part, Prune, Release, Reset, StageError
+from flowspec_p2p.messages import Forward, Prune, Release, Reset, StageError
 from flowspec_p2p.shard import Shard
-from flowspec_p2p.stage import StageCore, ancestor_mask, batch_forwards, can_batch, split_forward
+from flowspec_p2p.stage import StageCore, ancestor_mask
 from flowspec_p2p.types import LayerRange
 from flowspec_p2p.weights import open_source
 
@@ -171,84 +170,3 @@ def test_protocol_violations_become_stage_errors_and_drop_the_request(pipeline):
         assert isinstance(out, StageError), msg
         assert "bad" not in stages[0].requests
         run(stages, ok, {"tokens": torch.tensor([3])})  # recreate for the next case
-
-
-def test_a_batch_of_forwards_equals_the_same_forwards_one_by_one(pipeline):
-    """Three tree segments (the second hangs off the first; a queued prune discards some rows of each) through the
-    chain one by one, and as one batch: the same features, dead rows and stage state; split back, the batch gives
-    the original segments (tags, sequence numbers, tree indices), marked batched."""
-    stages, whole = pipeline
-    rng = random.Random(5)
-    committed = [rng.randrange(96) for _ in range(6)]
-    parents = [-1, 0, 0, 1, -1, 4, 3, 2]
-    tokens = [rng.randrange(96) for _ in parents]
-    depth = []
-    for p in parents:
-        depth.append(0 if p == -1 else depth[p] + 1)
-    cuts = [(0, 3), (3, 5), (5, 8)]
-    keep = [0, 1, 3, 6]  # accept node 0; keep 1 -> 3 -> 6; discard 2, 4, 5, 7
-    results = {}
-    for rid in ("single", "batch"):
-        prefill = Forward(request_id=rid, seq=0, first=0, parents=[-1, *range(5)], positions=list(range(6)),
-                          commit=True)
-        assert isinstance(run(stages, prefill, {"tokens": torch.tensor(committed)})[0], Forward)
-        segs = [(Forward(request_id=rid, seq=1 + i, first=a, parents=parents[a:b], tag=10 + i,
-                         positions=[6 + d for d in depth[a:b]], stage_s=[0.5 * i]),
-                 {"tokens": torch.tensor(tokens[a:b])}) for i, (a, b) in enumerate(cuts)]
-        prune = Prune(request_id=rid, seq=4, accept=1, keep=keep)
-        if rid == "single":
-            outs = [run(stages, m, t, ahead=prune, sees={1}) for m, t in segs]
-        else:
-            assert can_batch(*segs[0], *segs[1])
-            assert can_batch(*segs[1], *segs[2])
-            batch, tensors = batch_forwards([batch_forwards(segs[:2]), segs[2]])  # a batch of a batch, as a stage
-            assert [(p.tag, p.nodes) for p in batch.parts] == [(10, 3), (11, 2), (12, 3)]
-            assert (batch.seq, batch.span, batch.stage_s, tensors["tokens"].tolist()) == (1, 3, [1.0], tokens)
-            out, t = run(stages, batch, tensors, ahead=prune, sees={1})
-            assert isinstance(out, Forward)
-            assert out.parts == batch.parts
-            outs = split_forward(out, t)
-        assert [(m.seq, m.tag, m.first, m.batched) for m, _ in outs] == [
-            (1 + i, 10 + i, a, rid == "batch") for i, (a, _) in enumerate(cuts)]
-        assert [m.dead for m, _ in outs] == [[2], [1], [0, 2]]
-        results[rid] = torch.cat([t["features"] for _, t in outs])
-        assert isinstance(run(stages, prune)[0], Prune)
-    assert (results["single"] - results["batch"]).abs().max() <= 1e-10
-    live = [i for i in range(len(parents)) if i in keep]
-    assert (results["batch"][live] - reference(whole, committed, tokens, parents)[live]).abs().max() <= 1e-10
-    for s in stages:
-        a, b = s.requests["single"], s.requests["batch"]
-        assert (a.parents, a.depth, a.slot, a.next_seq, a.cache.length) == (b.parents, b.depth, b.slot, b.next_seq,
-                                                                           b.cache.length)
-        del s.requests["single"], s.requests["batch"]
-
-
-def test_only_consecutive_tree_forwards_of_one_request_batch():
-    def f(rid="r", seq=1, first=0, m=2, commit=False):
-        return Forward(request_id=rid, seq=seq, first=first, parents=[-1] * m, positions=[4] * m, commit=commit)
-
-    def t(m=2, width=8, dtype=F64):
-        return {"hidden": torch.zeros(m, width, dtype=dtype)}
-
-    a = f()
-    assert can_batch(a, t(), f(seq=2, first=2), t())
-    assert not can_batch(a, t(), f(rid="other", seq=2, first=2), t())  # another request
-    assert not can_batch(a, t(), f(seq=3, first=2), t())  # a message of the request between them
-    assert not can_batch(a, t(), f(seq=2, first=3), t())  # not the next tree indices
-    assert not can_batch(a, t(), f(seq=2, first=2, commit=True), t())  # committing forwards run alone
-    assert not can_batch(a, t(), f(seq=2, first=2), t(width=4))  # other tensor shapes
-    assert not can_batch(a, t(), f(seq=2, first=2), t(dtype=torch.float32))
-    assert not can_batch(a, t(), f(seq=2, first=2), {"tokens": torch.zeros(2, dtype=torch.long)})
-    batch, _ = batch_forwards([(a, t()), (f(seq=2, first=2, m=3), t(3))])
-    assert can_batch(batch, t(5), f(seq=3, first=5), t())  # a batch stands for two sequence numbers
-    assert not can_batch(batch, t(5), f(seq=2, first=5), t())
-    assert split_forward(a, t())[0][0] is a  # not a batch: passed on as it is
-
-
-@pytest.mark.parametrize("parts", [[Part(tag=0, nodes=2)], [Part(tag=0, nodes=1), Part(tag=1, nodes=2)]])
-def test_a_forward_s_parts_must_be_two_or_more_and_cover_its_nodes(parts):
-    with pytest.raises(ValidationError, match="parts"):
-        Forward(request_id="r", seq=0, first=0, parents=[-1, -1], positions=[0, 0], parts=parts)
-    with pytest.raises(ValidationError, match="committing"):
-        Forward(request_id="r", seq=0, first=0, parents=[-1, 0], positions=[0, 1], commit=True,
-                parts=[Part(tag=0, nodes=1), Part(tag=1, nodes=1)])
