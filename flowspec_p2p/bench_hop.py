@@ -28,8 +28,9 @@ from aiohttp import web
 from . import codec
 from .emulation import ComputeEmulation, LinkEmulation
 from .generate import ARDecoder, GenStats, generate_ids
-from .leader import AR, Leader, LeaderSettings, ModeSpec
+from .leader import Leader, LeaderSettings
 from .messages import PROTOCOL_VERSION, Forward
+from .mode import AR, ModeSpec
 from .sampling import SamplingParams
 from .transport import RING_PATH, Hello, Link, RingServer
 

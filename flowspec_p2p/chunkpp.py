@@ -23,7 +23,7 @@ from functools import partial
 import torch
 
 from .drafter import TreeShape
-from .leader import ModeContext, ModeSpec, prefill
+from .mode import ModeContext, ModeSpec, prefill
 from .sampling import target_probs
 from .tree import DraftTree, segment_bounds, split_lengths
 from .verify import LazyRows, Verdict, verify_greedy, verify_sampling

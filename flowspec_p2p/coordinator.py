@@ -339,7 +339,7 @@ class Coordinator:
         self.on_status(await self.stage_host.activate(t.epoch))
 
     async def _finish(self, t: Transition) -> None:
-        from .leader import Pipeline
+        from .mode import Pipeline
 
         if self.transition is not t:
             return

@@ -54,8 +54,8 @@ from pydantic import Field
 
 from .drafter import TreeShape
 from .flowstate import Calibration, FlowState, StageCost, WalkClock, best_segment, segment_value
-from .leader import ModeContext, ModeSpec, prefill
 from .messages import Forward
+from .mode import ModeContext, ModeSpec, prefill
 from .sampling import target_probs
 from .tree import DraftTree
 from .types import FrozenModel

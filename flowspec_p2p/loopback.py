@@ -17,8 +17,9 @@ import torch
 from aiohttp import web
 
 from .emulation import NO_COMPUTE_EMULATION, NO_LINK_EMULATION, ComputeEmulation, LinkEmulation
-from .leader import Leader, Pipeline
+from .leader import Leader
 from .messages import PROTOCOL_VERSION
+from .mode import Pipeline
 from .shard import Shard
 from .stage import StageCore
 from .transport import RING_PATH, Hello, Link, QueueSender, RingServer, Sender

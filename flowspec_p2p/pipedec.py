@@ -23,8 +23,8 @@ from pydantic import Field
 from .drafter import TreeShape
 from .flowspec import Send, tree_pipeline
 from .flowstate import FlowState
-from .leader import ModeContext, ModeSpec
 from .messages import Forward
+from .mode import ModeContext, ModeSpec
 from .tree import DraftTree
 from .types import FrozenModel
 from .verify import Verdict

@@ -7,7 +7,8 @@ from __future__ import annotations
 import itertools
 import time
 
-from flowspec_p2p.leader import Leader, Pipeline
+from flowspec_p2p.leader import Leader
+from flowspec_p2p.mode import Pipeline
 from flowspec_p2p.stage import StageCore
 from flowspec_p2p.transport import Frame
 

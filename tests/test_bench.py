@@ -282,7 +282,8 @@ async def test_leader_compute_is_slowed_down_like_a_stage():
     from concurrent.futures import ThreadPoolExecutor
 
     from flowspec_p2p.generate import GenStats
-    from flowspec_p2p.leader import LeaderSettings, ModeContext, _decode_window
+    from flowspec_p2p.leader import LeaderSettings, _decode_window
+    from flowspec_p2p.mode import ModeContext
     from flowspec_p2p.sampling import SamplingParams
 
     leader = SimpleNamespace(head=None, drafter=None, settings=LeaderSettings(slowdown=3.0, slowdown_basis="measured"),
@@ -307,7 +308,8 @@ async def test_leader_slowdown_counts_the_cpu_time_it_used_not_host_contention(m
     import torch
 
     from flowspec_p2p.generate import GenStats
-    from flowspec_p2p.leader import LeaderSettings, ModeContext
+    from flowspec_p2p.leader import LeaderSettings
+    from flowspec_p2p.mode import ModeContext
     from flowspec_p2p.sampling import SamplingParams
 
     def spin(seconds: float) -> None:  # compute: uses the CPU the whole time
@@ -331,8 +333,9 @@ async def test_api_returns_token_ids_decode_window_and_leader_timeline_on_reques
     from flowspec_p2p.api import create_app
     from flowspec_p2p.chunkpp import CHUNK
     from flowspec_p2p.drafter import OracleDrafter
-    from flowspec_p2p.leader import AR, Leader, LeaderSettings
+    from flowspec_p2p.leader import Leader, LeaderSettings
     from flowspec_p2p.loopback import LoopbackRing
+    from flowspec_p2p.mode import AR
 
     from .ring_fixtures import F64, ByteTokenizer, tiny_parts
 

@@ -13,8 +13,9 @@ from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.flowspec import FlowSpecConfig, FlowSpecGrowth, flowspec_spec
 from flowspec_p2p.flowstate import Calibration, FlowState, StageCost, WalkClock, best_segment, linear_cost
 from flowspec_p2p.generate import GenStats
-from flowspec_p2p.leader import AR, Leader, LeaderSettings
+from flowspec_p2p.leader import Leader, LeaderSettings
 from flowspec_p2p.loopback import LoopbackRing
+from flowspec_p2p.mode import AR
 from flowspec_p2p.pipedec import PipeDecConfig, pipedec_spec
 from flowspec_p2p.sampling import SamplingParams
 from flowspec_p2p.shard import Shard

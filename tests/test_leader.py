@@ -11,8 +11,9 @@ from flowspec_p2p.draft import DraftHead
 from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.errors import Busy, InvalidRequest, NotReady, PeerGone, StageFailed
 from flowspec_p2p.generate import GenStats
-from flowspec_p2p.leader import AR, Leader, LeaderSettings, Pipeline
+from flowspec_p2p.leader import Leader, LeaderSettings
 from flowspec_p2p.loopback import LoopbackRing
+from flowspec_p2p.mode import AR, Pipeline
 from flowspec_p2p.sampling import SamplingParams
 from flowspec_p2p.transport import QueueSender
 

@@ -7,8 +7,9 @@ from aiohttp import web
 from flowspec_p2p.api import create_app
 from flowspec_p2p.chunkpp import CHUNK
 from flowspec_p2p.drafter import OracleDrafter
-from flowspec_p2p.leader import AR, Leader, LeaderSettings
+from flowspec_p2p.leader import Leader, LeaderSettings
 from flowspec_p2p.loopback import LoopbackRing
+from flowspec_p2p.mode import AR
 
 from .ring_fixtures import F64, ByteTokenizer, tiny_parts
 
