@@ -30,4 +30,4 @@ flowspec bench-spec --data "$DATA" --per-dataset 4 --max-tokens 128 --temperatur
 flowspec bench-spec --data "$DATA" --per-dataset 2 --max-tokens 128 --threads 1 --tree-tokens 16 --tree-depth 5 \
   --tree-topk 4 --out "$OUT/spec-bench-tree16"
 # issue 3: target forward cost against tree size, and the tree shape that maximises tokens/s here
-flowspec tune-tree --data "$DATA" --threads 1 --no-save --out "$OUT/spec-tune"
+flowspec tune-tree --data "$DATA" --threads 1 --no-save --out "$OUT/spec-tune-fewrow"  # spec-tune: before the kernel
