@@ -3,7 +3,7 @@
 (leader.py) creates one ModeContext per request, routes the request's returned messages into it, and runs the
 mode.
 
-Writing a mode (the lead's ``flowspec`` mode plugs in the same way)::
+Writing a mode (the ``flowspec`` mode plugs in the same way)::
 
     async def my_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
         await ctx.forward(parents=[-1, 0], positions=[0, 1], tokens=ctx.prompt[:2], commit=True)
