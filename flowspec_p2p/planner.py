@@ -63,6 +63,7 @@ class ModelSpec(FrozenModel):
     num_layers: int = Field(ge=1)
     layer_bytes: tuple[int, ...]  # per layer, runtime dtype
     embed_bytes: int  # token embedding table (stage 1 and the leader)
+    tied_embeddings: bool = False  # the leader's embedding is a view of its LM head (shard.py): no extra bytes
     head_bytes: int  # final norm + LM head (the leader)
     norm_bytes: int = 0  # the final norm alone (the last stage)
     draft_bytes: int = 0  # draft head (the leader)
@@ -164,6 +165,7 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
         num_layers=cfg.num_layers,
         layer_bytes=(layer * dtype_bytes * (2 if packed else 1),) * cfg.num_layers,
         embed_bytes=v * h * dtype_bytes,
+        tied_embeddings=cfg.tie_embeddings,
         head_bytes=(v * h * (2 if packed else 1) + h) * dtype_bytes,
         norm_bytes=h * dtype_bytes,
         draft_bytes=(draft_params + (layer if packed else 0)) * dtype_bytes + draft_extra_bytes,  # block packed too
@@ -196,7 +198,8 @@ class _Costs:
 
     def leader_extra_bytes(self) -> int:
         m = self.m
-        return m.embed_bytes + m.head_bytes + m.draft_bytes + 2 * self.t * m.vocab_size * 4
+        embed = 0 if m.tied_embeddings else m.embed_bytes
+        return embed + m.head_bytes + m.draft_bytes + 2 * self.t * m.vocab_size * 4
 
     def per_layer_s(self, d: Device) -> float:
         return self.t * self.m.layer_flops / (d.gflops * 1e9)

@@ -345,6 +345,10 @@ class Shard(nn.Module):
                 else:
                     w = t[EMBED if self.cfg.tie_embeddings else HEAD]
                 self.head_t = w.to(self.dtype).t().contiguous()  # [hidden, vocab]
+                if self.cfg.tie_embeddings and self.embed is not None:
+                    # one table, not two: the embedding becomes a [vocab, hidden] view of the head (a lookup of a
+                    # few strided rows costs microseconds; the head's matmuls keep their contiguous layout)
+                    self.embed.weight = nn.Parameter(self.head_t.t(), requires_grad=False)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         c = self.cfg

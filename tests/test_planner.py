@@ -142,3 +142,12 @@ def test_golden_plans_are_unchanged(path):
     opts = PlanOptions.model_validate(golden["options"])
     assert plan(devices, model, opts).model_dump(mode="json") == golden["plan"]
     assert render(plan(devices, model, opts), devices) == golden["rendering"]
+
+
+def test_a_tied_leader_needs_no_embedding_bytes_beside_its_head():
+    untied = smol()
+    tied = untied.model_copy(update={"tied_embeddings": True})
+    costs_u, costs_t = planner._Costs(untied, PlanOptions()), planner._Costs(tied, PlanOptions())
+    assert costs_u.leader_extra_bytes() - costs_t.leader_extra_bytes() == untied.embed_bytes
+    stage = dev(1, 1000, 10)  # a stage that embeds still holds its own table
+    assert costs_t.fixed_bytes(stage, embed=True, head=False) == costs_u.fixed_bytes(stage, embed=True, head=False)

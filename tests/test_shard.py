@@ -35,6 +35,20 @@ def test_forward_matches_transformers_in_float64(tiny_checkpoints, kind):
     assert (ours - ref).abs().max().item() <= 1e-9
 
 
+@pytest.mark.parametrize("kind", ["llama", "llama-untied"])
+def test_tied_embedding_is_one_table_with_the_head(tiny_checkpoints, kind):
+    """A tied model's embedding is a view of the LM head (no second table); an untied one keeps its own. Both
+    look up exactly the checkpoint's rows."""
+    folder = tiny_checkpoints[kind]
+    shard = _whole(folder)
+    ref = _hf(folder).get_input_embeddings().weight  # [vocab, hidden]
+    shares = shard.embed.weight.untyped_storage().data_ptr() == shard.head_t.untyped_storage().data_ptr()
+    assert shares == (kind == "llama")
+    ids = torch.tensor([[0, 5, 95, 5]])
+    with torch.inference_mode():
+        assert torch.equal(shard.embed(ids)[0], ref[ids[0]])
+
+
 def test_qwen2_bias_is_used(tiny_checkpoints):
     shard = _whole(tiny_checkpoints["qwen2"])
     assert shard.blocks[0].bqkv is not None
