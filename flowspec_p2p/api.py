@@ -158,11 +158,13 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status, headers=headers)
 
 
-def _api_error(e: BaseException, retry_after: int) -> ApiError:
+def _api_error(e: BaseException, retry_after: int, prompt_param: str = "messages") -> ApiError:
+    """``prompt_param``: the request field that holds the prompt (``messages`` or ``prompt``)."""
     if isinstance(e, ApiError):
         return e
     if isinstance(e, ContextOverflow):
-        return ApiError(400, str(e), "invalid_request_error", "messages", "context_length_exceeded")
+        code = None if "empty" in str(e) else "context_length_exceeded"
+        return ApiError(400, str(e), "invalid_request_error", prompt_param, code)
     if isinstance(e, InvalidRequest | ConfigError):
         return ApiError(400, str(e), "invalid_request_error", "decoding" if "mode" in str(e) else None)
     if isinstance(e, Busy):
@@ -280,6 +282,8 @@ def _prompt_ids(leader: Leader, body: _Body) -> tuple[list[int], str]:
     if isinstance(body, ChatRequest):
         return tok.chat([m.as_dict() for m in body.messages]), "chat"
     assert isinstance(body, CompletionRequest)
+    if not body.prompt:
+        raise ApiError(400, "the prompt is empty", "invalid_request_error", "prompt")
     if isinstance(body.prompt, str):
         return tok.encode(body.prompt), "text"
     vocab = leader.head.cfg.vocab_size
@@ -291,31 +295,32 @@ def _prompt_ids(leader: Leader, body: _Body) -> tuple[list[int], str]:
 async def _complete(request: web.Request, model: type[_Body]) -> web.StreamResponse:
     leader = request.app[LEADER]
     retry = leader.settings.retry_after_s
+    param = "messages" if model is ChatRequest else "prompt"
     try:
         body = await _parse(request, model)
         prompt, kind = _prompt_ids(leader, body)
         job = _Job(leader, body, prompt, kind)
     except (ApiError, FlowSpecError) as e:
-        return _api_error(e, retry).response()
+        return _api_error(e, retry, param).response()
     if body.stream:
-        return await _stream(request, job, retry)
+        return await _stream(request, job, retry, param)
     parts: list[str] = []
     try:
         async with contextlib.aclosing(job.deltas()) as deltas:
             async for text in deltas:
                 parts.append(text)
     except Exception as e:
-        return _api_error(e, retry).response()
+        return _api_error(e, retry, param).response()
     return web.json_response(job.full("".join(parts)))
 
 
-async def _stream(request: web.Request, job: _Job, retry: int) -> web.StreamResponse:
+async def _stream(request: web.Request, job: _Job, retry: int, param: str) -> web.StreamResponse:
     deltas = job.deltas()
     try:
         first = await anext(deltas, None)  # errors before any output still get a proper status code
     except Exception as e:
         await deltas.aclose()
-        return _api_error(e, retry).response()
+        return _api_error(e, retry, param).response()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
 
@@ -338,7 +343,7 @@ async def _stream(request: web.Request, job: _Job, retry: int) -> web.StreamResp
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as e:
-        err = _api_error(e, retry)
+        err = _api_error(e, retry, param)
         with contextlib.suppress(ConnectionResetError):
             await send(err.body())
     finally:

@@ -153,6 +153,20 @@ async def test_completion_token_ids_out_of_vocabulary_are_rejected(served):
     assert "[0, 96)" in (await r.json())["error"]["message"]
 
 
+@pytest.mark.parametrize(("prompt", "needle", "code"), [
+    ("", "empty", None),
+    ([], "empty", None),
+    ([5] * 300, "context limit", "context_length_exceeded"),
+])
+async def test_completion_prompt_errors_name_the_prompt_field(served, prompt, needle, code):
+    client, _, _ = served
+    r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert r.status == 400
+    err = (await r.json())["error"]
+    assert needle in err["message"], err
+    assert (err["param"], err["code"]) == ("prompt", code)
+
+
 async def test_models_health_and_cluster(served):
     client, leader, _ = served
     assert (await (await client.get("/v1/models")).json())["data"][0]["id"] == "tiny"
