@@ -3,7 +3,7 @@
     discovery (mDNS + static peers) --PeerSeen/PeerLost--> coordinator (leader) or member control
     agent server (aiohttp, signed with the shared secret when there is one):
         POST /control, GET /control/info, GET /control/timeline    control plane (control.py)
-        GET  /ring                                                  data plane (transport.RingServer)
+        GET  /ring                                                  data plane (ring_server.RingServer)
         GET  /weights/...                                           the leader's weight server
     StageHost: this agent's pipeline stage (weights, worker, links) for the plan epoch in force
     leader only: the Leader (decoding modes) and its OpenAI-compatible API (api.py) on --api-host/--api-port
@@ -54,9 +54,10 @@ from .errors import ConfigError, FlowSpecError, PeerGone, ProtocolError
 from .member import MemberControl
 from .planner import describe_model
 from .profile import DeviceProfile, measure
+from .ring_server import RingServer
 from .shard import packing_enabled
 from .stage_host import StageHost, TapQueue
-from .transport import LinkDown, RingServer
+from .transport import LinkDown
 from .types import LayerRange
 
 log = logging.getLogger(__name__)

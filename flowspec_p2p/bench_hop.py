@@ -31,8 +31,9 @@ from .generate import ARDecoder, GenStats, generate_ids
 from .leader import Leader, LeaderSettings
 from .messages import PROTOCOL_VERSION, Forward
 from .mode import AR, ModeSpec
+from .ring_server import RingServer
 from .sampling import SamplingParams
-from .transport import RING_PATH, Hello, Link, RingServer
+from .transport import RING_PATH, Hello, Link
 
 log = logging.getLogger(__name__)
 

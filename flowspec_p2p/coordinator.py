@@ -43,9 +43,10 @@ from .control import (
 from .errors import ConfigError, FlowSpecError, PeerGone, PlanInfeasible, ProtocolError
 from .messages import PROTOCOL_VERSION
 from .planner import ModelSpec, Plan, PlanOptions, diff, plan, render
+from .ring_server import RingServer
 from .stage_host import StageHost, connect_with_retry, ws_url
 from .transport import Hello as RingHello
-from .transport import LinkDown, RingServer
+from .transport import LinkDown
 
 log = logging.getLogger(__name__)
 

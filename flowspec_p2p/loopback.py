@@ -20,9 +20,10 @@ from .emulation import NO_COMPUTE_EMULATION, NO_LINK_EMULATION, ComputeEmulation
 from .leader import Leader
 from .messages import PROTOCOL_VERSION
 from .mode import Pipeline
+from .ring_server import RingServer
 from .shard import Shard
 from .stage import StageCore
-from .transport import RING_PATH, Hello, Link, QueueSender, RingServer, Sender
+from .transport import RING_PATH, Hello, Link, QueueSender, Sender
 from .worker import StageWorker
 
 log = logging.getLogger(__name__)

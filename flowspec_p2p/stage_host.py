@@ -34,9 +34,10 @@ from .emulation import ComputeEmulation, LinkEmulation
 from .errors import FlowSpecError, PeerGone, ProtocolError
 from .messages import PROTOCOL_VERSION
 from .model import parse_dtype
+from .ring_server import RingServer
 from .shard import Shard
 from .stage import StageCore
-from .transport import CLOSE_SHUTDOWN, RING_PATH, Hello, Link, LinkDown, QueueSender, RingServer, Sender
+from .transport import CLOSE_SHUTDOWN, RING_PATH, Hello, Link, LinkDown, QueueSender, Sender
 from .weight_server import fetch_range, stage_fingerprint
 from .weights import EMBED, NORM, ROPE_FREQS, layer_tensor_names
 from .worker import StageWorker

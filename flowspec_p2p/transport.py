@@ -2,14 +2,14 @@
 
     leader --Link--> /ring of stage 1 --Link--> /ring of stage 2 ... stage N --Link--> /ring of the leader
 
-Every agent's aiohttp app serves ``GET /ring`` (``RingServer``): an *inbound* link from its ring predecessor. Each
-agent opens one *outbound* ``Link`` to its successor. A link is one-way: data frames only flow from the dialler
-to the server, so the FIFO order of a websocket is the order of the ring.
+Every agent's aiohttp app serves ``GET /ring`` (``ring_server.RingServer``): an *inbound* link from its ring
+predecessor. Each agent opens one *outbound* ``Link`` to its successor. A link is one-way: data frames only flow
+from the dialler to the server, so the FIFO order of a websocket is the order of the ring.
 
 Handshake: the dialler sends a ``Hello`` (protocol version, cluster name, plan epoch, sender id) as the first
 text frame; the server answers a ``Welcome`` or closes with a reason (close codes below). A link from another
 cluster, another protocol version, or a stale or unknown plan epoch is refused; when the control plane moves to
-a new epoch (``RingServer.set_epoch``) the server closes its inbound links of older epochs.
+a new epoch (``ring_server.RingServer.set_epoch``) the server closes its inbound links of older epochs.
 
 Failure handling: a frame that fails validation closes *that* link with a logged reason and never the agent.
 Either end's owner is told through its event queue: the server posts ``LinkDown`` to its inbox after the last
@@ -28,19 +28,16 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import aiohttp
 import torch
-from aiohttp import web
 from pydantic import Field, ValidationError
 
 from . import codec
 from .emulation import NO_LINK_EMULATION, LinkEmulation, Pacer
 from .errors import PeerGone, ProtocolError
-from .messages import PROTOCOL_VERSION
 from .types import FrozenModel
 
 log = logging.getLogger(__name__)
@@ -76,6 +73,11 @@ class Welcome(FrozenModel):
 
 
 _link_ids = itertools.count(1)
+
+
+def next_link_id() -> int:
+    """A process-wide id for a new link (either end)."""
+    return next(_link_ids)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class Link:
         self.ws = ws
         self.peer = peer
         self.epoch = epoch
-        self.id = next(_link_ids)
+        self.id = next_link_id()
         self.counters = LinkCounters()
         self.float_dtype = float_dtype
         self.emulation = emulation
@@ -282,7 +284,7 @@ class QueueSender:
                  float_dtype: torch.dtype | None = None):
         self.queue = queue
         self.peer = peer
-        self.id = next(_link_ids)
+        self.id = next_link_id()
         self.roundtrip = roundtrip
         self.float_dtype = float_dtype
         self.counters = LinkCounters()
@@ -307,117 +309,3 @@ class QueueSender:
 
     async def close(self) -> None:
         self._closed = True
-
-
-# ------------------------------------------------------------------------------------------------- inbound
-
-
-@dataclass
-class _Inbound:
-    ws: web.WebSocketResponse
-    hello: Hello
-    id: int = field(default_factory=lambda: next(_link_ids))
-    counters: LinkCounters = field(default_factory=LinkCounters)
-
-
-class RingServer:
-    """The ``/ring`` endpoint of one agent. Decoded frames of every accepted link go to ``inbox`` (set by the
-    owner: the stage worker's queue, or the leader's return queue), in arrival order, followed by a
-    ``LinkDown`` when the link ends. ``install(app)`` adds the route and closes the links on shutdown."""
-
-    def __init__(self, agent_id: str, cluster: str, *, epoch: int = 0, inbox: asyncio.Queue | None = None,
-                 allowed: Callable[[Hello], bool] | None = None, max_frame_bytes: int = codec.MAX_FRAME_BYTES):
-        self.agent_id = agent_id
-        self.cluster = cluster
-        self.epoch = epoch
-        self.inbox = inbox
-        self.allowed = allowed  # optional extra check (e.g. "is the sender my planned predecessor?")
-        self.max_frame_bytes = max_frame_bytes
-        self.links: dict[int, _Inbound] = {}
-        self.refused = 0
-        self.bad_frames = 0
-
-    def install(self, app: web.Application) -> None:
-        app.router.add_get(RING_PATH, self.handle)
-        app.on_shutdown.append(self._on_shutdown)
-
-    async def set_epoch(self, epoch: int) -> None:
-        """Adopt a new plan epoch: inbound links of other epochs are closed."""
-        self.epoch = epoch
-        for link in list(self.links.values()):
-            if link.hello.epoch != epoch:
-                await link.ws.close(code=CLOSE_STALE_EPOCH, message=f"plan epoch {epoch} replaced yours".encode())
-
-    def snapshot(self) -> list[dict]:
-        return [{"peer": x.hello.sender, "epoch": x.hello.epoch, "link": x.id, **x.counters.as_dict()}
-                for x in self.links.values()]
-
-    async def _on_shutdown(self, app: web.Application) -> None:
-        for link in list(self.links.values()):
-            await link.ws.close(code=CLOSE_SHUTDOWN, message=b"agent stopping")
-
-    def _refusal(self, hello: Hello) -> tuple[int, str] | None:
-        if hello.protocol != PROTOCOL_VERSION:
-            return CLOSE_REFUSED, f"protocol {hello.protocol} != {PROTOCOL_VERSION}"
-        if hello.cluster != self.cluster:
-            return CLOSE_REFUSED, f"cluster {hello.cluster!r} != {self.cluster!r}"
-        if hello.epoch != self.epoch:
-            return CLOSE_STALE_EPOCH, f"plan epoch {hello.epoch} is not the current epoch {self.epoch}"
-        if self.inbox is None:
-            return CLOSE_REFUSED, "this agent serves no stage"
-        if self.allowed is not None and not self.allowed(hello):
-            return CLOSE_REFUSED, f"{hello.sender} is not this agent's planned predecessor"
-        return None
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=self.max_frame_bytes, compress=False)
-        await ws.prepare(request)
-        peer = request.remote or "?"
-        try:
-            first = await ws.receive(timeout=HANDSHAKE_TIMEOUT_S)
-            if first.type != aiohttp.WSMsgType.TEXT:
-                raise ProtocolError(f"expected a hello, got {first.type.name}")
-            hello = Hello.model_validate_json(first.data)
-        except (ProtocolError, ValidationError, TimeoutError) as e:
-            self.refused += 1
-            log.warning("ring: refused a link from %s: bad hello (%s)", peer, str(e).splitlines()[0])
-            await ws.close(code=CLOSE_REFUSED, message=b"bad hello")
-            return ws
-        refusal = self._refusal(hello)
-        if refusal is not None:
-            self.refused += 1
-            log.warning("ring: refused a link from %s (%s): %s", hello.sender, peer, refusal[1])
-            await ws.close(code=refusal[0], message=refusal[1].encode()[:120])
-            return ws
-        inbox = self.inbox
-        assert inbox is not None
-        await ws.send_str(Welcome(protocol=PROTOCOL_VERSION, epoch=self.epoch, receiver=self.agent_id)
-                          .model_dump_json())
-        link = _Inbound(ws, hello)
-        self.links[id(ws)] = link
-        log.info("ring: link from %s (%s) open, epoch %d", hello.sender, peer, hello.epoch)
-        reason = "closed"
-        try:
-            async for m in ws:
-                if m.type == aiohttp.WSMsgType.ERROR:
-                    break
-                if m.type != aiohttp.WSMsgType.BINARY:
-                    raise ProtocolError(f"unexpected {m.type.name} frame")
-                msg, tensors = codec.decode(m.data, max_frame_bytes=self.max_frame_bytes)
-                link.counters.frames += 1
-                link.counters.bytes += len(m.data)
-                inbox.put_nowait(Frame(msg, tensors, hello.sender, link.id, time.time()))
-            reason = f"closed by {hello.sender} (code {ws.close_code})"
-            if ws.exception() is not None:
-                reason = f"broken: {ws.exception()}"
-        except ProtocolError as e:
-            self.bad_frames += 1
-            link.counters.errors += 1
-            reason = f"bad frame: {e}"
-            log.warning("ring: closing the link from %s: %s", hello.sender, reason)
-            await ws.close(code=CLOSE_BAD_FRAME, message=str(e).encode()[:120])
-        finally:
-            self.links.pop(id(ws), None)
-            inbox.put_nowait(LinkDown(hello.sender, reason, "in", link.id, hello.epoch))
-            log.info("ring: link from %s ended: %s", hello.sender, reason)
-        return ws

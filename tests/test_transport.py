@@ -13,6 +13,7 @@ from flowspec_p2p import codec
 from flowspec_p2p.emulation import LinkEmulation
 from flowspec_p2p.errors import PeerGone, ProtocolError
 from flowspec_p2p.messages import PROTOCOL_VERSION, Forward, Prune
+from flowspec_p2p.ring_server import RingServer
 from flowspec_p2p.transport import (
     CLOSE_BAD_FRAME,
     CLOSE_REFUSED,
@@ -22,7 +23,6 @@ from flowspec_p2p.transport import (
     Link,
     LinkDown,
     QueueSender,
-    RingServer,
 )
 
 
