@@ -4,9 +4,11 @@ evaluation, flowspec-algorithm.md §8).
     start N stage agents + 1 leader as processes on loopback (local_cluster.py), the leader holding the draft head,
     embedding and LM head and no layers (the paper's 1 draft + N verification devices), every device emulated:
     links of --link-mbps / --link-latency-ms, compute --slowdown times slower (stages and the leader's own compute)
-      -> for each temperature, each Spec-Bench prompt (lines [30, 30 + K) of each set, first turn), each mode
-         (rotated per prompt, so drift and warm caches hit every mode alike): one API request, seed fixed per prompt
-      -> one JSON line per finished (prompt, mode, T) in <out>/records.jsonl (``--resume`` skips those)
+      -> for each temperature, each Spec-Bench prompt (lines [30, 30 + K) of each set), each mode (rotated per
+         prompt, so drift and warm caches hit every mode alike): one conversation, seed fixed per prompt: an API
+         request per user turn (up to --turns; MT-bench has two, run as a conversation as in the paper), each
+         later turn after the mode's own earlier replies
+      -> one JSON line per finished (prompt, turn, mode, T) in <out>/records.jsonl (``--resume`` skips those)
       -> results.json / results.md (bench_report.py) and PNG charts (charts.py)
 
 Default slowdown (``default_slowdown``): every emulated device (N stages + the leader) computes on one torch thread
@@ -52,7 +54,7 @@ HTTP_TIMEOUT_S = 30.0
 # setup entries that must match for --resume to append to earlier records
 RESUME_KEYS = ("stages", "link_mbps", "link_latency_ms", "slowdown", "leader_slowdown", "max_tokens", "wire_dtype",
                "threads_per_agent", "context", "model_fingerprint", "draft_fingerprint", "leader_layers",
-               "compute_basis", "flowspec_config")
+               "compute_basis", "flowspec_config", "turns")
 
 
 class BenchConfig(FrozenModel):
@@ -61,6 +63,7 @@ class BenchConfig(FrozenModel):
     link_latency_ms: float = Field(2.0, ge=0)
     slowdown: float | None = Field(None, ge=1)  # None: default_slowdown(stages)
     per_dataset: int = Field(20, ge=1)
+    turns: int = Field(2, ge=1)  # user turns per conversation, where a question has them (MT-bench: 2)
     start: int = Field(START_LINE, ge=0)
     datasets: tuple[str, ...] = DATASETS
     temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -85,6 +88,11 @@ class Prompt:
     line: int  # 0-based line in <dataset>.jsonl
     question_id: int | str | None
     text: str  # the first user turn
+    follow_ups: tuple[str, ...] = ()  # the later user turns, asked after the mode's own replies
+
+    @property
+    def turns(self) -> tuple[str, ...]:
+        return (self.text, *self.follow_ups)
 
 
 def default_slowdown(stages: int, cores: int | None = None) -> float:
@@ -93,8 +101,8 @@ def default_slowdown(stages: int, cores: int | None = None) -> float:
     return float(max(1, math.ceil(2 * (stages + 1) / cores)))
 
 
-def load_prompts(data: Path, datasets: tuple[str, ...], start: int, count: int) -> list[Prompt]:
-    """Lines [start, start + count) of each Spec-Bench set, first turn."""
+def load_prompts(data: Path, datasets: tuple[str, ...], start: int, count: int, turns: int = 1) -> list[Prompt]:
+    """Lines [start, start + count) of each Spec-Bench set, with up to ``turns`` user turns each."""
     out = []
     for name in datasets:
         path = Path(data) / f"{name}.jsonl"
@@ -104,7 +112,7 @@ def load_prompts(data: Path, datasets: tuple[str, ...], start: int, count: int) 
             raise ConfigError(f"cannot read Spec-Bench set {path}: {e} (pass --data)") from e
         for i in range(start, min(start + count, len(lines))):
             q = json.loads(lines[i])
-            out.append(Prompt(name, i, q.get("question_id"), q["turns"][0]))
+            out.append(Prompt(name, i, q.get("question_id"), q["turns"][0], tuple(q["turns"][1:turns])))
     return out
 
 
@@ -212,7 +220,8 @@ def make_setup(cfg: BenchConfig, slowdown: float, view: dict | None, modes: list
         "modes": modes,
         "modes_offered": offered,
         "datasets": list(cfg.datasets),
-        "lines": f"[{cfg.start}, {cfg.start + cfg.per_dataset}) of each set, first turn",
+        "lines": f"[{cfg.start}, {cfg.start + cfg.per_dataset}) of each set, up to {cfg.turns} user turn(s) each",
+        "turns": cfg.turns,
         "prompts_per_dataset": prompts_per_dataset,
         "temperatures": list(cfg.temperatures),
         "flowspec_config": cfg.flowspec or None,  # None: the defaults (flowspec.FlowSpecConfig)
@@ -265,14 +274,23 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def request_body(p: Prompt, mode: str, t: float, max_tokens: int, timeline: bool) -> dict:
-    return {"messages": [{"role": "user", "content": p.text}], "max_tokens": max_tokens, "temperature": t,
+def conversation(p: Prompt, replies: list[str]) -> list[dict]:
+    """The messages of the turn after ``replies`` (the mode's own replies to the earlier turns)."""
+    msgs = []
+    for user, reply in zip(p.turns, replies, strict=False):
+        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    return [*msgs, {"role": "user", "content": p.turns[len(replies)]}]
+
+
+def request_body(p: Prompt, mode: str, t: float, max_tokens: int, timeline: bool,
+                 replies: list[str] | None = None) -> dict:
+    return {"messages": conversation(p, replies or []), "max_tokens": max_tokens, "temperature": t,
             "seed": report.seed_for(p.dataset, p.line), "decoding": mode, "return_token_ids": True,
             "return_leader_timeline": timeline}
 
 
 def make_record(p: Prompt, mode: str, t: float, resp: dict, client_s: float, stage_timelines: list[list[dict]],
-                keep_timeline: bool) -> dict:
+                keep_timeline: bool, turn: int = 0) -> dict:
     """A finished request -> its record (see bench_report's glossary). ``stage_timelines``: per stage (in ring
     order) the worker's busy intervals (dicts with start, end, compute_s)."""
     stats = dict(resp["stats"])
@@ -284,8 +302,9 @@ def make_record(p: Prompt, mode: str, t: float, resp: dict, client_s: float, sta
     inside = [[iv for iv in tl if start <= iv["start"] < end] for tl in stage_timelines]
     compute = [sum(iv["compute_s"] for iv in tl) for tl in inside]
     rec = {
-        "dataset": p.dataset, "line": p.line, "question_id": p.question_id, "mode": mode, "temperature": t,
-        "seed": report.seed_for(p.dataset, p.line), "ok": True,
+        "dataset": p.dataset, "line": p.line, "question_id": p.question_id, "turn": turn, "mode": mode,
+        "temperature": t, "seed": report.seed_for(p.dataset, p.line), "ok": True,
+        "text": (resp["choices"][0].get("message") or {}).get("content"),
         "prompt_tokens": stats.pop("prompt_tokens"), "new_tokens": stats.pop("new_tokens"),
         "steps": stats.pop("steps"), "tau": stats.pop("tau"), "prefill_s": stats.pop("prefill_s"),
         "decode_s": stats.pop("decode_s"), "client_s": round(client_s, 4), "finish_reason":
@@ -314,7 +333,7 @@ def run(cfg: BenchConfig) -> dict:
     """Run the benchmark (see the module docstring) -> results (also written to ``cfg.out``)."""
     from .local_cluster import ClusterOptions, LocalCluster
 
-    prompts = load_prompts(cfg.data, cfg.datasets, cfg.start, cfg.per_dataset)
+    prompts = load_prompts(cfg.data, cfg.datasets, cfg.start, cfg.per_dataset, cfg.turns)
     if not prompts:
         raise ConfigError(f"no prompts: lines [{cfg.start}, {cfg.start + cfg.per_dataset}) of {cfg.datasets}")
     per_dataset = {d: sum(p.dataset == d for p in prompts) for d in cfg.datasets}
@@ -371,39 +390,56 @@ def _run_requests(cluster, cfg: BenchConfig, prompts: list[Prompt], modes: list[
     from tqdm import tqdm
 
     url = cluster.api_url + "/v1/chat/completions"
-    done = {report.record_key(r) for r in records if r.get("ok", True)}
+    done = {report.record_key(r): r for r in records if r.get("ok", True)}
     todo = [(t, p, m) for t, p, m in plan_requests(prompts, modes, cfg.temperatures)
-            if (report.temp_key(t), p.dataset, p.line, m) not in done]
+            if any(_key(t, p, m, k) not in done for k in range(len(p.turns)))]
     chart = {(report.temp_key(t), prompts[0].dataset, prompts[0].line) for t in cfg.temperatures}
-    log.warning("%d requests to run (%d done before)", len(todo), len(done))
+    log.warning("%d conversations to run (%d requests done before)", len(todo), len(done))
     if not todo:
         return
     for m in modes:  # warm-up, not recorded: imports, first allocations, the drafter's caches
         _post(url, request_body(prompts[0], m, 0.0, WARMUP_TOKENS, False), cfg.request_timeout_s)
-    bar = tqdm(todo, desc="bench", unit="req", disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(todo, desc="bench", unit="conv", disable=not cfg.progress, dynamic_ncols=True)
     with open(records_path, "a") as f:
         for t, p, m in bar:
-            bar.set_postfix_str(f"T={t:g} {p.dataset}:{p.line} {m}")
-            keep = (report.temp_key(t), p.dataset, p.line) in chart
-            t0 = time.perf_counter()
-            try:
-                resp = _post(url, request_body(p, m, t, cfg.max_tokens, keep), cfg.request_timeout_s)
-            except FlowSpecError as e:
-                if not cluster.agents[0].alive:
-                    raise FlowSpecError(f"the leader died: {cluster.agents[0].log_tail()}") from e
-                log.warning("T=%g %s line %d %s failed: %s", t, p.dataset, p.line, m, e)
-                rec = {"dataset": p.dataset, "line": p.line, "mode": m, "temperature": t, "ok": False,
-                       "error": str(e)}
-            else:
-                client_s = time.perf_counter() - t0
-                since = resp["stats"]["decode_started_at"]
-                rec = make_record(p, m, t, resp, client_s, _stage_timelines(cluster, since), keep)
-                bar.set_postfix_str(f"T={t:g} {p.dataset}:{p.line} {m} {rec['new_tokens']} tok "
-                                    f"{rec['new_tokens'] / max(rec['decode_s'], 1e-9):.1f} tok/s "
-                                    f"util {100 * rec['utilization']:.0f}%")
-            records.append(rec)
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
+            replies: list[str] = []
+            for k in range(len(p.turns)):
+                rec = done.get(_key(t, p, m, k))
+                if rec is None:
+                    rec = _run_turn(cluster, url, cfg, p, m, t, k, replies,
+                                    keep=k == 0 and (report.temp_key(t), p.dataset, p.line) in chart, bar=bar)
+                    records.append(rec)
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                if not rec.get("ok", True):
+                    break  # the later turns need this reply; --resume runs the conversation again
+                replies.append(rec.get("text") or "")
+
+
+def _key(t: float, p: Prompt, m: str, turn: int) -> tuple:
+    return report.record_key({"temperature": t, "dataset": p.dataset, "line": p.line, "mode": m, "turn": turn})
+
+
+def _run_turn(cluster, url: str, cfg: BenchConfig, p: Prompt, m: str, t: float, turn: int, replies: list[str],
+              keep: bool, bar) -> dict:
+    """One API request (turn ``turn`` of ``p``'s conversation under mode ``m``) -> its record."""
+    where = f"T={t:g} {p.dataset}:{p.line}" + (f" turn {turn + 1}" if len(p.turns) > 1 else "") + f" {m}"
+    bar.set_postfix_str(where)
+    t0 = time.perf_counter()
+    try:
+        resp = _post(url, request_body(p, m, t, cfg.max_tokens, keep, replies), cfg.request_timeout_s)
+    except FlowSpecError as e:
+        if not cluster.agents[0].alive:
+            raise FlowSpecError(f"the leader died: {cluster.agents[0].log_tail()}") from e
+        log.warning("%s failed: %s", where, e)
+        return {"dataset": p.dataset, "line": p.line, "turn": turn, "mode": m, "temperature": t, "ok": False,
+                "error": str(e)}
+    client_s = time.perf_counter() - t0
+    since = resp["stats"]["decode_started_at"]
+    rec = make_record(p, m, t, resp, client_s, _stage_timelines(cluster, since), keep, turn)
+    bar.set_postfix_str(f"{where} {rec['new_tokens']} tok {rec['new_tokens'] / max(rec['decode_s'], 1e-9):.1f} "
+                        f"tok/s util {100 * rec['utilization']:.0f}%")
+    return rec
 
 
 def finish(out: Path, setup: dict, records: list[dict]) -> dict:

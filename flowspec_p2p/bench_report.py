@@ -3,8 +3,9 @@ results.md (no I/O but ``write_reports``, no cluster, no torch).
 
 Glossary (flowspec-algorithm.md §8.1):
 
-    record        one finished request: (dataset, line, mode, temperature) with the leader's stats, the decode window
-                  and each stage's busy seconds within it (``bench.py`` writes one JSON line per record)
+    record        one finished request: (dataset, line, turn, mode, temperature) with the leader's stats, the decode
+                  window and each stage's busy seconds within it (``bench.py`` writes one JSON line per record); a
+                  later turn of a conversation is a request of its own, after the mode's earlier replies
     decode window [decode_started_at, decode_finished_at] in time.time(): from the first token (prefill done) to
                   the last, as the leader's mode measures ``decode_s``
     ξ             ``tokens_per_s`` = Σ new tokens / Σ decode_s (prefill excluded), the paper's throughput
@@ -19,14 +20,14 @@ Glossary (flowspec-algorithm.md §8.1):
     forward ms    ``stage_forward_ms``: a stage's mean compute per forward (the emulated wait excluded). Modes that
                   keep several stages busy at once pay more per forward when the host's cores are contended: compare
                   it across modes to see whether the emulation held (it should barely depend on the mode)
-    paired        only prompts that every mode finished (at that temperature) count, so modes are compared on the
-                  same prompts
+    paired        only requests (prompt and turn) that every mode finished (at that temperature) count, so modes
+                  are compared on the same requests; ``prompts`` counts them
     speedup       ξ(mode) / ξ(baseline), per temperature, overall and per dataset
     walk costs    ``walk_costs_ms`` (pipelined tree modes): mean time from a walk to the next by the first walk's
                   outcome (flowstate.WalkClock), and a live segment's mean trip round the ring
 
 Greedy equality: at T=0 every lossless mode's token ids must equal ``ar``'s; the report counts matching prompts per
-mode and shows the first divergence.
+mode (each turn counted) and shows the first divergence.
 """
 
 from __future__ import annotations
@@ -99,8 +100,13 @@ def seed_for(dataset: str, line: int) -> int:
     return zlib.crc32(f"{dataset}:{line}".encode()) & 0x7FFFFFFF
 
 
-def record_key(r: dict) -> tuple[str, str, int, str]:
-    return temp_key(r["temperature"]), r["dataset"], int(r["line"]), r["mode"]
+def record_key(r: dict) -> tuple[str, str, int, str, int]:
+    return temp_key(r["temperature"]), r["dataset"], int(r["line"]), r["mode"], int(r.get("turn", 0))
+
+
+def prompt_key(r: dict) -> tuple[str, int, int]:
+    """Which request of a temperature's run this is, across modes: (dataset, line, turn)."""
+    return r["dataset"], int(r["line"]), int(r.get("turn", 0))
 
 
 # ------------------------------------------------------------------------------------------- aggregates
@@ -157,7 +163,7 @@ def paired(records: Sequence[dict], modes: Sequence[str]) -> list[dict]:
     by_prompt: dict[tuple, dict[str, dict]] = {}
     for r in records:
         if r.get("ok", True):
-            by_prompt.setdefault((r["dataset"], r["line"]), {})[r["mode"]] = r
+            by_prompt.setdefault(prompt_key(r), {})[r["mode"]] = r
     return [rs[m] for rs in by_prompt.values() if all(m in rs for m in modes) for m in modes]
 
 
@@ -188,7 +194,7 @@ def summarize(records: Sequence[dict], modes: Sequence[str], datasets: Sequence[
 def greedy_equality(records: Sequence[dict], modes: Sequence[str], reference: str = "ar") -> dict:
     """At T=0: per mode, how many prompts' token ids equal the reference mode's, and the first divergence."""
     greedy = [r for r in records if float(r["temperature"]) == 0.0 and r.get("ok", True) and "token_ids" in r]
-    ref = {(r["dataset"], r["line"]): r["token_ids"] for r in greedy if r["mode"] == reference}
+    ref = {prompt_key(r): r["token_ids"] for r in greedy if r["mode"] == reference}
     out = {}
     for m in modes:
         if m == reference or not ref:
@@ -196,15 +202,15 @@ def greedy_equality(records: Sequence[dict], modes: Sequence[str], reference: st
         compared = matching = 0
         first = None
         for r in greedy:
-            if r["mode"] != m or (r["dataset"], r["line"]) not in ref:
+            if r["mode"] != m or prompt_key(r) not in ref:
                 continue
-            a, b = ref[(r["dataset"], r["line"])], r["token_ids"]
+            a, b = ref[prompt_key(r)], r["token_ids"]
             compared += 1
             if a == b:
                 matching += 1
             elif first is None:
                 pos = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-                first = {"dataset": r["dataset"], "line": r["line"], "position": pos,
+                first = {"dataset": r["dataset"], "line": r["line"], "turn": r.get("turn", 0), "position": pos,
                          reference: a[pos : pos + 4], m: b[pos : pos + 4], f"{reference}_tokens": len(a),
                          f"{m}_tokens": len(b)}
         out[m] = {"matching": matching, "compared": compared, "first_divergence": first}
@@ -258,7 +264,7 @@ def markdown(res: dict) -> str:
         table = block["modes"]
         modes = list(table)
         n = max((m["prompts"] for m in table.values()), default=0)
-        lines += [f"## T = {t} ({n} prompts per mode, {s.get('max_tokens', '?')} max new tokens)", "",
+        lines += [f"## T = {t} ({n} requests per mode, {s.get('max_tokens', '?')} max new tokens)", "",
                   "| mode | tokens/s (ξ, decode) | e2e tokens/s | tau | tokens/round | utilization | per stage | "
                   "leader busy | vs chunk | vs ar |",
                   "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]

@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from flowspec_p2p import bench
 from flowspec_p2p import bench_report as rep
 from flowspec_p2p.bench import (
     Prompt,
     check_resume,
+    conversation,
     default_slowdown,
     load_prompts,
     make_record,
@@ -26,11 +28,12 @@ MODES = ["ar", "chunk", "flowspec"]
 
 
 def rec(mode, dataset="gsm8k", line=30, t=0.0, tokens=20, decode=1.0, prefill=0.5, steps=None, busy=None,
-        window=None, ok=True, ids=None, **stats):
+        window=None, ok=True, ids=None, turn=0, **stats):
     """A synthetic record as bench.make_record writes it."""
     window = decode if window is None else window
     busy = busy if busy is not None else [0.5 * window] * 4
-    return {"dataset": dataset, "line": line, "mode": mode, "temperature": t, "ok": ok, "new_tokens": tokens,
+    return {"dataset": dataset, "line": line, "turn": turn, "mode": mode, "temperature": t, "ok": ok,
+            "new_tokens": tokens,
             "decode_s": decode, "prefill_s": prefill, "steps": steps or tokens, "window_s": window,
             "stage_busy_s": busy, "leader_busy_s": 0.1 * window, "token_ids": ids or list(range(tokens)),
             "stats": stats}
@@ -108,10 +111,20 @@ def test_greedy_equality_counts_matching_prompts_and_locates_the_first_divergenc
     eq = rep.greedy_equality(rs, MODES)
     assert eq["flowspec"]["matching"] == 1
     assert eq["flowspec"]["compared"] == 2
-    assert eq["flowspec"]["first_divergence"] == {"dataset": "gsm8k", "line": 31, "position": 2, "ar": [7],
-                                                  "flowspec": [9, 9], "ar_tokens": 3, "flowspec_tokens": 4}
+    assert eq["flowspec"]["first_divergence"] == {"dataset": "gsm8k", "line": 31, "turn": 0, "position": 2,
+                                                  "ar": [7], "flowspec": [9, 9], "ar_tokens": 3, "flowspec_tokens": 4}
     assert eq["chunk"]["first_divergence"]["position"] == 3  # a prefix: diverges where the shorter one ends
     assert "ar" not in eq
+
+
+def test_each_turn_of_a_conversation_is_its_own_request_in_pairing_and_equality():
+    rs = [rec("ar", ids=[1, 2]), rec("ar", turn=1, ids=[3, 4]), rec("chunk", ids=[1, 2]),
+          rec("chunk", turn=1, ids=[3, 5]), rec("flowspec", ids=[1, 2])]  # flowspec's turn 2 failed
+    assert {(r["mode"], r["turn"]) for r in rep.paired(rs, MODES)} == {(m, 0) for m in MODES}
+    eq = rep.greedy_equality(rs, MODES)
+    assert (eq["chunk"]["matching"], eq["chunk"]["compared"]) == (1, 2)
+    assert eq["chunk"]["first_divergence"]["turn"] == 1
+    assert rep.record_key(rs[0]) != rep.record_key(rs[1])
 
 
 # ----------------------------------------------------------------------------------------------- reports
@@ -207,6 +220,51 @@ def test_prompts_are_the_first_turn_of_the_chosen_lines(tmp_path):
     assert [(p.line, p.question_id, p.text) for p in got] == [(i, 100 + i, f"q{i}") for i in range(30, 40)]
     with pytest.raises(ConfigError):
         load_prompts(tmp_path, ("gsm8k",), 30, 1)
+    two = load_prompts(tmp_path, ("qa",), 30, 1, turns=2)
+    assert two[0].turns == ("q30", "second")
+    assert load_prompts(tmp_path, ("qa",), 30, 1, turns=5)[0].turns == ("q30", "second")  # as many as it has
+
+
+def test_a_later_turn_carries_the_modes_own_earlier_replies():
+    p = Prompt("mt_bench", 30, 111, "first?", ("second?",))
+    assert conversation(p, []) == [{"role": "user", "content": "first?"}]
+    assert conversation(p, ["one"]) == [{"role": "user", "content": "first?"},
+                                        {"role": "assistant", "content": "one"},
+                                        {"role": "user", "content": "second?"}]
+
+
+def test_conversations_run_turn_by_turn_and_resume_skips_finished_turns(tmp_path, monkeypatch):
+    sent = []
+
+    def fake_post(url, body, timeout_s):
+        sent.append(body)
+        n = len(sent)
+        stats = {"prompt_tokens": 5, "new_tokens": 2, "steps": 2, "tau": 1.0, "prefill_s": 0.1, "decode_s": 0.2,
+                 "decode_started_at": 10.0 + n, "decode_finished_at": 10.2 + n, "token_ids": [n, n]}
+        return {"choices": [{"finish_reason": "length", "message": {"content": f"reply{n}"}}], "stats": stats}
+
+    cluster = SimpleNamespace(api_url="http://x", timelines=lambda since: [], agents=[SimpleNamespace(alive=True)])
+    monkeypatch.setattr(bench, "_post", fake_post)
+    cfg = bench.BenchConfig(out=tmp_path, temperatures=(0.0,), progress=False, max_tokens=2)
+    prompts = [Prompt("mt_bench", 30, 111, "first?", ("second?",))]
+    path = tmp_path / "records.jsonl"
+    # an earlier run finished the first turn under ar only
+    old = {"dataset": "mt_bench", "line": 30, "turn": 0, "mode": "ar", "temperature": 0.0, "ok": True,
+           "text": "earlier reply"}
+    records = [old]
+    bench._run_requests(cluster, cfg, prompts, ["ar", "flowspec"], records, path)
+    convs = [b for b in sent if b["max_tokens"] == 2]  # not the warm-up requests
+    by_mode = {}
+    for b in convs:
+        by_mode.setdefault(b["decoding"], []).append(b["messages"])
+    assert by_mode["ar"] == [[{"role": "user", "content": "first?"}, {"role": "assistant", "content": "earlier reply"},
+                              {"role": "user", "content": "second?"}]]  # only the unfinished turn, after the old reply
+    fs = by_mode["flowspec"]
+    assert [len(m) for m in fs] == [1, 3]
+    reply = next(r["text"] for r in records if r["mode"] == "flowspec" and r["turn"] == 0)
+    assert fs[1][1] == {"role": "assistant", "content": reply}
+    assert sorted((r["mode"], r["turn"]) for r in records) == [("ar", 0), ("ar", 1), ("flowspec", 0), ("flowspec", 1)]
+    assert len(read_records(path)) == 3  # the new ones, appended
 
 
 def test_record_from_a_response_and_stage_timelines():

@@ -30,10 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Start an emulated edge cluster on this host (N stage agents + 1 leader as processes on "
         "loopback; the leader holds the draft head, embedding and LM head and no layers; links of --link-mbps and "
         "--link-latency-ms; every device --slowdown times slower) and run the Spec-Bench prompts (lines 30.. of "
-        "each set, first turn) through every mode the leader offers (ar, chunk, pipedec, flowspec), interleaved per "
-        "prompt, at each temperature (seed fixed per prompt). Writes records.jsonl (one line per finished request; "
-        "--resume continues it), results.json, results.md and PNG charts (per-stage timelines, speedups) to --out. "
-        "Only the ratios between modes mean anything: the devices are emulated.",
+        "each set; MT-bench's two turns as one conversation per mode) through every mode the leader offers (ar, "
+        "chunk, pipedec, flowspec), interleaved per prompt, at each temperature (seed fixed per prompt). Writes "
+        "records.jsonl (one line per finished request; --resume continues it), results.json, results.md and PNG "
+        "charts (per-stage timelines, speedups) to --out. Only the ratios between modes mean anything: the "
+        "devices are emulated.",
     )
     p.add_argument("--stages", type=int, default=4, help="stage agents holding layers (default 4; +1 leader)")
     p.add_argument("--link-mbps", type=float, default=100.0, help="emulated link bandwidth, Mbit/s (default 100)")
@@ -42,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="emulated compute slowdown of every device, stages and leader (default: ceil(2 x (stages "
                    "+ 1) / host cores), so the devices do not contend for this host's cores)")
     p.add_argument("--per-dataset", type=int, default=20, help="prompts per Spec-Bench set (default 20: lines 30-49)")
+    p.add_argument("--turns", type=int, default=2,
+                   help="user turns per conversation where a question has several (MT-bench: 2, as in the paper; "
+                   "1: first turns only)")
     p.add_argument("--temperature", action="append", default=None, metavar="T[,T...]",
                    help="sampling temperature (repeatable or comma-separated; default 0 and 1)")
     p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per reply (default 256)")
@@ -79,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         fields = {"stages": args.stages, "link_mbps": args.link_mbps, "link_latency_ms": args.link_latency_ms,
                   "slowdown": args.slowdown, "per_dataset": args.per_dataset, "start": args.start,
+                  "turns": args.turns,
                   "temperatures": _floats(args.temperature, (0.0, 1.0)), "max_tokens": args.max_tokens,
                   "modes": _names(args.modes), "wire_dtype": args.wire_dtype, "threads": args.threads,
                   "context": args.context, "model": args.model, "draft": args.draft, "out": args.out,
