@@ -11,7 +11,7 @@ OUT="${1:-docs/figures/draft-ceiling}"
 shift || true
 QS=("$@")
 [ ${#QS[@]} -gt 0 ] || QS=(0.7 0.85 1)
-ARGS=(--per-dataset 1 --max-tokens 48 --temperature 0 --data ../shared/data/spec-bench)
+ARGS=(--per-dataset 1 --max-tokens 48 --temperature 0 --turns 1 --data ../shared/data/spec-bench)
 mkdir -p "$OUT"
 # 1. the target's greedy replies (autoregressive), keyed by prompt length (distinct for these prompts)
 [ -f "$OUT/ar/results.json" ] || flowspec bench --modes ar "${ARGS[@]}" --out "$OUT/ar"

@@ -10,11 +10,11 @@ DATA="${FLOWSPEC_SPEC_BENCH:-$ROOT/../shared/data/spec-bench}"
 OUT=docs/figures
 
 # issue 5: every decoding mode side by side on a 4-stage emulated edge cluster (100 Mbit/s, 2 ms, 5x slower
-# devices), one prompt per Spec-Bench set, T=0 and T=1
+# devices), one prompt per Spec-Bench set (MT-bench: both turns), T=0 and T=1
 flowspec bench --per-dataset 1 --max-tokens 64 --temperature 0,1 --data "$DATA" --out "$OUT/bench" --resume
 # issue 5: greedy FlowSpec through the 4-stage pipeline vs pipelined autoregressive, token for token (float32)
-flowspec bench --slowdown 1 --modes ar,flowspec --temperature 0 --per-dataset 4 --max-tokens 128 --data "$DATA" \
-  --out "$OUT/bench-equality" --resume
+flowspec bench --slowdown 1 --modes ar,flowspec --temperature 0 --per-dataset 4 --max-tokens 128 --turns 1 \
+  --data "$DATA" --out "$OUT/bench-equality" --resume
 # issue 3: tau per dataset at T=0/T=1, single-device speculative vs autoregressive, greedy equality
 flowspec bench-spec --data "$DATA" --per-dataset 2 --max-tokens 128 --threads 1 --out "$OUT/spec-bench"
 # issue 3: tau on all of lines 30-49 (120 prompts), two processes of three sets each
