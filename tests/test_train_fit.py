@@ -13,7 +13,7 @@ from flowspec_p2p.shard import Shard
 from flowspec_p2p.train.batchgen import BatchGenerator, Request
 from flowspec_p2p.train.corpus import load_corpus, make_example
 from flowspec_p2p.train.evaluate import evaluate
-from flowspec_p2p.train.export import export, load_checkpoint
+from flowspec_p2p.train.export import eval_indices, export, load_checkpoint
 from flowspec_p2p.train.fit import FitConfig, checkpoint_vocab, example_loss, fit, load_target, prepare
 from flowspec_p2p.train.store import FeatureStore
 from flowspec_p2p.train.unroll import unrolled
@@ -218,3 +218,17 @@ def test_also_features_trains_on_another_runs_store_too(run, peaked_llama, tmp_p
     assert len(train) + len(held) == len(both)
     with pytest.raises(ConfigError, match="no feature store"):
         prepare(_cfg(mine, peaked_llama, also_features=[tmp_path / "nothing"]), target)
+
+
+def test_evaluation_adds_only_the_conversations_the_fit_never_saw():
+    """Held-out plus self-distilled conversations unseen by the fit, by key: listing the stores in another order
+    (or another --also-features) at evaluation must not pull trained conversations in."""
+    keys = ["a", "b", "x", "y", "new", "forced"]
+    temps = [0.0, 1.0, 0.0, 0.0, 0.0, -1.0]  # -1: teacher-forced
+    state = {"self_distilled_keys": ["a", "b", "x", "y"], "data": {"self_distilled_seen": 4}}
+    assert eval_indices(keys, temps, [1], state) == [1, 4]
+    reordered = ["new", "a", "b", "x", "y", "forced"]  # another store first: the count would pick "y" (trained)
+    assert eval_indices(reordered, [0.0, 0.0, 1.0, 0.0, 0.0, -1.0], [2], state) == [0, 2]
+    old = {"data": {"self_distilled_seen": 4}}  # a checkpoint from before keys were recorded: the count
+    assert eval_indices(keys, temps, [1], old) == [1, 4]
+    assert eval_indices(keys, temps, [1], {}) == [1]

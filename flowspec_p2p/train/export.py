@@ -32,16 +32,30 @@ def load_checkpoint(cfg: FitConfig, target_cfg) -> tuple[DraftHead, dict]:
     return head.eval(), state
 
 
+def eval_indices(keys: list[str], temperatures: list[float], held: list[int], state: dict) -> list[int]:
+    """The conversations to evaluate on: the held-out ones, and self-distilled ones the fit never saw (stored
+    after its last checkpoint, or in a store it was not given). The checkpoint lists the self-distilled keys it
+    saw; an older one records only their count, and self-distilled conversations come first in the corpus, which
+    holds while its stores are the fit's, in the same order."""
+    seen_keys = state.get("self_distilled_keys")
+    if seen_keys is not None:
+        seen = set(seen_keys)
+        unseen = [i for i, (k, t) in enumerate(zip(keys, temperatures, strict=True)) if t >= 0 and k not in seen]
+        return sorted(set(held) | set(unseen))
+    seen_n = state.get("data", {}).get("self_distilled_seen")
+    if seen_n is None:
+        return list(held)
+    now = sum(1 for t in temperatures if t >= 0)
+    return sorted(set(held) | set(range(seen_n, now)))
+
+
 def run_eval(cfg: FitConfig, depth: int | None = None, progress: bool = True) -> dict:
     """Evaluate the run's latest checkpoint on its held-out split; also written to ``<run>/eval.json``."""
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.model)
     corpus, _, held, fz = prepare(cfg, target)
     head, state = load_checkpoint(cfg, target.cfg)
-    # held out, or stored after the fit's snapshot (self-distilled ones come first in the corpus)
-    seen = state.get("data", {}).get("self_distilled_seen")
-    now = sum(1 for t in corpus.temperature.tolist() if t >= 0)
-    idx = sorted(set(held) | set(range(seen, now))) if seen is not None else held
+    idx = eval_indices(corpus.keys, corpus.temperature.tolist(), held, state)
     t0 = time.perf_counter()
     result = {"step": state["step"], **evaluate(head, corpus, idx, fz, cfg, depth, progress)}
     log.info("evaluated step %d on %d held-out or newer conversations in %.0f s", state["step"], len(idx),

@@ -303,6 +303,9 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
             "heldout_conversations": len(held_idx),
             # self-distilled conversations come first in the corpus: later ones are unseen by this fit
             "self_distilled_seen": sum(1 for t in corpus.temperature.tolist() if t >= 0)}
+    # which self-distilled conversations this fit could see (a count would shift when stores are listed or grow
+    # differently at evaluation: export.eval_indices)
+    distilled_keys = sorted(k for k, t in zip(corpus.keys, corpus.temperature.tolist(), strict=True) if t >= 0)
     keys = sorted(corpus.keys[i] for i in train_idx)
     by_key = {corpus.keys[i]: i for i in train_idx}
 
@@ -347,7 +350,8 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
             _save_ckpt(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                               "cursor": cursor, "seen_tokens": seen_tokens, "config": cfg.model_dump(mode="json"),
                               "data": data, "train_seconds": spent_s + time.perf_counter() - t0,
-                              "draft_vocab": fz.vocab, "warm_start": warm_start})
+                              "draft_vocab": fz.vocab, "warm_start": warm_start,
+                              "self_distilled_keys": distilled_keys})
             log.info("step %d: loss/token %.4f, train top-1 per step %s, %.0f targets/s", step,
                      stats.loss / max(1, stats.targets[0]), [round(a, 3) for a in stats.accuracy()],
                      session_tokens / (time.perf_counter() - t0))
