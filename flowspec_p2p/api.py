@@ -7,11 +7,12 @@
     GET  /cluster               what the control plane knows (``cluster_view()``: members with id, role,
                                 address, pid, capabilities; the plan; per-stage counters) + the leader's state
 
-Extensions to the OpenAI request body: ``decoding`` ("ar", "chunk", later "flowspec", "pipedec"; default: the
-leader's fastest available mode) and ``top_k``. Non-streamed responses carry a top-level ``stats`` object (mode,
-new_tokens, steps, tau, prefill_s, decode_s, decode_started_at, decode_finished_at, ...); the last streamed chunk
-carries it too. For benchmarks, ``return_token_ids: true`` adds the generated ids to it (``token_ids``) and
-``return_leader_timeline: true`` the leader's compute intervals (``leader_intervals``, time.time() pairs).
+Extensions to the OpenAI request body: ``decoding`` ("ar", "chunk", "pipedec", "flowspec"; default: the leader's
+default mode, or ``model`` when that names a mode) and ``top_k``. Non-streamed responses carry a top-level ``stats``
+object (mode, new_tokens, steps, tau, prefill_s, decode_s, decode_started_at, decode_finished_at, ...); the last
+streamed chunk carries it too. For benchmarks, ``return_token_ids: true`` adds the generated ids to it
+(``token_ids``) and ``return_leader_timeline: true`` the leader's compute intervals (``leader_intervals``,
+time.time() pairs).
 ``temperature`` defaults to 1.0 as in OpenAI's API (0 = greedy).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for requests the client must
@@ -201,7 +202,8 @@ class _Job:
         if max_tokens > settings.max_context:
             raise ApiError(400, f"max_tokens must be at most {settings.max_context}", "invalid_request_error",
                            "max_tokens")
-        self.spec, self.budget = leader.check(len(prompt), max_tokens, body.decoding)
+        mode = body.decoding or _mode_named(leader, body.model)
+        self.spec, self.budget = leader.check(len(prompt), max_tokens, mode)
         self.stats = GenStats(mode=self.spec.name)
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
@@ -275,6 +277,12 @@ async def _parse(request: web.Request, model: type[_Body]) -> _Body:
         return model.model_validate_json(raw)
     except ValidationError as e:
         raise _validation_error(e) from None
+
+
+def _mode_named(leader: Leader, model: str | None) -> str | None:
+    """``model`` when it names a decoding mode (for clients that set only ``model``); any other name is not checked:
+    the cluster serves one model."""
+    return model if model in leader.modes else None
 
 
 def _prompt_ids(leader: Leader, body: _Body) -> tuple[list[int], str]:

@@ -71,6 +71,15 @@ async def test_default_mode_is_the_fastest_available_and_chunk_gives_the_same_te
     assert c["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
 
 
+async def test_a_model_that_names_a_mode_picks_it_unless_decoding_does(served):
+    client, _, _ = served
+    modes = []
+    for extra in ({"model": "ar"}, {"model": "ar", "decoding": "chunk"}, {"model": "tiny"}):
+        body = await (await client.post("/v1/chat/completions", json={**CHAT, **extra})).json()
+        modes.append(body["stats"]["mode"])
+    assert modes == ["ar", "chunk", "chunk"]  # the default here is chunk
+
+
 async def test_completions_accept_text_and_token_ids(served, parts):
     client, _, _ = served
     ids = [5, 17, 33, 8, 61]
