@@ -17,8 +17,13 @@ Glossary:
 One request is in flight at a time (batch size 1, as in FlowSpec); others wait for their turn (at most
 ``max_waiting`` of them, at most ``queue_timeout_s``) and are then refused with ``Busy`` (HTTP 503). Requests
 arriving while there is no pipeline (planning, loading) wait ``ready_timeout_s`` and then get ``NotReady``
-(HTTP 503 with Retry-After). A request whose pipeline breaks — a link down, a stage error, no reply within
-``step_timeout_s``, a re-plan (``set_pipeline``) — ends with ``PeerGone`` / ``StageFailed``; it never hangs.
+(HTTP 503 with Retry-After). A request whose pipeline breaks — a link down, no reply within ``step_timeout_s``, a
+re-plan (``set_pipeline``) — **resumes**: the leader waits up to ``resume_timeout_s`` for the next pipeline (the
+re-plan that a device leaving sets off) and continues from the tokens it already committed, prompt and committed
+tokens prefilled again. That is lossless: every mode decodes the target's distribution given the prefix (sampling
+draws from a fresh seed-derived stream, so the continuation does not reuse the first attempt's draws). Without a
+new pipeline in time, or after ``resume_attempts`` resumptions, it ends with ``PeerGone``; a stage error ends it
+with ``StageFailed``. It never hangs.
 
 Decoding modes plug in through ``ModeSpec`` and see one request through a ``ModeContext`` (mode.py).
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -57,6 +63,8 @@ class LeaderSettings(FrozenModel):
     queue_timeout_s: float = Field(300.0, gt=0)  # waiting for the turn longer than this: Busy (503)
     ready_timeout_s: float = Field(10.0, ge=0)  # waiting for a pipeline longer than this: NotReady (503)
     step_timeout_s: float = Field(60.0, gt=0)  # no reply from the pipeline for this long: PeerGone
+    resume_attempts: int = Field(2, ge=0)  # a request whose pipeline broke continues on the next one this often
+    resume_timeout_s: float = Field(20.0, ge=0)  # ... if the next pipeline comes within this (re-plan + load)
     retry_after_s: int = Field(2, ge=1)  # Retry-After for 503s
     prefill_chunk: int = Field(128, ge=1)  # prompt tokens per prefill Forward (chunks are pipelined)
     wire_dtype: str = "float32"  # activations the leader itself sends (when it embeds for stage 1)
@@ -93,6 +101,27 @@ def _decode_window(stats: GenStats, busy: list[tuple[float, float]]) -> None:
     stats.extra["leader_busy_s"] = round(sum(max(0.0, min(b, end) - max(a, start)) for a, b in busy), 4)
 
 
+def _attempt_params(params: SamplingParams, attempt: int) -> SamplingParams:
+    """A resumed attempt samples from its own stream (derived from the seed), not the first attempt's draws again."""
+    if attempt == 0 or params.seed is None:
+        return params
+    return params.model_copy(update={"seed": (params.seed * 1_000_003 + attempt) % 2**63})
+
+
+def _sum(a: GenStats, b: GenStats) -> GenStats:
+    return GenStats(mode=b.mode, new_tokens=a.new_tokens + b.new_tokens, steps=a.steps + b.steps,
+                    prefill_s=a.prefill_s + b.prefill_s, decode_s=a.decode_s + b.decode_s)
+
+
+def _fold(stats: GenStats, prior: GenStats, cur: GenStats, attempt: int, prompt_tokens: int) -> None:
+    """The caller's ``stats``: counts and times summed over the attempts so far, extras of the latest one."""
+    total = _sum(prior, cur)
+    stats.new_tokens, stats.steps = total.new_tokens, total.steps
+    stats.prefill_s, stats.decode_s = total.prefill_s, total.decode_s
+    stats.prompt_tokens = prompt_tokens
+    stats.extra = {**cur.extra, **({"resumed": attempt} if attempt else {})}
+
+
 class Leader:
     """See the module docstring. ``run()`` (the demultiplexer) must run while requests are served: give it to
     the agent's TaskGroup, or let api.create_app run it (``cleanup_ctx``)."""
@@ -112,11 +141,12 @@ class Leader:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="leader")
         self.pipeline: Pipeline | None = None
         self._ready = asyncio.Event()
+        self._swapped = asyncio.Event()  # set whenever a new pipeline is installed
         self._turn = asyncio.Lock()
         self._waiting = 0
         self._active: dict[str, ModeContext] = {}
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "busy": 0, "not_ready": 0,
-                         "dropped": 0}
+                         "dropped": 0, "resumed": 0}
         self.last_stats: dict | None = None
 
     # ---------------------------------------------------------------------------------------- modes
@@ -162,6 +192,7 @@ class Leader:
             self._ready.clear()
         else:
             self._ready.set()
+            self._swapped.set()
             log.info("pipeline ready: epoch %d, %d stage(s), first hop %s takes %s", pipeline.epoch,
                      pipeline.stages, pipeline.sender.peer, pipeline.takes)
 
@@ -222,39 +253,67 @@ class Leader:
         filled as it goes (mode, tokens, steps, tau, prefill_s, decode_s; extras ``decode_started_at`` and
         ``decode_finished_at``, the decode window in time.time(), and ``leader_busy_s``, the leader's compute within
         it). ``timeline``: if given, receives the leader's compute intervals (time.time() start, end). Close it to
-        stop early."""
+        stop early. A broken pipeline is survived as the module docstring says (``resumed`` in the extras: how often;
+        counts and times are summed over the attempts, the other extras are the last attempt's)."""
         spec, budget = self.check(len(prompt), max_tokens, mode)
         stats = stats if stats is not None else GenStats(mode=spec.name)
         stats.mode = spec.name
         stats.prompt_tokens = len(prompt)
         stop_ids = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer is not None else stop_ids
         self.counters["requests"] += 1
+        stops = frozenset(stop_ids or ())
         await self._take_turn()
         try:
+            committed: list[int] = []
+            prior = GenStats(mode=spec.name)  # the attempts before this one (a resumed request has several)
             pipeline = await self._wait_ready()
-            rid = uuid.uuid4().hex[:16]
-            ctx = ModeContext(self, pipeline, rid, list(prompt), params, budget, frozenset(stop_ids or ()), stats)
-            self._active[rid] = ctx
-            outcome = "failed"
-            try:
-                if budget > 0:
-                    async with contextlib.aclosing(spec.run(ctx)) as chunks:
-                        async for chunk in chunks:
-                            yield chunk
-                outcome = "completed"
-            except (GeneratorExit, asyncio.CancelledError):
-                outcome = "cancelled"  # the caller closed the stream early (client gone, stop string)
-                raise
-            finally:
-                del self._active[rid]
-                self.counters[outcome] += 1
-                _decode_window(stats, ctx.busy)
-                if timeline is not None:
-                    timeline.extend(ctx.busy)
-                self.last_stats = stats.as_dict()
-                if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
-                    with contextlib.suppress(FlowSpecError):
-                        await pipeline.sender.send(Release(request_id=rid, seq=ctx.seq))
+            for attempt in itertools.count():
+                cur = GenStats(mode=spec.name)
+                rid = uuid.uuid4().hex[:16]
+                ctx = ModeContext(self, pipeline, rid, [*prompt, *committed], _attempt_params(params, attempt),
+                                  budget - len(committed), stops, cur)
+                self._active[rid] = ctx
+                outcome: str | None = "failed"
+                broken: PeerGone | None = None
+                try:
+                    if ctx.max_new_tokens > 0:
+                        async with contextlib.aclosing(spec.run(ctx)) as chunks:
+                            async for chunk in chunks:
+                                committed += chunk
+                                yield chunk
+                    outcome = "completed"
+                except PeerGone as e:
+                    if committed and (len(committed) >= budget or committed[-1] in stops):
+                        outcome = "completed"  # every token was decided before the break
+                    elif attempt >= self.settings.resume_attempts:
+                        raise
+                    else:
+                        broken, outcome = e, None  # counted once the next pipeline comes, or not
+                except (GeneratorExit, asyncio.CancelledError):
+                    outcome = "cancelled"  # the caller closed the stream early (client gone, stop string)
+                    raise
+                finally:
+                    del self._active[rid]
+                    if outcome is not None:
+                        self.counters[outcome] += 1
+                    _decode_window(cur, ctx.busy)
+                    _fold(stats, prior, cur, attempt, len(prompt))
+                    if timeline is not None:
+                        timeline.extend(ctx.busy)
+                    self.last_stats = stats.as_dict()
+                    if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
+                        with contextlib.suppress(FlowSpecError):
+                            await pipeline.sender.send(Release(request_id=rid, seq=ctx.seq))
+                if broken is None:
+                    return
+                log.warning("request: %s; resuming after %d token(s) on the next pipeline", broken, len(committed))
+                nxt = await self._wait_replaced(pipeline)
+                if nxt is None:
+                    self.counters["failed"] += 1
+                    raise broken
+                self.counters["resumed"] += 1
+                prior = _sum(prior, cur)
+                pipeline = nxt
         finally:
             self._turn.release()
 
@@ -271,6 +330,17 @@ class Leader:
             raise Busy(f"waited {self.settings.queue_timeout_s:g} s for the request ahead; retry later") from None
         finally:
             self._waiting -= 1
+
+    async def _wait_replaced(self, old: Pipeline) -> Pipeline | None:
+        """The first pipeline other than ``old`` installed within ``resume_timeout_s``, or None."""
+        try:
+            async with asyncio.timeout(self.settings.resume_timeout_s):
+                while self.pipeline is None or self.pipeline is old:
+                    self._swapped.clear()
+                    await self._swapped.wait()
+        except TimeoutError:
+            return None
+        return self.pipeline
 
     async def _wait_ready(self) -> Pipeline:
         if self.pipeline is None:

@@ -130,7 +130,8 @@ async def test_modes_are_validated_and_the_default_is_the_fastest_available(part
     (3, "pipeline link in stage3 down"),  # the return link into the leader breaks
 ])
 async def test_a_stage_vanishing_mid_request_fails_it_with_peer_gone(parts, stage, reason):
-    leader = make_leader(parts, step_timeout_s=5.0)
+    """... once no new pipeline comes within resume_timeout_s (no re-plan here)."""
+    leader = make_leader(parts, step_timeout_s=5.0, resume_timeout_s=0.2)
     async with LoopbackRing(parts.stages, leader, hops="ws", wire_dtype=F64) as ring:
         gen = leader.generate(PROMPT, params=GREEDY, max_tokens=100, stop_ids=NO_STOP, mode="ar")
         await anext(gen)
@@ -143,10 +144,11 @@ async def test_a_stage_vanishing_mid_request_fails_it_with_peer_gone(parts, stag
         with pytest.raises(PeerGone, match=reason):
             await drain()
         assert leader.counters["failed"] == 1
+        assert leader.counters["resumed"] == 0
 
 
 async def test_a_silent_stage_fails_the_request_after_the_step_timeout(parts):
-    leader = make_leader(parts, step_timeout_s=0.3)
+    leader = make_leader(parts, step_timeout_s=0.3, resume_attempts=0)
     release = threading.Event()
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
         core = ring.workers[1].core
@@ -198,7 +200,8 @@ async def test_one_request_in_flight_and_a_bounded_queue(parts):
 
 
 async def test_replanning_fails_the_request_in_flight_and_later_requests_use_the_new_pipeline(parts):
-    leader = make_leader(parts, ready_timeout_s=5.0)
+    """With resumption off (``resume_attempts`` 0): the request in flight fails."""
+    leader = make_leader(parts, ready_timeout_s=5.0, resume_attempts=0)
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
         gen = leader.generate(PROMPT, params=GREEDY, max_tokens=50, stop_ids=NO_STOP, mode="ar")
         await anext(gen)
@@ -213,3 +216,70 @@ async def test_replanning_fails_the_request_in_flight_and_later_requests_use_the
         await leader.set_pipeline(Pipeline(QueueSender(ring.workers[0].inbox, "stage1"), epoch=1, stages=3))
         out, _ = await later
         assert out == parts.reference(PROMPT, 5)
+
+
+def resume_modes(parts, random_head):
+    from flowspec_p2p.flowspec import flowspec_spec
+    from flowspec_p2p.pipedec import pipedec_spec
+
+    return [AR, CHUNK, pipedec_spec(), flowspec_spec()], HeadDrafter(random_head, parts.head)
+
+
+@pytest.mark.parametrize("mode", ["ar", "chunk", "pipedec", "flowspec"])
+async def test_a_request_whose_pipeline_is_replanned_resumes_on_the_next_one_losslessly(parts, random_head, mode):
+    """A re-plan mid-request (a device left): the request waits for the next pipeline and continues from the tokens
+    it committed; greedy output equals single-device decoding token for token (float64), in every mode."""
+    modes, drafter = resume_modes(parts, random_head)
+    leader = Leader(parts.head, None, drafter=drafter, modes=modes, settings=LeaderSettings(
+        max_context=160, prefill_chunk=4, step_timeout_s=10.0, resume_timeout_s=5.0))
+    n = 40
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
+        stats = GenStats(mode="?")
+        gen = leader.generate(PROMPT, params=GREEDY, max_tokens=n, stop_ids=NO_STOP, mode=mode, stats=stats)
+        out = list(await anext(gen))
+        out += await anext(gen)
+        await leader.set_pipeline(None)  # the coordinator re-plans: the request's pipeline is gone
+        nxt = asyncio.get_running_loop().create_task(anext(gen))
+        await asyncio.sleep(0.05)
+        assert not nxt.done()  # waits for the next pipeline
+        before = len(out)
+        await leader.set_pipeline(Pipeline(QueueSender(ring.workers[0].inbox, "stage1"), epoch=1, stages=3))
+        out += await nxt
+        async for chunk in gen:
+            out += chunk
+    assert out == parts.reference(PROMPT, n)
+    assert 0 < before < n
+    assert stats.new_tokens == n
+    assert stats.extra["resumed"] == 1
+    assert stats.prompt_tokens == len(PROMPT)
+    assert leader.counters["resumed"] == 1
+    assert leader.counters["completed"] == 1
+
+
+async def test_resumption_gives_up_after_resume_attempts(parts):
+    leader = make_leader(parts, resume_attempts=1, resume_timeout_s=5.0)
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
+        gen = leader.generate(PROMPT, params=GREEDY, max_tokens=60, stop_ids=NO_STOP, mode="ar")
+        await anext(gen)
+        for epoch in (1, 2):
+            await leader.set_pipeline(None)
+            task = asyncio.get_running_loop().create_task(anext(gen))
+            await asyncio.sleep(0.05)
+            await leader.set_pipeline(Pipeline(QueueSender(ring.workers[0].inbox, "stage1"), epoch=epoch, stages=3))
+            if epoch == 1:
+                await task  # resumed once
+        with pytest.raises(PeerGone, match="re-planning"):
+            await task
+    assert (leader.counters["resumed"], leader.counters["failed"]) == (1, 1)
+
+
+def test_a_resumed_attempt_samples_from_its_own_seeded_stream():
+    from flowspec_p2p.leader import _attempt_params
+
+    p = SamplingParams(temperature=1.0, seed=7)
+    assert _attempt_params(p, 0) is p
+    seeds = {_attempt_params(p, a).seed for a in range(4)}
+    assert len(seeds) == 4  # each attempt its own stream, reproducible from the request's seed
+    assert _attempt_params(p, 2) == _attempt_params(p, 2)
+    assert _attempt_params(SamplingParams(temperature=1.0), 1).seed is None  # unseeded stays unseeded
+

@@ -2,6 +2,7 @@
 that vanishes each yield a new plan, and serving continues with the same greedy output."""
 
 import asyncio
+import json
 
 import aiohttp
 
@@ -51,7 +52,9 @@ async def _silent():
     return None
 
 
-async def test_a_request_in_flight_when_its_stage_vanishes_ends_with_an_error_and_serving_resumes(make, parts):
+async def test_a_request_in_flight_when_its_stage_vanishes_resumes_on_the_new_plan(make, parts):
+    """The stage vanishes mid-stream; the cluster re-plans without it and the stream continues from the tokens it
+    already sent, with the same greedy text as single-device decoding."""
     leader = Agent(make("lead", leader=True, profile={"gflops": 1.0, "memory_mb": 2000.0}), tokenizer=ByteTokenizer())
     slow = Agent(make("slow", profile={"gflops": 50.0, "memory_mb": 2000.0}, emulation={"slowdown": 40.0}))
     async with running(leader, slow) as tasks:
@@ -74,10 +77,15 @@ async def test_a_request_in_flight_when_its_stage_vanishes_ends_with_an_error_an
                     slow._goodbye = _silent
                     tasks[slow].cancel()
             took = asyncio.get_running_loop().time() - t0
-        assert took < 15  # ended, did not hang
-        assert '"error"' in events[-1] or '"error"' in events[-2]
+        assert took < 20  # ended, did not hang
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not any("error" in c for c in chunks), chunks[-1]
+        prompt = ByteTokenizer().encode("abc")
+        text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+        assert text == ByteTokenizer().decode(parts.reference(prompt, 120, stop_ids=ByteTokenizer.stop_ids))
+        assert chunks[-1]["stats"]["resumed"] == 1
         await until(serving(leader, 0, epoch))
         assert leader.coordinator.plan.agents == (leader.id,)
-        prompt = ByteTokenizer().encode("abc")
         data = await complete(leader, [1, *prompt], 8)
         assert data["choices"][0]["text"] == ByteTokenizer().decode(parts.reference(prompt, 8))
