@@ -31,3 +31,6 @@ flowspec bench-spec --data "$DATA" --per-dataset 2 --max-tokens 128 --threads 1 
   --tree-topk 4 --out "$OUT/spec-bench-tree16"
 # issue 3: target forward cost against tree size, and the tree shape that maximises tokens/s here
 flowspec tune-tree --data "$DATA" --threads 1 --no-save --out "$OUT/spec-tune-fewrow"  # spec-tune: before the kernel
+# issue 4: re-planning after a leave, a kill and a join; a request in flight when its stage is killed
+mkdir -p "$OUT/recovery"
+flowspec cluster recovery --out "$OUT/recovery/recovery.json" | tee "$OUT/recovery/recovery.txt"

@@ -1,5 +1,6 @@
 """``flowspec cluster up``: a local cluster of N agent processes; ``flowspec cluster recovery``: the time from an
-agent leaving (gracefully or killed) to the cluster serving again."""
+agent leaving (gracefully or killed) to the cluster serving again, and what a request in flight sees when a stage is
+killed under it."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     rec = csub.add_parser("recovery", help="measure how fast the cluster serves again after an agent leaves",
                           description="Start N agents; then, RUNS times each: stop the last member gracefully, "
                           "wait until the cluster serves again, restart it (a join), kill it (SIGKILL), wait, "
-                          "restart it. Prints the medians and writes them as JSON.")
+                          "restart it; then kill it while a streamed greedy request is in flight (it should resume "
+                          "on the new plan and give the same text as an undisturbed run), and restart it. Prints "
+                          "the medians and writes them as JSON.")
     _common(rec)
     rec.add_argument("--api-port", type=int, default=0, help="leader API port (default: any)")
     rec.add_argument("--runs", type=int, default=3, help="repetitions (default 3)")
@@ -142,6 +145,64 @@ def _complete(api_url: str) -> None:
         json.loads(r.read())
 
 
+MID_REQUEST = {"messages": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+               "max_tokens": 160, "temperature": 0, "stream": True}
+KILL_AFTER_CHUNKS = 8  # streamed chunks before the stage is killed
+
+
+def _stream(api_url: str, on_chunk=None) -> dict:
+    """One streamed chat request (MID_REQUEST). ``on_chunk(n)`` is called after the n-th content chunk.
+    -> {"text", "finish", "error", "gaps_s" (between consecutive chunks), "stats"}"""
+    req = urllib.request.Request(api_url + "/v1/chat/completions", json.dumps(MID_REQUEST).encode(),
+                                 {"Content-Type": "application/json"})
+    text, gaps, out = [], [], {"finish": None, "error": None, "stats": {}}
+    last = None
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["error"] = event["error"].get("message")
+                continue
+            for choice in event.get("choices", []):
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    text.append(piece)
+                    if on_chunk is not None:
+                        on_chunk(len(text))
+                out["finish"] = choice.get("finish_reason") or out["finish"]
+            out["stats"] = event.get("stats") or out["stats"]
+    return {**out, "text": "".join(text), "gaps_s": gaps}
+
+
+def _killed_mid_request(cluster: LocalCluster, victim: int, reference: str) -> dict:
+    """Kill ``victim`` while MID_REQUEST streams; -> what the client saw."""
+    killed = []
+
+    def kill_once(n: int) -> None:
+        if n == KILL_AFTER_CHUNKS:
+            cluster.kill(victim, wait=False)
+            killed.append(n)
+
+    t0 = time.monotonic()
+    got = _stream(cluster.api_url, kill_once)
+    if not killed:  # the reply was too short to kill under: kill it now, and say so
+        cluster.kill(victim, wait=False)
+    gaps = got["gaps_s"]
+    return {"killed_mid_request": bool(killed), "completed": got["error"] is None and got["finish"] is not None,
+            "identical": got["text"] == reference,
+            "error": got["error"], "resumed": got["stats"].get("resumed", 0),
+            "longest_stall_s": round(max(gaps[KILL_AFTER_CHUNKS - 1:] or [0.0]), 3),
+            "median_gap_s": round(statistics.median(gaps) if gaps else 0.0, 4),
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
 def run_recovery(args: argparse.Namespace) -> int:
     if args.n < 2:
         log.error("recovery needs at least 2 agents")
@@ -150,6 +211,8 @@ def run_recovery(args: argparse.Namespace) -> int:
     victim = args.n - 1
     results: dict[str, list[float]] = {"graceful": [], "killed": [], "join": []}
     leader_side: dict[str, list[dict]] = {"graceful": [], "killed": [], "join": []}
+    mid: list[dict] = []
+    reference = ""
     try:
         cluster.start()
         _complete(cluster.api_url)
@@ -170,6 +233,14 @@ def run_recovery(args: argparse.Namespace) -> int:
                 _serving_again(cluster, epoch, members=args.n - 1)
                 results["join"].append(time.monotonic() - t0)
                 leader_side["join"].append(cluster.view()["recoveries"][-1])
+            if run == 0:  # the undisturbed text, on the whole cluster
+                reference = _stream(cluster.api_url)["text"]
+            mid.append(_killed_mid_request(cluster, victim, reference))
+            log.warning("run %d: killed mid-request -> %s", run + 1, mid[-1])
+            cluster.wait_exit(victim)
+            epoch = cluster.view()["epoch"]
+            cluster.restart(victim)
+            _serving_again(cluster, epoch, members=args.n - 1)
     finally:
         cluster.stop()
     summary: dict = {}
@@ -178,6 +249,12 @@ def run_recovery(args: argparse.Namespace) -> int:
                  for k in ("seconds", "detect_plan_s", "load_s", "switch_s")}
         summary[how] = {"median_s": round(statistics.median(v), 3), "runs_s": [round(x, 3) for x in v],
                         "leader_median": parts}
+    summary["killed_mid_request"] = {
+        "completed": sum(m["completed"] for m in mid), "identical": sum(m["identical"] for m in mid),
+        "resumed": sum(m["resumed"] > 0 for m in mid), "runs": len(mid),
+        "longest_stall_median_s": round(statistics.median(m["longest_stall_s"] for m in mid), 3) if mid else None,
+        "median_gap_s": round(statistics.median(m["median_gap_s"] for m in mid), 4) if mid else None,
+        "each": mid}
     summary["setup"] = {
         "agents": args.n, "runs": args.runs, "cpus": os.cpu_count(), "threads_per_agent": cluster.threads,
         "note": "median_s: from the signal (leave) or the process start (join) until a new plan epoch serves and a "
@@ -192,6 +269,12 @@ def run_recovery(args: argparse.Namespace) -> int:
         out.write(f"  {how:<9} {s['median_s']:>6.2f}s   {'':8}{p['seconds']:>5.2f}s {p['detect_plan_s']:>10.2f}s "
                   f"{p['load_s']:>5.2f}s {p['switch_s']:>5.2f}s\n")
     out.write("  (join wall time includes starting the agent process: interpreter, torch import, mDNS)\n")
+    m = summary["killed_mid_request"]
+    out.write(f"a stage killed under a streamed greedy request ({MID_REQUEST['max_tokens']} tokens, after "
+              f"{KILL_AFTER_CHUNKS} chunks): completed {m['completed']}/{m['runs']}, resumed {m['resumed']}/"
+              f"{m['runs']}, text identical to an undisturbed run {m['identical']}/{m['runs']}; longest stall "
+              f"{m['longest_stall_median_s']}s (median over runs) against a median gap of {m['median_gap_s']}s "
+              "between chunks\n")
     if args.out is not None:
         args.out.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
