@@ -307,7 +307,11 @@ class Leader:
                 if broken is None:
                     return
                 log.warning("request: %s; resuming after %d token(s) on the next pipeline", broken, len(committed))
-                nxt = await self._wait_replaced(pipeline)
+                try:
+                    nxt = await self._wait_replaced(pipeline)
+                except (GeneratorExit, asyncio.CancelledError):
+                    self.counters["cancelled"] += 1  # the caller left while the request waited for a pipeline
+                    raise
                 if nxt is None:
                     self.counters["failed"] += 1
                     raise broken

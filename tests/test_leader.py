@@ -283,3 +283,20 @@ def test_a_resumed_attempt_samples_from_its_own_seeded_stream():
     assert _attempt_params(p, 2) == _attempt_params(p, 2)
     assert _attempt_params(SamplingParams(temperature=1.0), 1).seed is None  # unseeded stays unseeded
 
+
+
+async def test_a_request_waiting_to_resume_can_be_cancelled(parts):
+    leader = make_leader(parts, resume_timeout_s=5.0)
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
+        gen = leader.generate(PROMPT, params=GREEDY, max_tokens=60, stop_ids=NO_STOP, mode="ar")
+        await anext(gen)
+        await leader.set_pipeline(None)
+        task = asyncio.get_running_loop().create_task(anext(gen))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client left while the request waited for the next pipeline
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert leader.counters["cancelled"] == 1
+        await leader.set_pipeline(Pipeline(QueueSender(ring.workers[0].inbox, "stage1"), epoch=1, stages=3))
+        out, _ = await run(leader, PROMPT, 5, mode="ar")  # the turn was released
+        assert out == parts.reference(PROMPT, 5)
