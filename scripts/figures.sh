@@ -12,6 +12,9 @@ OUT=docs/figures
 # issue 5: every decoding mode side by side on a 4-stage emulated edge cluster (100 Mbit/s, 2 ms, 5x slower
 # devices), one prompt per Spec-Bench set (MT-bench: both turns), T=0 and T=1
 flowspec bench --per-dataset 1 --max-tokens 64 --temperature 0,1 --data "$DATA" --out "$OUT/bench" --resume
+# issue 5: a wider T=0 run (3 prompts per set) of the modes the targets name
+flowspec bench --per-dataset 3 --max-tokens 64 --temperature 0 --modes ar,chunk,flowspec --data "$DATA" \
+  --out "$OUT/bench-k3" --resume
 # issue 5: greedy FlowSpec through the 4-stage pipeline vs pipelined autoregressive, token for token (float32)
 flowspec bench --slowdown 1 --modes ar,flowspec --temperature 0 --per-dataset 4 --max-tokens 128 --turns 1 \
   --data "$DATA" --out "$OUT/bench-equality" --resume
