@@ -298,14 +298,14 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         warm_start = {"from": cfg.init_from.name, "steps": donor.get("step")}
         log.info("warm start from the head weights of %s", cfg.init_from)
     fixed = [i for i in train_idx if float(corpus.temperature[i]) < 0]
+    # which self-distilled conversations this fit could see (a count would shift when stores are listed or grow
+    # differently at evaluation: export.eval_indices)
+    distilled_keys = sorted(k for k, t in zip(corpus.keys, corpus.temperature.tolist(), strict=True) if t >= 0)
     data = {"conversations": len(train_idx), "answer_tokens": corpus.answer_tokens(train_idx),
             "teacher_forced_conversations": len(fixed), "teacher_forced_answer_tokens": corpus.answer_tokens(fixed),
             "heldout_conversations": len(held_idx),
             # self-distilled conversations come first in the corpus: later ones are unseen by this fit
-            "self_distilled_seen": sum(1 for t in corpus.temperature.tolist() if t >= 0)}
-    # which self-distilled conversations this fit could see (a count would shift when stores are listed or grow
-    # differently at evaluation: export.eval_indices)
-    distilled_keys = sorted(k for k, t in zip(corpus.keys, corpus.temperature.tolist(), strict=True) if t >= 0)
+            "self_distilled_seen": len(distilled_keys)}
     keys = sorted(corpus.keys[i] for i in train_idx)
     by_key = {corpus.keys[i]: i for i in train_idx}
 
