@@ -164,8 +164,7 @@ def _api_error(e: BaseException, retry_after: int, prompt_param: str = "messages
     if isinstance(e, ApiError):
         return e
     if isinstance(e, ContextOverflow):
-        code = None if "empty" in str(e) else "context_length_exceeded"
-        return ApiError(400, str(e), "invalid_request_error", prompt_param, code)
+        return ApiError(400, str(e), "invalid_request_error", prompt_param, "context_length_exceeded")
     if isinstance(e, InvalidRequest | ConfigError):
         return ApiError(400, str(e), "invalid_request_error", "decoding" if "mode" in str(e) else None)
     if isinstance(e, Busy):
