@@ -28,7 +28,6 @@ with ``StageFailed``. It never hangs.
 Decoding modes plug in through ``ModeSpec`` and see one request through a ``ModeContext`` (mode.py).
 """
 
-
 from __future__ import annotations
 
 import asyncio
@@ -81,7 +80,6 @@ class LeaderSettings(FrozenModel):
         return self.max_context + self.tree_margin
 
 
-
 def builtin_modes() -> list[ModeSpec]:
     """Every mode this package ships, with default settings: ar, chunk, pipedec and flowspec."""
     from .chunkpp import CHUNK
@@ -113,12 +111,12 @@ def _sum(a: GenStats, b: GenStats) -> GenStats:
                     prefill_s=a.prefill_s + b.prefill_s, decode_s=a.decode_s + b.decode_s)
 
 
-def _fold(stats: GenStats, prior: GenStats, cur: GenStats, attempt: int, prompt_tokens: int) -> None:
-    """The caller's ``stats``: counts and times summed over the attempts so far, extras of the latest one."""
+def _fold(stats: GenStats, prior: GenStats, cur: GenStats, attempt: int) -> None:
+    """The caller's ``stats``: counts and times summed over the attempts so far, extras of the latest one (its
+    mode and prompt_tokens, set by ``generate``, stay)."""
     total = _sum(prior, cur)
     stats.new_tokens, stats.steps = total.new_tokens, total.steps
     stats.prefill_s, stats.decode_s = total.prefill_s, total.decode_s
-    stats.prompt_tokens = prompt_tokens
     stats.extra = {**cur.extra, **({"resumed": attempt} if attempt else {})}
 
 
@@ -297,7 +295,7 @@ class Leader:
                     if outcome is not None:
                         self.counters[outcome] += 1
                     _decode_window(cur, ctx.busy)
-                    _fold(stats, prior, cur, attempt, len(prompt))
+                    _fold(stats, prior, cur, attempt)
                     if timeline is not None:
                         timeline.extend(ctx.busy)
                     self.last_stats = stats.as_dict()
