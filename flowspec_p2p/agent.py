@@ -33,8 +33,7 @@ import aiohttp
 import torch
 from aiohttp import web
 
-from .config import AgentConfig, split_host_port
-from .control import (
+from .cluster.control import (
     AUTH_HEADER,
     CONTROL_PATH,
     INFO_PATH,
@@ -47,17 +46,18 @@ from .control import (
     sign,
     verify,
 )
-from .coordinator import Coordinator
-from .discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
-from .emulation import ComputeEmulation, LinkEmulation
+from .cluster.coordinator import Coordinator
+from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
+from .cluster.member import MemberControl
+from .cluster.planner import describe_model
+from .cluster.profile import DeviceProfile, measure
+from .cluster.stage_host import StageHost, TapQueue
+from .config import AgentConfig, split_host_port
 from .errors import ConfigError, FlowSpecError, PeerGone, ProtocolError
-from .member import MemberControl
-from .planner import describe_model
-from .profile import DeviceProfile, measure
-from .ring_server import RingServer
-from .shard import packing_enabled
-from .stage_host import StageHost, TapQueue
-from .transport import LinkDown
+from .model.shard import packing_enabled
+from .pipeline.emulation import ComputeEmulation, LinkEmulation
+from .pipeline.ring_server import RingServer
+from .pipeline.transport import LinkDown
 from .types import LayerRange
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class Agent:
             if bad:
                 raise ConfigError(f"cannot bind {', '.join(bad)}: pass --interface with an address of this host")
             if cfg.model is not None or cfg.leader:
-                from .weights import open_source
+                from .model.weights import open_source
 
                 self.source = await asyncio.to_thread(open_source, cfg.model)
             profile = self._profile or await asyncio.to_thread(self._measure)
@@ -140,7 +140,7 @@ class Agent:
         app.router.add_get(TIMELINE_PATH, self._http_timeline)
         app.router.add_post(CONTROL_PATH, self._http_control)
         if cfg.leader:
-            from .weight_server import WeightServer
+            from .cluster.weight_server import WeightServer
 
             self.weights = WeightServer(self.source)
             self.weights.install(app)
@@ -150,7 +150,7 @@ class Agent:
         try:
             port = await _bind(runner, addresses if cfg.interfaces else ["0.0.0.0"], cfg.port)
             if self.source is not None:
-                from .weights import model_fingerprint
+                from .model.weights import model_fingerprint
 
                 self.model_fp = await asyncio.to_thread(model_fingerprint, self.source)
             self.info = PeerInfo(id=self.id, name=cfg.name or socket.gethostname(), cluster=cfg.cluster,
@@ -205,10 +205,10 @@ class Agent:
             log.info("agent %s stopped", self.id)
 
     async def _start_leader(self) -> web.AppRunner:
-        from .api import create_app
-        from .leader import Leader, LeaderSettings
-        from .shard import Shard
-        from .tokenizer import Tokenizer
+        from .api.app import create_app
+        from .decoding.leader import Leader, LeaderSettings
+        from .model.shard import Shard
+        from .model.tokenizer import Tokenizer
 
         cfg, src = self.cfg, self.source
         dtype = _DTYPES[cfg.dtype]
@@ -223,7 +223,7 @@ class Agent:
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
         self.stage_host.leader_inbox = self.leader.inbox
-        from .codec import wire_dtype
+        from .pipeline.codec import wire_dtype
 
         base = getattr(drafter, "base", drafter)  # LookupDrafter wraps the head drafter
         extra = base.extra_bytes(packing_enabled(dtype)) if hasattr(base, "extra_bytes") else 0
@@ -380,8 +380,8 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 def _modes(flowspec: dict | None = None) -> list:
     """The decoding modes this build offers (the leader picks what its drafter allows); ``flowspec``: FlowSpecConfig
     fields that differ from the defaults (AgentConfig.flowspec)."""
-    from .flowspec import FlowSpecConfig, flowspec_spec
-    from .leader import builtin_modes
+    from .decoding.flowspec import FlowSpecConfig, flowspec_spec
+    from .decoding.leader import builtin_modes
 
     modes = builtin_modes()
     if flowspec:
@@ -392,8 +392,8 @@ def _modes(flowspec: dict | None = None) -> list:
 
 def _drafter(model_fp: str, head, stem: Path | None = None):
     """The leader's drafter: the head at ``stem``, else the one installed for ``model_fp``, else None."""
-    from .draft import DraftBundle, find_draft
-    from .drafter import HeadDrafter
+    from .spec.drafter import HeadDrafter
+    from .spec.head import DraftBundle, find_draft
 
     stem = stem or find_draft(model_fp)
     if stem is None:
@@ -403,7 +403,7 @@ def _drafter(model_fp: str, head, stem: Path | None = None):
     if bundle.meta.get("target_fingerprint") != model_fp:
         log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
     log.info("draft head %s (+ prompt-lookup candidates)", stem.name)
-    from .ngram import LookupDrafter
+    from .spec.ngram import LookupDrafter
 
     return LookupDrafter(HeadDrafter(bundle.head, head, bundle.draft_vocab))
 

@@ -60,7 +60,9 @@ class PlanningConfig(FrozenModel):
 
 
 def _valid_flowspec(v: dict[str, Any]) -> dict[str, Any]:
-    from .flowspec import FlowSpecConfig  # here, not at import: flowspec.py imports the leader's modules and torch
+    from .decoding.flowspec import (
+        FlowSpecConfig,  # here, not at import: flowspec.py imports the leader's modules and torch
+    )
 
     FlowSpecConfig.model_validate(v)  # a ValidationError names the field
     return v

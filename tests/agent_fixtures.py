@@ -8,8 +8,9 @@ import uuid
 import aiohttp
 import pytest
 
-from flowspec_p2p import cluster, coordinator, discovery
 from flowspec_p2p.agent import Agent
+from flowspec_p2p.cluster import coordinator, discovery
+from flowspec_p2p.cluster import membership as cluster
 from flowspec_p2p.config import AgentConfig
 
 from .ring_fixtures import ByteTokenizer, tiny_parts

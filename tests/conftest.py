@@ -81,6 +81,6 @@ def tiny_llama(tiny_checkpoints) -> Path:
 @pytest.fixture(scope="session")
 def default_model():
     """The real packaged SmolLM2-135M (float32), loaded once per session."""
-    from flowspec_p2p.model import load_model
+    from flowspec_p2p.model.load import load_model
 
     return load_model(None, dtype=torch.float32)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import itertools
 import time
 
-from flowspec_p2p.leader import Leader
-from flowspec_p2p.mode import Pipeline
-from flowspec_p2p.stage import StageCore
-from flowspec_p2p.transport import Frame
+from flowspec_p2p.decoding.context import Pipeline
+from flowspec_p2p.decoding.leader import Leader
+from flowspec_p2p.pipeline.stage import StageCore
+from flowspec_p2p.pipeline.transport import Frame
 
 _ids = itertools.count(10_000)
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from flowspec_p2p.generate import ARDecoder, generate_ids
-from flowspec_p2p.sampling import SamplingParams
-from flowspec_p2p.shard import Shard
+from flowspec_p2p.model.generate import ARDecoder, generate_ids
+from flowspec_p2p.model.sampling import SamplingParams
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import open_source
 
 F64 = torch.float64
 CUTS = [(0, 1), (1, 3), (3, 4)]  # three stages of the 4-layer tiny model

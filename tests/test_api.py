@@ -5,12 +5,12 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from flowspec_p2p.api import create_app
-from flowspec_p2p.chunkpp import CHUNK
-from flowspec_p2p.drafter import OracleDrafter
-from flowspec_p2p.leader import Leader, LeaderSettings
-from flowspec_p2p.loopback import LoopbackRing
-from flowspec_p2p.mode import AR
+from flowspec_p2p.api.app import create_app
+from flowspec_p2p.decoding.chunk import CHUNK
+from flowspec_p2p.decoding.context import AR
+from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.pipeline.loopback import LoopbackRing
+from flowspec_p2p.spec.drafter import OracleDrafter
 
 from .ring_fixtures import F64, ByteTokenizer, tiny_parts
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from flowspec_p2p import bench
-from flowspec_p2p import bench_report as rep
-from flowspec_p2p.bench import (
+from flowspec_p2p.bench import edge as bench
+from flowspec_p2p.bench import report as rep
+from flowspec_p2p.bench.edge import (
     Prompt,
     check_resume,
     conversation,
@@ -183,7 +183,7 @@ def test_markdown_has_a_table_per_temperature_with_speedups_and_the_setup():
 
 
 def test_charts_are_written(tmp_path):
-    from flowspec_p2p.charts import write_charts
+    from flowspec_p2p.bench.charts import write_charts
 
     rs = synthetic_run()
     for r in rs[:3]:
@@ -339,10 +339,10 @@ def test_bad_bench_options_fail_with_the_reason_before_any_agent_starts(tmp_path
 async def test_leader_compute_is_slowed_down_like_a_stage():
     from concurrent.futures import ThreadPoolExecutor
 
-    from flowspec_p2p.generate import GenStats
-    from flowspec_p2p.leader import LeaderSettings, _decode_window
-    from flowspec_p2p.mode import ModeContext
-    from flowspec_p2p.sampling import SamplingParams
+    from flowspec_p2p.decoding.context import ModeContext
+    from flowspec_p2p.decoding.leader import LeaderSettings, _decode_window
+    from flowspec_p2p.model.generate import GenStats
+    from flowspec_p2p.model.sampling import SamplingParams
 
     leader = SimpleNamespace(head=None, drafter=None, settings=LeaderSettings(slowdown=3.0, slowdown_basis="measured"),
                              executor=ThreadPoolExecutor(1))
@@ -365,10 +365,10 @@ async def test_leader_slowdown_counts_the_cpu_time_it_used_not_host_contention(m
 
     import torch
 
-    from flowspec_p2p.generate import GenStats
-    from flowspec_p2p.leader import LeaderSettings
-    from flowspec_p2p.mode import ModeContext
-    from flowspec_p2p.sampling import SamplingParams
+    from flowspec_p2p.decoding.context import ModeContext
+    from flowspec_p2p.decoding.leader import LeaderSettings
+    from flowspec_p2p.model.generate import GenStats
+    from flowspec_p2p.model.sampling import SamplingParams
 
     def spin(seconds: float) -> None:  # compute: uses the CPU the whole time
         c0 = time.thread_time()
@@ -388,12 +388,12 @@ async def test_leader_slowdown_counts_the_cpu_time_it_used_not_host_contention(m
 
 
 async def test_api_returns_token_ids_decode_window_and_leader_timeline_on_request(tiny_llama):
-    from flowspec_p2p.api import create_app
-    from flowspec_p2p.chunkpp import CHUNK
-    from flowspec_p2p.drafter import OracleDrafter
-    from flowspec_p2p.leader import Leader, LeaderSettings
-    from flowspec_p2p.loopback import LoopbackRing
-    from flowspec_p2p.mode import AR
+    from flowspec_p2p.api.app import create_app
+    from flowspec_p2p.decoding.chunk import CHUNK
+    from flowspec_p2p.decoding.context import AR
+    from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+    from flowspec_p2p.pipeline.loopback import LoopbackRing
+    from flowspec_p2p.spec.drafter import OracleDrafter
 
     from .ring_fixtures import F64, ByteTokenizer, tiny_parts
 

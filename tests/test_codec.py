@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowspec_p2p import codec
 from flowspec_p2p.errors import ProtocolError
-from flowspec_p2p.messages import PROTOCOL_VERSION, Forward, Prune, Release, Reset, StageError
+from flowspec_p2p.pipeline import codec
+from flowspec_p2p.pipeline.messages import PROTOCOL_VERSION, Forward, Prune, Release, Reset, StageError
 
 
 def forward(m=4, **kw):

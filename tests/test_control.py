@@ -2,8 +2,8 @@
 
 import pytest
 
-from flowspec_p2p import control
-from flowspec_p2p.control import (
+from flowspec_p2p.cluster import control
+from flowspec_p2p.cluster.control import (
     Ack,
     Bye,
     Heartbeat,
@@ -16,8 +16,8 @@ from flowspec_p2p.control import (
     sign,
     verify,
 )
+from flowspec_p2p.cluster.profile import DeviceProfile
 from flowspec_p2p.errors import ProtocolError
-from flowspec_p2p.profile import DeviceProfile
 
 PROFILE = DeviceProfile(memory_bytes=1 << 30, gflops=12.5, threads=2, link_mbps=100.0)
 ME = PeerInfo(id="abc", cluster="home", role="member", host="127.0.0.1", port=4242, pid=7, profile=PROFILE)

@@ -7,11 +7,18 @@ import itertools
 
 import pytest
 
-from flowspec_p2p import discovery
-from flowspec_p2p.control import PeerInfo
-from flowspec_p2p.discovery import Discovery, PeerLost, PeerSeen, from_properties, resolve_interfaces, to_properties
+from flowspec_p2p.cluster import discovery
+from flowspec_p2p.cluster.control import PeerInfo
+from flowspec_p2p.cluster.discovery import (
+    Discovery,
+    PeerLost,
+    PeerSeen,
+    from_properties,
+    resolve_interfaces,
+    to_properties,
+)
+from flowspec_p2p.cluster.profile import DeviceProfile
 from flowspec_p2p.errors import ConfigError
-from flowspec_p2p.profile import DeviceProfile
 
 LOOPBACK = ["127.0.0.1"]
 _ports = itertools.count(20000)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from flowspec_p2p.draft import DraftBundle, DraftHead, find_draft
-from flowspec_p2p.weights import open_source
+from flowspec_p2p.model.weights import open_source
+from flowspec_p2p.spec.head import DraftBundle, DraftHead, find_draft
 
 
 @pytest.fixture(scope="module")

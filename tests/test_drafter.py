@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowspec_p2p.draft import DraftHead
-from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
-from flowspec_p2p.generate import ARDecoder, generate_ids
-from flowspec_p2p.sampling import SamplingParams
-from flowspec_p2p.shard import PACKED_ENV, Shard, packing_enabled
-from flowspec_p2p.spec import prefill_features
+from flowspec_p2p.model.generate import ARDecoder, generate_ids
+from flowspec_p2p.model.sampling import SamplingParams
+from flowspec_p2p.model.shard import PACKED_ENV, Shard, packing_enabled
+from flowspec_p2p.model.weights import open_source
+from flowspec_p2p.spec.decoder import prefill_features
+from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.spec.head import DraftHead
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import open_source
 
 SHAPES = [
     TreeShape(total_tokens=1, depth=3, top_k=2),  # root only: plain decoding through the spec loop
@@ -245,7 +245,7 @@ def test_expansion_from_a_new_root_appends_to_the_pruned_tree(tiny_llama):
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=lambda s: f"{s.total_tokens}-{s.depth}-{s.top_k}-{s.order}")
 def test_skipping_hopeless_frontier_nodes_leaves_the_tree_unchanged(tiny_llama, shape, monkeypatch):
     """Frontier nodes whose descendants cannot make the rerank are not run; the EAGLE-2 tree stays the same."""
-    import flowspec_p2p.drafter as drafter_mod
+    import flowspec_p2p.spec.drafter as drafter_mod
 
     target = tiny_target(tiny_llama)
     trees = []

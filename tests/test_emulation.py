@@ -3,7 +3,7 @@
 import pydantic
 import pytest
 
-from flowspec_p2p.emulation import ComputeEmulation, DeviceClock, LinkEmulation, LinkSchedule
+from flowspec_p2p.pipeline.emulation import ComputeEmulation, DeviceClock, LinkEmulation, LinkSchedule
 
 
 def test_back_to_back_frames_queue_behind_each_other_then_add_latency():

@@ -4,7 +4,7 @@ import subprocess
 import pytest
 import torch
 
-from flowspec_p2p import fewrow
+from flowspec_p2p.model import kernels as fewrow
 
 needs_kernel = pytest.mark.skipif(fewrow.library() is None, reason="no AVX2/FMA CPU or no C compiler here")
 
@@ -79,7 +79,7 @@ def test_a_failed_build_falls_back_with_the_compilers_reason(tmp_path, monkeypat
     assert not list((tmp_path / "cache").iterdir())
     fewrow.library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="flowspec_p2p.fewrow"):
+        with caplog.at_level(logging.WARNING, logger="flowspec_p2p.model.kernels"):
             assert fewrow.library() is None
         assert "few-row kernel unavailable" in caplog.text
         assert "error" in caplog.text

@@ -8,21 +8,21 @@ import math
 import pytest
 import torch
 
-from flowspec_p2p.draft import DraftHead
-from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
-from flowspec_p2p.flowspec import FlowSpecConfig, FlowSpecGrowth, flowspec_spec
-from flowspec_p2p.flowstate import Calibration, FlowState, StageCost, WalkClock, best_segment, linear_cost
-from flowspec_p2p.generate import GenStats
-from flowspec_p2p.leader import Leader, LeaderSettings
-from flowspec_p2p.loopback import LoopbackRing
-from flowspec_p2p.mode import AR
-from flowspec_p2p.pipedec import PipeDecConfig, pipedec_spec
-from flowspec_p2p.sampling import SamplingParams
-from flowspec_p2p.shard import Shard
-from flowspec_p2p.tree import DraftTree
+from flowspec_p2p.decoding.context import AR
+from flowspec_p2p.decoding.flowspec import FlowSpecConfig, FlowSpecGrowth, flowspec_spec
+from flowspec_p2p.decoding.flowstate import Calibration, FlowState, StageCost, WalkClock, best_segment, linear_cost
+from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.decoding.pipedec import PipeDecConfig, pipedec_spec
+from flowspec_p2p.model.generate import GenStats
+from flowspec_p2p.model.sampling import SamplingParams
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import open_source
+from flowspec_p2p.pipeline.loopback import LoopbackRing
+from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.spec.head import DraftHead
+from flowspec_p2p.spec.tree import DraftTree
+from flowspec_p2p.spec.verify import Verdict
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.verify import Verdict
-from flowspec_p2p.weights import open_source
 
 from .fake_ring import sync_pipeline
 from .ring_fixtures import F64, tiny_parts

@@ -10,15 +10,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from flowspec_p2p.draft import DraftHead
-from flowspec_p2p.drafter import HeadDrafter, TreeShape
-from flowspec_p2p.flowspec import FlowSpecConfig, flowspec_spec
-from flowspec_p2p.generate import GenStats
-from flowspec_p2p.leader import Leader, LeaderSettings
-from flowspec_p2p.sampling import SamplingParams, target_probs
-from flowspec_p2p.shard import Shard
+from flowspec_p2p.decoding.flowspec import FlowSpecConfig, flowspec_spec
+from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.model.generate import GenStats
+from flowspec_p2p.model.sampling import SamplingParams, target_probs
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import open_source
+from flowspec_p2p.spec.drafter import HeadDrafter, TreeShape
+from flowspec_p2p.spec.head import DraftHead
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import open_source
 
 from .conftest import build_tiny_checkpoint
 from .fake_ring import sync_pipeline

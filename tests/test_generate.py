@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from flowspec_p2p.errors import ContextOverflow
-from flowspec_p2p.generate import ARDecoder, GenStats, generate_ids, stream_text
-from flowspec_p2p.sampling import SamplingParams, choose, target_probs
-from flowspec_p2p.shard import Shard
-from flowspec_p2p.tokenizer import Detokenizer
+from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids, stream_text
+from flowspec_p2p.model.sampling import SamplingParams, choose, target_probs
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.tokenizer import Detokenizer
+from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import open_source
 
 from .conftest import TINY_ARCHS
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flowspec_p2p.errors import ContextOverflow
-from flowspec_p2p.kv_cache import KVCache
-from flowspec_p2p.shard import Shard
+from flowspec_p2p.model.kv_cache import KVCache
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import open_source
 
 VOCAB = 96
 CAPACITY = 96

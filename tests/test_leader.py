@@ -6,16 +6,16 @@ import threading
 import pytest
 import torch
 
-from flowspec_p2p.chunkpp import CHUNK, chunk_spec
-from flowspec_p2p.draft import DraftHead
-from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.decoding.chunk import CHUNK, chunk_spec
+from flowspec_p2p.decoding.context import AR, Pipeline
+from flowspec_p2p.decoding.leader import Leader, LeaderSettings
 from flowspec_p2p.errors import Busy, InvalidRequest, NotReady, PeerGone, StageFailed
-from flowspec_p2p.generate import GenStats
-from flowspec_p2p.leader import Leader, LeaderSettings
-from flowspec_p2p.loopback import LoopbackRing
-from flowspec_p2p.mode import AR, Pipeline
-from flowspec_p2p.sampling import SamplingParams
-from flowspec_p2p.transport import QueueSender
+from flowspec_p2p.model.generate import GenStats
+from flowspec_p2p.model.sampling import SamplingParams
+from flowspec_p2p.pipeline.loopback import LoopbackRing
+from flowspec_p2p.pipeline.transport import QueueSender
+from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.spec.head import DraftHead
 
 from .ring_fixtures import F64, tiny_parts
 
@@ -219,8 +219,8 @@ async def test_replanning_fails_the_request_in_flight_and_later_requests_use_the
 
 
 def resume_modes(parts, random_head):
-    from flowspec_p2p.flowspec import flowspec_spec
-    from flowspec_p2p.pipedec import pipedec_spec
+    from flowspec_p2p.decoding.flowspec import flowspec_spec
+    from flowspec_p2p.decoding.pipedec import pipedec_spec
 
     return [AR, CHUNK, pipedec_spec(), flowspec_spec()], HeadDrafter(random_head, parts.head)
 
@@ -274,7 +274,7 @@ async def test_resumption_gives_up_after_resume_attempts(parts):
 
 
 def test_a_resumed_attempt_samples_from_its_own_seeded_stream():
-    from flowspec_p2p.leader import _attempt_params
+    from flowspec_p2p.decoding.leader import _attempt_params
 
     p = SamplingParams(temperature=1.0, seed=7)
     assert _attempt_params(p, 0) is p

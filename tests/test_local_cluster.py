@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from flowspec_p2p.generate import ARDecoder, GenStats, stream_text
-from flowspec_p2p.sampling import SamplingParams
+from flowspec_p2p.model.generate import ARDecoder, GenStats, stream_text
+from flowspec_p2p.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -129,8 +129,8 @@ def test_cluster_up_rejects_bad_flowspec_settings_with_the_reason_before_any_age
 def test_cluster_up_passes_its_flowspec_settings_to_the_leader_only(tmp_path):
     import argparse
 
+    from flowspec_p2p.cluster.local_cluster import LocalCluster
     from flowspec_p2p.commands import cluster as cluster_cmd
-    from flowspec_p2p.local_cluster import LocalCluster
 
     parser = argparse.ArgumentParser()
     cluster_cmd._common(parser)

@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from flowspec_p2p.drafter import HeadDrafter, TreeShape
-from flowspec_p2p.flowspec import FlowSpecConfig, flowspec_spec
-from flowspec_p2p.generate import ARDecoder, GenStats, generate_ids
-from flowspec_p2p.leader import Leader, LeaderSettings
-from flowspec_p2p.ngram import LookupConfig, LookupDrafter, PromptLookup
-from flowspec_p2p.sampling import SamplingParams
-from flowspec_p2p.spec import SpecDecoder
+from flowspec_p2p.decoding.flowspec import FlowSpecConfig, flowspec_spec
+from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids
+from flowspec_p2p.model.sampling import SamplingParams
+from flowspec_p2p.spec.decoder import SpecDecoder
+from flowspec_p2p.spec.drafter import HeadDrafter, TreeShape
+from flowspec_p2p.spec.ngram import LookupConfig, LookupDrafter, PromptLookup
 
 from .fake_ring import sync_pipeline
 from .ring_fixtures import F64, tiny_parts

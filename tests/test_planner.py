@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowspec_p2p import planner
+from flowspec_p2p.cluster import planner
+from flowspec_p2p.cluster.planner import Device, ModelSpec, PlanOptions, diff, plan, render
 from flowspec_p2p.errors import PlanInfeasible
-from flowspec_p2p.planner import Device, ModelSpec, PlanOptions, diff, plan, render
 
 MB = 1024 * 1024
 PLANS = Path(__file__).resolve().parent.parent / "plans"

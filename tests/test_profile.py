@@ -2,8 +2,8 @@
 
 import torch
 
-from flowspec_p2p import profile
-from flowspec_p2p.profile import REFERENCE_CONFIG, benchmark_block, measure
+from flowspec_p2p.cluster import profile
+from flowspec_p2p.cluster.profile import REFERENCE_CONFIG, benchmark_block, measure
 
 
 def test_the_benchmark_reports_a_positive_rate_and_slowdown_divides_it(monkeypatch):

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from flowspec_p2p import fewrow
-from flowspec_p2p import shard as shard_mod
-from flowspec_p2p.shard import PACKED_ENV, Shard
+from flowspec_p2p.model import kernels as fewrow
+from flowspec_p2p.model import shard as shard_mod
+from flowspec_p2p.model.shard import PACKED_ENV, Shard
+from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import open_source
 
 from .conftest import TINY_ARCHS
 

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from flowspec_p2p.drafter import HeadDrafter, OracleDrafter, TreeShape
-from flowspec_p2p.generate import ARDecoder, generate_ids
-from flowspec_p2p.sampling import SamplingParams
-from flowspec_p2p.spec import DEFAULT_TREE, SpecDecoder, tuned_tree
+from flowspec_p2p.model.generate import ARDecoder, generate_ids
+from flowspec_p2p.model.sampling import SamplingParams
+from flowspec_p2p.spec.decoder import DEFAULT_TREE, SpecDecoder, tuned_tree
+from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
 
 from .test_drafter import SHAPES, random_head, tiny_target, trained_head
 
@@ -140,7 +140,7 @@ def test_tuned_tree_is_read_only_for_the_matching_target(tmp_path):
 
 
 def _stats():
-    from flowspec_p2p.generate import GenStats
+    from flowspec_p2p.model.generate import GenStats
 
     return GenStats(mode="spec")
 
@@ -151,9 +151,9 @@ def _stats():
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A 5-token model (hidden 16) sharp enough that drafts are often accepted at several levels."""
-    from flowspec_p2p.shard import Shard
+    from flowspec_p2p.model.shard import Shard
+    from flowspec_p2p.model.weights import open_source
     from flowspec_p2p.types import LayerRange
-    from flowspec_p2p.weights import open_source
 
     from .conftest import build_tiny_checkpoint
 
@@ -184,7 +184,7 @@ def test_sampled_speculation_follows_the_target_distribution(toy):
     import numpy as np
     from scipy.stats import chisquare
 
-    from flowspec_p2p.sampling import target_probs
+    from flowspec_p2p.model.sampling import target_probs
 
     prompt, vocab, draws = [1, 3, 0], 5, 2000
     params = SamplingParams(temperature=1.2, top_k=4)
@@ -228,8 +228,8 @@ def top2_gap(shard, ids: list[int]) -> float:
 
 @pytest.mark.slow
 def test_default_model_with_the_shipped_head_matches_autoregressive_greedy(request):
-    from flowspec_p2p.draft import DraftBundle, find_draft
-    from flowspec_p2p.weights import model_fingerprint, open_source
+    from flowspec_p2p.model.weights import model_fingerprint, open_source
+    from flowspec_p2p.spec.head import DraftBundle, find_draft
 
     stem = find_draft(model_fingerprint(open_source(None)))
     if stem is None:
@@ -257,7 +257,7 @@ def test_default_model_with_the_shipped_head_matches_autoregressive_greedy(reque
 
 def test_teacher_forced_tau_equals_the_decoders_tau(tiny_llama):
     """One nested pool per position predicts, for every shape, exactly the steps SpecDecoder takes (T=0)."""
-    from flowspec_p2p.bench_spec import simulate_tau, teacher_forced_lengths
+    from flowspec_p2p.bench.single_device import simulate_tau, teacher_forced_lengths
 
     target = tiny_target(tiny_llama)
     head = trained_head(tiny_llama)
@@ -271,7 +271,7 @@ def test_teacher_forced_tau_equals_the_decoders_tau(tiny_llama):
 
 
 def test_tune_ranks_candidate_trees_on_a_tiny_model(tiny_llama):
-    from flowspec_p2p import bench_spec
+    from flowspec_p2p.bench import single_device as bench_spec
 
     target = tiny_target(tiny_llama)
     drafter = HeadDrafter(trained_head(tiny_llama), target)

@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-from flowspec_p2p.messages import Forward, Prune, Release, Reset, StageError
-from flowspec_p2p.shard import Shard
-from flowspec_p2p.stage import StageCore, ancestor_mask
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import open_source
+from flowspec_p2p.pipeline.messages import Forward, Prune, Release, Reset, StageError
+from flowspec_p2p.pipeline.stage import StageCore, ancestor_mask
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import open_source
 
 F64 = torch.float64
 SEED_STOP = 2

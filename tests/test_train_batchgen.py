@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowspec_p2p.generate import ARDecoder, generate_ids
-from flowspec_p2p.sampling import SamplingParams
-from flowspec_p2p.shard import Shard
+from flowspec_p2p.model.generate import ARDecoder, generate_ids
+from flowspec_p2p.model.sampling import SamplingParams
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.train.batchgen import BatchGenerator, Request, has_loop
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import open_source
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import torch
 
-from flowspec_p2p.shard import Shard
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.train import data as data_mod
 from flowspec_p2p.train.data import FIXED_TEMPERATURE, DataConfig, teacher_forced_data
 from flowspec_p2p.train.prompts import Prompt, save_pool
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import open_source
 
 STOP = 2
 

@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 
-from flowspec_p2p.draft import DraftBundle, DraftHead, find_draft
 from flowspec_p2p.errors import ConfigError
-from flowspec_p2p.shard import Shard
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import model_fingerprint, open_source
+from flowspec_p2p.spec.head import DraftBundle, DraftHead, find_draft
 from flowspec_p2p.train.batchgen import BatchGenerator, Request
 from flowspec_p2p.train.corpus import load_corpus, make_example
 from flowspec_p2p.train.evaluate import evaluate
@@ -18,7 +19,6 @@ from flowspec_p2p.train.fit import FitConfig, checkpoint_vocab, example_loss, fi
 from flowspec_p2p.train.store import FeatureStore
 from flowspec_p2p.train.unroll import unrolled
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import model_fingerprint, open_source
 
 
 def test_example_pairs_feature_t_with_token_t_plus_1():

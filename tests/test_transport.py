@@ -9,12 +9,12 @@ import pytest
 import torch
 from aiohttp import web
 
-from flowspec_p2p import codec
-from flowspec_p2p.emulation import LinkEmulation
 from flowspec_p2p.errors import PeerGone, ProtocolError
-from flowspec_p2p.messages import PROTOCOL_VERSION, Forward, Prune
-from flowspec_p2p.ring_server import RingServer
-from flowspec_p2p.transport import (
+from flowspec_p2p.pipeline import codec
+from flowspec_p2p.pipeline.emulation import LinkEmulation
+from flowspec_p2p.pipeline.messages import PROTOCOL_VERSION, Forward, Prune
+from flowspec_p2p.pipeline.ring_server import RingServer
+from flowspec_p2p.pipeline.transport import (
     CLOSE_BAD_FRAME,
     CLOSE_REFUSED,
     CLOSE_STALE_EPOCH,
@@ -130,7 +130,7 @@ async def test_garbage_frames_close_that_link_with_a_logged_reason_and_the_agent
         ws = await s.ws_connect(agent.url)
         await ws.send_str(hello().model_dump_json())
         assert (await ws.receive()).type == aiohttp.WSMsgType.TEXT  # welcome
-        with caplog.at_level(logging.WARNING, logger="flowspec_p2p.transport"):
+        with caplog.at_level(logging.WARNING, logger="flowspec_p2p.pipeline.transport"):
             await ws.send_bytes(garbage) if isinstance(garbage, bytes) else await ws.send_str(garbage)
             msg = await ws.receive(timeout=3)
             assert msg.type == aiohttp.WSMsgType.CLOSE
@@ -206,7 +206,7 @@ async def test_queue_sender_round_trips_through_the_codec():
 
 
 async def test_bench_hop_times_a_real_loopback_hop():
-    from flowspec_p2p.bench_hop import bench_hop
+    from flowspec_p2p.bench.hop import bench_hop
 
     r = await bench_hop(tokens=16, hidden=576, dtype="float16", iters=20, warmup=5)
     assert r["frame_bytes"] > 16 * 576 * 2

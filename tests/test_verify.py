@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
 
-from flowspec_p2p.tree import DraftTree
-from flowspec_p2p.verify import LazyRows, verify_greedy, verify_sampling
+from flowspec_p2p.spec.tree import DraftTree
+from flowspec_p2p.spec.verify import LazyRows, verify_greedy, verify_sampling
 
 from .test_tree import trees
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from aiohttp import web
 
-from flowspec_p2p.control import RingNode
+from flowspec_p2p.cluster.control import RingNode
+from flowspec_p2p.cluster.stage_host import build_shard
+from flowspec_p2p.cluster.weight_server import WeightServer, fetch_range, stage_fingerprint
 from flowspec_p2p.errors import WeightsError
-from flowspec_p2p.shard import Shard
-from flowspec_p2p.stage_host import build_shard
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weight_server import WeightServer, fetch_range, stage_fingerprint
-from flowspec_p2p.weights import open_source
 
 
 async def serve(app: web.Application):

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from flowspec_p2p.errors import ConfigError, UnsupportedModel, WeightsError
-from flowspec_p2p.shard import Shard
-from flowspec_p2p.types import LayerRange
-from flowspec_p2p.weights import (
+from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.weights import (
     _GGUF_GLOBAL,
     _GGUF_LAYER,
     EMBED,
@@ -27,6 +26,7 @@ from flowspec_p2p.weights import (
     open_source,
     range_fingerprint,
 )
+from flowspec_p2p.types import LayerRange
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -250,7 +250,7 @@ def test_gguf_header_parse_agrees_with_gguf_reader(tmp_path, tiny_llama):
 def test_dequantize_is_bit_identical_to_gguf_py(qtype, monkeypatch):
     import gguf
 
-    from flowspec_p2p import weights
+    from flowspec_p2p.model import weights
 
     monkeypatch.setattr(weights, "DEQUANT_CHUNK_BLOCKS", 5)  # 12 blocks: several chunks and a partial one
 
@@ -267,7 +267,7 @@ def test_dequantize_is_bit_identical_to_gguf_py(qtype, monkeypatch):
 def test_quantised_gguf_tensors_load_as_gguf_py_dequantises_them(tmp_path, tiny_llama):
     import gguf
 
-    from flowspec_p2p.weights import _unpermute_rows
+    from flowspec_p2p.model.weights import _unpermute_rows
 
     Q = gguf.GGMLQuantizationType
     qtypes = {"blk.1.attn_q.weight": Q.Q4_1, "blk.1.ffn_down.weight": Q.Q4_0, "token_embd.weight": Q.Q8_0}

@@ -6,12 +6,12 @@ import time
 import pytest
 import torch
 
-from flowspec_p2p import worker as worker_mod
-from flowspec_p2p.emulation import ComputeEmulation
-from flowspec_p2p.messages import Forward, Prune, Release, StageError
-from flowspec_p2p.stage import StageCore
-from flowspec_p2p.transport import LINK_LOST, Frame, LinkDown, QueueSender
-from flowspec_p2p.worker import StageWorker
+from flowspec_p2p.pipeline import worker as worker_mod
+from flowspec_p2p.pipeline.emulation import ComputeEmulation
+from flowspec_p2p.pipeline.messages import Forward, Prune, Release, StageError
+from flowspec_p2p.pipeline.stage import StageCore
+from flowspec_p2p.pipeline.transport import LINK_LOST, Frame, LinkDown, QueueSender
+from flowspec_p2p.pipeline.worker import StageWorker
 
 from .ring_fixtures import F64, tiny_parts
 

@@ -22,7 +22,7 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..bench import DATASETS, START_LINE
+    from ..bench.edge import DATASETS, START_LINE
 
     p = sub.add_parser(
         "bench",
@@ -74,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from .. import bench
+    from ..bench import edge as bench
     from ..config import json_object
     from ..errors import ConfigError
 

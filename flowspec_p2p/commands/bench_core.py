@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench_core import (
+    from ..bench.core import (
         agreement,
         bound,
         environment,
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         write_outputs,
     )
     from ..errors import ConfigError
-    from ..model import load_model
+    from ..model.load import load_model
 
     parts = list(dict.fromkeys(args.parts or PARTS))
     if unknown := [p for p in parts if p not in PARTS]:

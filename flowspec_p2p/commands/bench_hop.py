@@ -51,8 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_hop(args: argparse.Namespace) -> int:
-    from .. import bench_hop
     from ..__main__ import run_async
+    from ..bench import hop as bench_hop
 
     async def main():
         return [await bench_hop.bench_hop(t, args.hidden, d, iters=args.iters)
@@ -71,9 +71,9 @@ def run_hop(args: argparse.Namespace) -> int:
 def run_ring(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import bench_hop
     from ..__main__ import run_async
-    from ..emulation import ComputeEmulation, LinkEmulation
+    from ..bench import hop as bench_hop
+    from ..pipeline.emulation import ComputeEmulation, LinkEmulation
 
     torch.set_num_threads(args.threads)
     result = run_async(bench_hop.bench_ring(

@@ -38,9 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench_spec import bench, load_prompts, markdown, write_outputs
-    from ..model import load_model
-    from ..spec import load_drafter
+    from ..bench.single_device import bench, load_prompts, markdown, write_outputs
+    from ..model.load import load_model
+    from ..spec.decoder import load_drafter
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from ..cluster.local_cluster import ClusterOptions, LocalCluster
 from ..config import json_object
 from ..errors import ConfigError
-from ..local_cluster import ClusterOptions, LocalCluster
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..tokenizer import cache_dir
+from ..model.tokenizer import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
-from ..generate import ARDecoder, GenStats, stream_text
-from ..model import load_model, parse_dtype
-from ..sampling import SamplingParams
+from ..model.generate import ARDecoder, GenStats, stream_text
+from ..model.load import load_model, parse_dtype
+from ..model.sampling import SamplingParams
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +54,7 @@ def add_spec_arguments(p: argparse.ArgumentParser, *, mode: bool = True) -> None
 
 def tree_shape(args: argparse.Namespace, target_fingerprint: str):
     """The tuned tree for this device (`flowspec tune-tree`, else the shipped default) with any flag overrides."""
-    from ..spec import tuned_tree
+    from ..spec.decoder import tuned_tree
 
     shape = tuned_tree(target_fingerprint)
     overrides = {"total_tokens": args.tree_tokens, "depth": args.tree_depth, "top_k": args.tree_topk}
@@ -64,7 +64,7 @@ def tree_shape(args: argparse.Namespace, target_fingerprint: str):
 def make_decoder(args: argparse.Namespace, lm):
     if args.mode == "ar":
         return ARDecoder(lm.shard)
-    from ..spec import SpecDecoder, load_drafter
+    from ..spec.decoder import SpecDecoder, load_drafter
 
     fingerprint = lm.fingerprint()
     drafter, _ = load_drafter(lm.shard, fingerprint, args.draft)

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from .. import config as config_mod
+from ..cluster.planner import Device, PlanOptions, describe_model, plan, render
+from ..cluster.profile import measure
 from ..errors import ConfigError
-from ..planner import Device, PlanOptions, describe_model, plan, render
-from ..profile import measure
-from ..shard import packing_enabled
+from ..model.shard import packing_enabled
 
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
@@ -55,7 +55,7 @@ def device_from_profile(path: Path) -> Device:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..weights import open_source
+    from ..model.weights import open_source
 
     devices = [device_from_profile(p) for p in args.profiles]
     if sum(d.leader for d in devices) != 1:

@@ -52,9 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench_spec import DATASETS, TUNE_START, load_prompts, tune, tune_markdown, write_outputs
-    from ..model import load_model
-    from ..spec import load_drafter, tuning_path
+    from ..bench.single_device import DATASETS, TUNE_START, load_prompts, tune, tune_markdown, write_outputs
+    from ..model.load import load_model
+    from ..spec.decoder import load_drafter, tuning_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

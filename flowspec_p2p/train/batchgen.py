@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv_cache import KVCache
-from ..shard import Shard
+from ..model.kv_cache import KVCache
+from ..model.shard import Shard
 
 log = logging.getLogger(__name__)
 

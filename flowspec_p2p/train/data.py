@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 from tqdm import tqdm
 
-from ..model import load_model
+from ..model.load import load_model
 from ..types import FrozenModel
 from .batchgen import BatchGenerator, Finished, Request
 from .prompts import Prompt, build_pool, load_pool, save_pool, sharegpt_candidates, sharegpt_path

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..draft import DraftBundle, DraftHead
 from ..errors import ConfigError
-from ..tokenizer import cache_dir
+from ..model.tokenizer import cache_dir
+from ..spec.head import DraftBundle, DraftHead
 from .corpus import load_corpus
 from .evaluate import evaluate
 from .fit import FitConfig, checkpoint_vocab, load_target, prepare, stores

@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from pydantic import Field
 from tqdm import tqdm
 
-from ..draft import DraftHead
 from ..errors import ConfigError
-from ..shard import Shard
+from ..model.shard import Shard
+from ..model.weights import open_source
+from ..spec.head import DraftHead
 from ..types import FrozenModel, LayerRange
-from ..weights import open_source
 from .corpus import (
     HELDOUT_PER_MILLE,
     Corpus,

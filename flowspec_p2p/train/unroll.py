@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft import DraftHead
+from ..spec.head import DraftHead
 
 
 class ListCache:

@@ -1,0 +1,421 @@
+"""The leader's HTTP API: OpenAI-compatible completions over the cluster, plus health and cluster views.
+
+    POST /v1/chat/completions   messages -> chat template -> Leader.generate; ``stream: true`` = SSE, ``[DONE]``
+    POST /v1/completions        prompt (text, or token ids) -> the same
+    GET  /v1/models             the one model this cluster serves
+    GET  /health                200 {"status": "ok"} when a pipeline is ready, else 503 {"status": "not_ready"}
+    GET  /cluster               what the control plane knows (``cluster_view()``: members with id, role,
+                                address, pid, capabilities; the plan; per-stage counters) + the leader's state
+
+Extensions to the OpenAI request body: ``decoding`` ("ar", "chunk", "pipedec", "flowspec"; default: the leader's
+default mode, or ``model`` when that names a mode) and ``top_k``. Non-streamed responses carry a top-level ``stats``
+object (mode, new_tokens, steps, tau, prefill_s, decode_s, decode_started_at, decode_finished_at, ...); the last
+streamed chunk carries it too. For benchmarks, ``return_token_ids: true`` adds the generated ids to it
+(``token_ids``) and ``return_leader_timeline: true`` the leader's compute intervals (``leader_intervals``,
+time.time() pairs).
+``temperature`` defaults to 1.0 as in OpenAI's API (0 = greedy).
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for requests the client must
+fix (malformed JSON, wrong types, unknown mode, prompt over the context limit, max_tokens out of range), 503 with
+Retry-After when the cluster is busy, re-planning or lost a stage, 500 when a stage failed. An error after a
+stream started arrives as a final ``data: {"error": ...}`` event.
+
+Bind it to 127.0.0.1 (the caller's choice; the default of ``flowspec agent --api-host``): it has no auth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..decoding.leader import Leader
+from ..errors import (
+    Busy,
+    ConfigError,
+    ContextOverflow,
+    FlowSpecError,
+    InvalidRequest,
+    NotReady,
+    PeerGone,
+    StageFailed,
+)
+from ..model.generate import GenStats
+from ..model.sampling import SamplingParams
+from ..model.tokenizer import Detokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+DEFAULT_MAX_TOKENS = 256
+MAX_STOP_STRINGS = 4
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+ClusterView = Callable[[], dict | Awaitable[dict]]
+LEADER = web.AppKey("leader", Leader)
+CLUSTER_VIEW = web.AppKey("cluster_view", object)
+
+
+# ------------------------------------------------------------------------------------------------ requests
+
+
+class _Body(BaseModel):
+    """Fields shared by both endpoints. Unknown OpenAI fields are ignored; known ones are type-checked strictly."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = Field(1, ge=1, le=1)
+    decoding: str | None = Field(None, min_length=1, max_length=32)
+    return_token_ids: bool = False  # stats carry "token_ids": the generated ids (benchmarks compare modes by them)
+    return_leader_timeline: bool = False  # stats carry "leader_intervals": the leader's compute [start, end] pairs
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        return stops
+
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_TextPart]
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(_Body):
+    messages: list[_Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[int] | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return v[0]
+        return v
+
+
+# ------------------------------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def _api_error(e: BaseException, retry_after: int, prompt_param: str = "messages") -> ApiError:
+    """``prompt_param``: the request field that holds the prompt (``messages`` or ``prompt``)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ContextOverflow):
+        return ApiError(400, str(e), "invalid_request_error", prompt_param, "context_length_exceeded")
+    if isinstance(e, InvalidRequest | ConfigError):
+        return ApiError(400, str(e), "invalid_request_error", "decoding" if "mode" in str(e) else None)
+    if isinstance(e, Busy):
+        return ApiError(503, str(e), "server_busy", code="busy", retry_after=retry_after)
+    if isinstance(e, NotReady | PeerGone):
+        return ApiError(503, str(e), "cluster_unavailable", code="peer_gone" if isinstance(e, PeerGone) else
+                        "not_ready", retry_after=retry_after)
+    if isinstance(e, StageFailed):
+        return ApiError(500, str(e), "stage_failed")
+    if isinstance(e, FlowSpecError):
+        return ApiError(500, str(e), "server_error")
+    log.exception("unexpected error in a request", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}", "server_error")
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    first = e.errors()[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"malformed JSON: {first['msg']}", "invalid_request_error")
+    where = ".".join(str(x) for x in first["loc"])
+    return ApiError(400, f"{where or 'body'}: {first['msg']}", "invalid_request_error", where or None)
+
+
+# ------------------------------------------------------------------------------------------------ serving
+
+
+class _Job:
+    """One validated request: prompt ids, generation arguments, and the text layer over the leader's chunks."""
+
+    def __init__(self, leader: Leader, body: _Body, prompt: list[int], kind: str):
+        self.leader, self.body, self.prompt, self.kind = leader, body, prompt, kind
+        settings = leader.settings
+        max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, settings.max_context)
+        if max_tokens > settings.max_context:
+            raise ApiError(400, f"max_tokens must be at most {settings.max_context}", "invalid_request_error",
+                           "max_tokens")
+        mode = body.decoding or _mode_named(leader, body.model)
+        self.spec, self.budget = leader.check(len(prompt), max_tokens, mode)
+        self.stats = GenStats(mode=self.spec.name)
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.finish_reason = "length"
+        self.token_ids: list[int] = []
+        self.leader_intervals: list[tuple[float, float]] | None = [] if body.return_leader_timeline else None
+
+    def stats_dict(self) -> dict:
+        d = self.stats.as_dict()
+        if self.body.return_token_ids:
+            d["token_ids"] = list(self.token_ids)
+        if self.leader_intervals is not None:
+            d["leader_intervals"] = [[round(a, 6), round(b, 6)] for a, b in self.leader_intervals]
+        return d
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas; sets ``finish_reason``. Closing it stops the generation (and releases the stages)."""
+        tok = self.leader.tokenizer
+        detok = Detokenizer(tok, self.body.stop_strings())
+        stop_ids = tok.stop_ids
+        chunks = self.leader.generate(self.prompt, params=self.body.sampling(), max_tokens=self.budget,
+                                      stop_ids=stop_ids, mode=self.spec.name, stats=self.stats,
+                                      timeline=self.leader_intervals)
+        async with contextlib.aclosing(chunks):
+            async for ids in chunks:
+                self.token_ids += ids
+                text = detok.push(ids)
+                if ids and ids[-1] in stop_ids:
+                    self.finish_reason = "stop"
+                if detok.finished:
+                    self.finish_reason = "stop"
+                    if text:
+                        yield text
+                    return
+                if text:
+                    yield text
+        tail = detok.flush()
+        if tail:
+            yield tail
+
+    def usage(self) -> dict:
+        n = self.stats.new_tokens
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+
+    def chunk(self, delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+        if self.kind == "chat":
+            d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.leader.model_id,
+                "choices": [choice]}
+
+    def full(self, text: str) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.leader.model_id,
+                "choices": [choice], "usage": self.usage(), "stats": self.stats_dict()}
+
+
+async def _parse(request: web.Request, model: type[_Body]) -> _Body:
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _mode_named(leader: Leader, model: str | None) -> str | None:
+    """``model`` when it names a decoding mode (for clients that set only ``model``); any other name is not checked:
+    the cluster serves one model."""
+    return model if model in leader.modes else None
+
+
+def _prompt_ids(leader: Leader, body: _Body) -> tuple[list[int], str]:
+    tok = leader.tokenizer
+    if isinstance(body, ChatRequest):
+        return tok.chat([m.as_dict() for m in body.messages]), "chat"
+    assert isinstance(body, CompletionRequest)
+    if not body.prompt:
+        raise ApiError(400, "the prompt is empty", "invalid_request_error", "prompt")
+    if isinstance(body.prompt, str):
+        return tok.encode(body.prompt), "text"
+    vocab = leader.head.cfg.vocab_size
+    if any(not 0 <= t < vocab for t in body.prompt):
+        raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", "invalid_request_error", "prompt")
+    return list(body.prompt), "text"
+
+
+async def _complete(request: web.Request, model: type[_Body]) -> web.StreamResponse:
+    leader = request.app[LEADER]
+    retry = leader.settings.retry_after_s
+    param = "messages" if model is ChatRequest else "prompt"
+    try:
+        body = await _parse(request, model)
+        prompt, kind = _prompt_ids(leader, body)
+        job = _Job(leader, body, prompt, kind)
+    except (ApiError, FlowSpecError) as e:
+        return _api_error(e, retry, param).response()
+    if body.stream:
+        return await _stream(request, job, retry, param)
+    parts: list[str] = []
+    try:
+        async with contextlib.aclosing(job.deltas()) as deltas:
+            async for text in deltas:
+                parts.append(text)
+    except Exception as e:
+        return _api_error(e, retry, param).response()
+    return web.json_response(job.full("".join(parts)))
+
+
+async def _stream(request: web.Request, job: _Job, retry: int, param: str) -> web.StreamResponse:
+    deltas = job.deltas()
+    try:
+        first = await anext(deltas, None)  # errors before any output still get a proper status code
+    except Exception as e:
+        await deltas.aclose()
+        return _api_error(e, retry, param).response()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+
+    async def send(obj: dict | str) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+        await resp.write(f"data: {data}\n\n".encode())
+
+    try:
+        if job.kind == "chat":
+            await send(job.chunk(None, role=True))
+        if first:
+            await send(job.chunk(first))
+        async for text in deltas:
+            await send(job.chunk(text))
+        last = job.chunk(None, finish=job.finish_reason)
+        last["stats"] = job.stats_dict()
+        await send(last)
+        if job.body.include_usage():
+            await send({**job.chunk(None), "choices": [], "usage": job.usage()})
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        err = _api_error(e, retry, param)
+        with contextlib.suppress(ConnectionResetError):
+            await send(err.body())
+    finally:
+        await deltas.aclose()
+    with contextlib.suppress(ConnectionResetError):
+        await send("[DONE]")
+        await resp.write_eof()
+    return resp
+
+
+# ------------------------------------------------------------------------------------------------ handlers
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, ChatRequest)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, CompletionRequest)
+
+
+async def models(request: web.Request) -> web.Response:
+    leader = request.app[LEADER]
+    return web.json_response({"object": "list", "data": [
+        {"id": leader.model_id, "object": "model", "created": 0, "owned_by": "flowspec_p2p"}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    leader = request.app[LEADER]
+    ok = leader.ready
+    return web.json_response({"status": "ok" if ok else "not_ready", "modes": leader.available_modes(),
+                              "default_mode": leader.default_mode()}, status=200 if ok else 503)
+
+
+async def cluster(request: web.Request) -> web.Response:
+    view = request.app[CLUSTER_VIEW]
+    known: dict = {}
+    if view is not None:
+        known = view()
+        if inspect.isawaitable(known):
+            known = await known
+    return web.json_response({**known, "leader": request.app[LEADER].snapshot()})
+
+
+def create_app(leader: Leader, cluster_view: ClusterView | None = None, *, run_leader: bool = True
+               ) -> web.Application:
+    """The API app. ``run_leader``: run ``leader.run()`` (the demultiplexer) for the app's lifetime
+    (cleanup_ctx); pass False when the composition root already runs it in its own TaskGroup."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[LEADER] = leader
+    app[CLUSTER_VIEW] = cluster_view
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/cluster", cluster)
+    if run_leader:
+        app.cleanup_ctx.append(_leader_task)
+    return app
+
+
+async def _leader_task(app: web.Application) -> AsyncIterator[None]:
+    leader = app[LEADER]
+    task = asyncio.get_running_loop().create_task(leader.run(), name="leader-demux")
+    yield
+    task.cancel()
+    await asyncio.wait([task])  # unlike suppress(CancelledError), never swallows the caller's own cancellation
+    leader.close()

@@ -1,0 +1,474 @@
+"""Single-device speculative decoding, measured: the tree-size tuner and the Spec-Bench figures.
+
+Glossary (speculative-decoding-notes §1.3, §4.4; issue 3 items 5-6):
+
+    forward curve     median time of one target forward of an n-node tree after a fixed context (plus one
+                      LM-head row, as a decoding step needs), divided by the one-token forward. On a CPU this
+                      grows much faster with n than on a GPU, so the best tree is small.
+    draft cost        median ``drafter.draft`` time for a tree shape (it depends on the expansion levels and the
+                      width k), plus one ``feed`` per step, divided by the one-token target forward.
+    teacher-forced τ  at T=0 the committed text is the autoregressive text whatever the tree, so the accepted
+                      length of *every* tree shape at *every* position of the AR reply is known from one draft
+                      per position: EAGLE-2 pools are nested (the depth-d pool is the depth-D pool cut at d; the
+                      budget-N tree is its N-1 best candidates), so one full pool per width k scores them all.
+                      Walking the reply with those lengths gives the exact τ each shape would get.
+    estimated speed   τ / (forward(N) + draft(shape)) in units of one-token forwards = speedup over AR.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..model.generate import ARDecoder, GenStats, generate_ids
+from ..model.sampling import SamplingParams
+from ..model.shard import Shard
+from ..spec.decoder import SpecDecoder, prefill_features
+from ..spec.drafter import TreeDrafter, TreeShape
+from ..spec.tree import DraftTree
+
+log = logging.getLogger(__name__)
+
+DATASETS = ("mt_bench", "alpaca", "gsm8k", "humaneval", "qa", "sum")
+BENCH_START = 30  # Spec-Bench lines [30, 50) (0-based) are the benchmark prompts; none may be used for training
+BENCH_COUNT = 20
+TUNE_START = 0  # the tuner calibrates on lines [0, TUNE_COUNT) of each set, disjoint from the benchmark lines
+NODE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+TOP_KS = (1, 2, 3, 4, 6, 8)
+MAX_DEPTH = 6
+CURVE_CONTEXT = 160  # committed tokens before the timed tree (a typical chat prompt + some reply)
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    dataset: str
+    line: int  # 0-based line in <dataset>.jsonl
+    text: str  # the first user turn
+
+
+def load_prompts(
+    data_dir: Path, datasets: Iterable[str] = DATASETS, start: int = BENCH_START, count: int = BENCH_COUNT
+) -> list[BenchPrompt]:
+    """Lines [start, start + count) of each Spec-Bench set (first turn only)."""
+    out = []
+    for name in datasets:
+        lines = (Path(data_dir) / f"{name}.jsonl").read_text().splitlines()
+        for i in range(start, min(start + count, len(lines))):
+            out.append(BenchPrompt(name, i, json.loads(lines[i])["turns"][0]))
+    return out
+
+
+def _bar(it, progress: bool, desc: str, total: int | None = None):
+    return tqdm(it, desc=desc, total=total, disable=not progress, leave=False, dynamic_ncols=True)
+
+
+def _elapsed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# -- tuner: forward curve, draft cost, teacher-forced acceptance ------------------------------------------------
+
+
+def bushy_tree(n: int) -> DraftTree:
+    """An n-node tree of the kind EAGLE-2 builds (a few children per node, breadth first)."""
+    return DraftTree.from_lists([7] * n, [-1] + [(i - 1) // 3 for i in range(1, n)])
+
+
+@torch.inference_mode()
+def forward_curve(
+    shard: Shard,
+    sizes: Sequence[int] = NODE_SIZES,
+    context: int = CURVE_CONTEXT,
+    repeats: int = 7,
+    progress: bool = False,
+) -> dict[int, float]:
+    """Median seconds of one n-node tree forward + one LM-head row, interleaved over sizes. -> {n: seconds}"""
+    cache = shard.new_cache(context + max(sizes))
+    shard(torch.randint(0, shard.cfg.vocab_size, (1, context)), cache)
+    cache.commit(context)
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in _bar(range(repeats), progress, "forward curve"):
+        for n in sizes:
+            tree = bushy_tree(n)
+            ids, pos = tree.tokens[None], tree.positions(context)[None]
+            mask = None if n == 1 else tree.attention_mask(context)[None]
+            t = time.perf_counter()
+            shard.logits(shard(ids, cache, positions=pos, mask=mask)[0, 0])
+            samples[n].append(time.perf_counter() - t)
+            cache.keep([])
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+@torch.inference_mode()
+def head_row_time(shard: Shard, repeats: int = 15) -> float:
+    """Median seconds of one LM-head row: verification computes one per accepted node beyond the first."""
+    f = torch.randn(shard.cfg.hidden_size, dtype=shard.dtype)
+    samples = [_elapsed(lambda: shard.logits(f)) for _ in range(repeats)]
+    return statistics.median(samples)
+
+
+@torch.inference_mode()
+def draft_costs(
+    drafter: TreeDrafter, shard: Shard, prompt: Sequence[int], shapes: Sequence[TreeShape], repeats: int = 3
+) -> tuple[dict[TreeShape, float], float]:
+    """Median draft() seconds of each shape (frontier pruning makes it depend on the budget too, not only on
+    depth and width), and of one feed of two committed tokens."""
+    cache = shard.new_cache(len(prompt) + 8 * repeats + 8)
+    feats = prefill_features(shard, cache, prompt)
+    drafter.reset(len(prompt) + 8 * repeats + 1 + max(s.top_k for s in shapes) * MAX_DEPTH)
+    drafter.feed(prompt, feats, int(prompt[-1]))
+    for s in shapes[:: max(1, len(shapes) // 8)]:  # warm-up: first calls pay for allocations
+        drafter.draft(s)
+    out: dict[TreeShape, list[float]] = {s: [] for s in shapes}
+    feed: list[float] = []
+    for _ in range(repeats):
+        for s in shapes:
+            out[s].append(_elapsed(lambda s=s: drafter.draft(s)))
+        two = feats[-2:]
+        feed.append(_elapsed(lambda f=two: drafter.feed(prompt[-2:], f, int(prompt[-1]))))
+    return {s: statistics.median(v) for s, v in out.items()}, statistics.median(feed)
+
+
+def _ranks(pool: DraftTree, depth: int) -> dict[int, int]:
+    """Rank of each candidate of a whole EAGLE-2 pool (creation order) in the rerank of a depth-``depth`` tree:
+    the budget-N tree keeps exactly the candidates ranked < N - 1 (and the root)."""
+    d, s = pool.depth.tolist(), pool.scores.tolist()
+    cands = sorted((i for i in range(1, len(pool)) if d[i] <= depth), key=lambda i: (-s[i], i))
+    return {node: r for r, node in enumerate(cands)}
+
+
+@torch.inference_mode()
+def teacher_forced_lengths(
+    shard: Shard, drafter: TreeDrafter, prompt: Sequence[int], reply: Sequence[int], shapes: Sequence[TreeShape]
+) -> dict[TreeShape, list[int]]:
+    """Accepted draft length of each shape at each position of the greedy ``reply`` (its root there)."""
+    feats = shard(torch.tensor([list(prompt) + list(reply)]), None)[0]  # [P + R, hidden]
+    p = len(prompt)
+    by_k: dict[int, list[TreeShape]] = {}
+    for s in shapes:
+        by_k.setdefault(s.top_k, []).append(s)
+    drafter.reset(p + len(reply) + 1 + max(by_k) * MAX_DEPTH)
+    drafter.feed(prompt, feats[:p], reply[0])
+    out: dict[TreeShape, list[int]] = {s: [] for s in shapes}
+    for i in range(len(reply) - 1):
+        for k, group in by_k.items():
+            dmax = max(s.depth for s in group)
+            pool = drafter.draft(TreeShape(total_tokens=10**6, depth=dmax, top_k=k))
+            path, node = [], 0  # the reply's continuation as a path in the pool (selected or not)
+            for tok in reply[i + 1 : i + 1 + dmax]:
+                node = pool.child_with_token(node, tok)
+                if node is None:
+                    break
+                path.append(node)
+            ranks = {d: _ranks(pool, d) for d in {s.depth for s in group}} if path else {}
+            for s in group:  # ranks grow along a path (parents first), so the accepted part is a prefix
+                out[s].append(sum(1 for n in path[: s.depth] if ranks[s.depth][n] < s.total_tokens - 1))
+        drafter.feed([reply[i]], feats[p + i : p + i + 1], reply[i + 1])
+    return out
+
+
+def simulate_tau(lengths: Sequence[int], n_tokens: int) -> tuple[float, int]:
+    """Walk a reply of ``n_tokens`` with per-position accepted lengths. -> (tau, target forwards incl. prefill)"""
+    steps, produced = 1, 1
+    while produced < n_tokens:
+        emit = min(lengths[produced - 1] + 1, n_tokens - produced)
+        produced += emit
+        steps += 1
+    return n_tokens / steps, steps
+
+
+def candidate_shapes(
+    sizes: Sequence[int] = NODE_SIZES, top_ks: Sequence[int] = TOP_KS, max_depth: int = MAX_DEPTH
+) -> list[TreeShape]:
+    """Distinct trees only: a width k >= N - 1 builds the same tree as the smallest such k (no node can keep
+    more than N - 1 children, and every node that could be selected stays in a frontier that wide)."""
+    out = []
+    for n in sizes:
+        wide = [k for k in top_ks if k >= n - 1]
+        for k in [k for k in top_ks if k < n - 1] + wide[:1]:
+            for d in range(1, min(max_depth, n - 1) + 1):
+                if k == 1 and n - 1 != d:  # a chain: only its full length makes sense
+                    continue
+                out.append(TreeShape(total_tokens=n, depth=d, top_k=k))
+    return out
+
+
+def rank_shapes(
+    curve: dict[int, float],
+    drafts: dict[TreeShape, float],
+    feed_s: float,
+    head_row_s: float,
+    taus: dict[TreeShape, float],
+) -> list[dict]:
+    """Estimated speedup over AR of each shape, best first. A step costs the tree forward, one LM-head row per
+    accepted node (the first one is in the curve), the draft and one feed."""
+    t1 = curve[1]
+    rows = []
+    for shape, tau in taus.items():
+        cost = curve[shape.total_tokens] + (tau - 1) * head_row_s + drafts[shape] + feed_s
+        rows.append(
+            {
+                "shape": shape.model_dump(),
+                "tau": round(tau, 4),
+                "step_cost": round(cost / t1, 4),
+                "est_speedup": round(tau * t1 / cost, 4),
+            }
+        )
+    rows.sort(key=lambda r: -r["est_speedup"])
+    return rows
+
+
+def tune(
+    shard: Shard, drafter: TreeDrafter | None, prompts: Sequence[list[int]], max_new_tokens: int, progress: bool = True
+) -> dict:
+    """Measure the curve (and, with a drafter, draft costs and teacher-forced τ); pick the fastest tree."""
+    result: dict = {
+        "device": {
+            "machine": platform.machine(),
+            "processor": platform.processor() or None,
+            "torch_threads": torch.get_num_threads(),
+            "dtype": str(shard.dtype),
+        }
+    }
+    curve = forward_curve(shard, progress=progress)
+    result["forward_curve"] = {str(n): round(t / curve[1], 4) for n, t in curve.items()}
+    result["one_token_forward_s"] = round(curve[1], 5)
+    if drafter is None:
+        return result
+    shapes = candidate_shapes()
+    head_s = head_row_time(shard)
+    drafts, feed_s = draft_costs(drafter, shard, prompts[0], shapes)
+    result["head_row_cost"] = round(head_s / curve[1], 4)
+    result["feed_cost"] = round(feed_s / curve[1], 4)
+    lengths: dict[TreeShape, list[int]] = {s: [] for s in shapes}
+    steps = dict.fromkeys(shapes, 0)
+    tokens = 0
+    for prompt in _bar(prompts, progress, "teacher-forced acceptance"):
+        reply, _ = generate_ids(ARDecoder(shard), prompt, SamplingParams(), max_new_tokens)
+        if len(reply) < 2:
+            continue
+        per = teacher_forced_lengths(shard, drafter, prompt, reply, shapes)
+        tokens += len(reply)
+        for s in shapes:
+            lengths[s] += per[s]
+            steps[s] += simulate_tau(per[s], len(reply))[1]
+    taus = {s: tokens / steps[s] for s in shapes}
+    result["calibration"] = {"prompts": len(prompts), "tokens": tokens}
+    result["candidates"] = rank_shapes(curve, drafts, feed_s, head_s, taus)
+    for row in result["candidates"]:
+        row["draft_cost"] = round(drafts[TreeShape(**row["shape"])] / curve[1], 4)
+    result["best"] = result["candidates"][0]["shape"]
+    return result
+
+
+# -- the Spec-Bench figures ------------------------------------------------------------------------------------
+
+
+def _per_token(stats: GenStats) -> float | None:
+    return stats.decode_s / (stats.new_tokens - 1) if stats.new_tokens > 1 else None
+
+
+def top2_gap(shard: Shard, ids: Sequence[int]) -> float:
+    """Top-2 logit gap of the target after ``ids`` (one plain forward): tiny gaps are float near-ties."""
+    with torch.inference_mode():
+        top = shard.logits(shard(torch.tensor([list(ids)]), None)[0, -1]).topk(2).values
+    return float(top[0] - top[1])
+
+
+def bench(
+    shard: Shard,
+    drafter: TreeDrafter,
+    shape: TreeShape,
+    tokenizer,
+    prompts: Sequence[BenchPrompt],
+    temperatures: Sequence[float] = (0.0, 1.0),
+    max_new_tokens: int = 128,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """τ per dataset and temperature; spec vs AR tokens/s side by side (T=0, same prompt back to back); draft
+    cost per step; greedy equality of spec vs AR with each divergence's reference top-2 gap."""
+    spec = SpecDecoder(shard, drafter, shape)
+    ar = ARDecoder(shard)
+    rows = []
+    for temp in temperatures:
+        for i, bp in enumerate(_bar(prompts, progress, f"T={temp:g}")):
+            ids = tokenizer.chat([{"role": "user", "content": bp.text}])
+            params = SamplingParams(temperature=temp, seed=seed + i)
+            row = {"dataset": bp.dataset, "line": bp.line, "temperature": temp}
+            if temp == 0.0:
+                ref, ar_stats = generate_ids(ar, ids, params, max_new_tokens, tokenizer.stop_ids)
+                row["ar"] = {**ar_stats.as_dict(), "per_token_s": _per_token(ar_stats)}
+            out, st = generate_ids(spec, ids, params, max_new_tokens, tokenizer.stop_ids)
+            row["spec"] = st.as_dict()
+            if temp == 0.0:
+                div = next((j for j, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), None)
+                if div is None and len(out) != len(ref):
+                    div = min(len(out), len(ref))
+                row["equal"] = div is None
+                if div is not None:
+                    row["divergence"] = {
+                        "position": div,
+                        "ar_token": ref[div] if div < len(ref) else None,
+                        "spec_token": out[div] if div < len(out) else None,
+                        "ref_top2_gap": round(top2_gap(shard, ids + ref[:div]), 6),
+                    }
+                steps = st.steps - 1
+                if steps and row["ar"]["per_token_s"]:
+                    row["draft_per_step_vs_forward"] = st.extra["draft_s"] / steps / row["ar"]["per_token_s"]
+                    row["verify_per_step_vs_forward"] = (
+                        (st.decode_s - st.extra["draft_s"]) / steps / row["ar"]["per_token_s"]
+                    )
+            rows.append(row)
+    return {
+        "config": {
+            "tree": shape.model_dump(),
+            "max_new_tokens": max_new_tokens,
+            "temperatures": list(temperatures),
+            "prompts": len(prompts),
+            "torch_threads": torch.get_num_threads(),
+            "dtype": str(shard.dtype),
+        },
+        "summary": summarise(rows),
+        "rows": rows,
+    }
+
+
+def _tau(rows: list[dict]) -> float | None:
+    steps = sum(r["spec"]["steps"] for r in rows)
+    return round(sum(r["spec"]["new_tokens"] for r in rows) / steps, 3) if steps else None
+
+
+def _rate(rows: list[dict], key: str) -> float | None:
+    s = sum(r[key]["decode_s"] for r in rows)
+    return round(sum(r[key]["new_tokens"] - 1 for r in rows) / s, 3) if s > 0 else None
+
+
+def summarise(rows: list[dict]) -> dict:
+    greedy = [r for r in rows if r["temperature"] == 0.0]
+    per_dataset = {}
+    for name in dict.fromkeys(r["dataset"] for r in rows):
+        mine = [r for r in rows if r["dataset"] == name]
+        g = [r for r in mine if r["temperature"] == 0.0]
+        per_dataset[name] = {
+            **{
+                f"tau_T{r:g}": _tau([x for x in mine if x["temperature"] == r])
+                for r in dict.fromkeys(x["temperature"] for x in mine)
+            },
+            "spec_tok_s": _rate(g, "spec"),
+            "ar_tok_s": _rate(g, "ar"),
+        }
+    ratios = [r["draft_per_step_vs_forward"] for r in greedy if "draft_per_step_vs_forward" in r]
+    verify = [r["verify_per_step_vs_forward"] for r in greedy if "verify_per_step_vs_forward" in r]
+    spec_rate, ar_rate = _rate(greedy, "spec"), _rate(greedy, "ar")
+    return {
+        "per_dataset": per_dataset,
+        "tau": {
+            f"T{t:g}": _tau([r for r in rows if r["temperature"] == t])
+            for t in dict.fromkeys(r["temperature"] for r in rows)
+        },
+        "spec_tok_s": spec_rate,
+        "ar_tok_s": ar_rate,
+        "speed_ratio": round(spec_rate / ar_rate, 3) if spec_rate and ar_rate else None,
+        "draft_per_step_vs_forward": round(statistics.median(ratios), 3) if ratios else None,
+        "verify_per_step_vs_forward": round(statistics.median(verify), 3) if verify else None,
+        "greedy_equal": sum(r["equal"] for r in greedy),
+        "greedy_prompts": len(greedy),
+        "divergences": [
+            {"dataset": r["dataset"], "line": r["line"], **r["divergence"]} for r in greedy if not r["equal"]
+        ],
+    }
+
+
+def markdown(result: dict) -> str:
+    s, c = result["summary"], result["config"]
+    temps = [f"T{t:g}" for t in c["temperatures"]]
+    lines = [
+        "# Single-device speculative decoding (EAGLE-2 tree) vs autoregressive",
+        "",
+        f"Tree {c['tree']}, {c['max_new_tokens']} new tokens, {c['prompts']} prompts, {c['dtype']}, "
+        f"{c['torch_threads']} torch threads. τ = new tokens / target forwards (prefill and bonus included).",
+        "",
+        "| dataset | " + " | ".join(f"τ {t}" for t in temps) + " | spec tok/s | AR tok/s | spec/AR |",
+        "|---|" + "---|" * len(temps) + "---|---|---|",
+    ]
+    for name, d in s["per_dataset"].items():
+        ratio = round(d["spec_tok_s"] / d["ar_tok_s"], 3) if d["spec_tok_s"] and d["ar_tok_s"] else None
+        lines.append(
+            f"| {name} | "
+            + " | ".join(str(d.get(f"tau_{t}")) for t in temps)
+            + f" | {d['spec_tok_s']} | {d['ar_tok_s']} | {ratio} |"
+        )
+    lines.append(
+        "| **all** | "
+        + " | ".join(f"**{s['tau'].get(t)}**" for t in temps)
+        + f" | **{s['spec_tok_s']}** | **{s['ar_tok_s']}** | **{s['speed_ratio']}** |"
+    )
+    lines += [
+        "",
+        f"- Draft cost per step: **{s['draft_per_step_vs_forward']}×** one target forward (median over prompts); "
+        f"the tree verification forward: {s['verify_per_step_vs_forward']}×.",
+        f"- Greedy equality (spec vs AR, token for token): **{s['greedy_equal']}/{s['greedy_prompts']}** prompts.",
+    ]
+    for d in s["divergences"]:
+        lines.append(
+            f"  - {d['dataset']} line {d['line']}: position {d['position']}, AR {d['ar_token']} vs spec "
+            f"{d['spec_token']}, reference top-2 logit gap {d['ref_top2_gap']}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def tune_markdown(result: dict, top: int = 12) -> str:
+    lines = [
+        "# Tree-size tuning",
+        "",
+        f"Device: {result['device']}; one-token forward {result['one_token_forward_s'] * 1000:.1f} ms.",
+        "",
+        "| tree nodes | " + " | ".join(result["forward_curve"]) + " |",
+        "|---|" + "---|" * len(result["forward_curve"]),
+        "| forward / 1-token forward | " + " | ".join(str(v) for v in result["forward_curve"].values()) + " |",
+    ]
+    if "candidates" in result:
+        lines += [
+            "",
+            f"Teacher-forced τ at T=0 on {result['calibration']}; per step also one feed "
+            f"({result['feed_cost']}×) and one LM-head row per accepted token ({result['head_row_cost']}×).",
+            "",
+            "| tokens | depth | top-k | τ | draft (× forward) | step cost (× forward) | est. speedup |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in result["candidates"][:top]:
+            sh = r["shape"]
+            lines.append(
+                f"| {sh['total_tokens']} | {sh['depth']} | {sh['top_k']} | {r['tau']} | {r['draft_cost']} "
+                f"| {r['step_cost']} | {r['est_speedup']} |"
+            )
+        best = result["candidates"][0]["est_speedup"]
+        verdict = "" if best >= 1 else " (below 1: on this device speculation does not pay; keep --mode ar)"
+        lines += ["", f"Best: {result['best']}, estimated {best}x autoregressive{verdict}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, stem: str, result: dict, md: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+    (out / f"{stem}.md").write_text(md)
+
+
+def _json_default(x):
+    if isinstance(x, TreeShape):
+        return x.model_dump()
+    if hasattr(x, "__dataclass_fields__"):
+        return asdict(x)
+    raise TypeError(type(x))

@@ -1,0 +1,249 @@
+"""Control-plane messages between agents, and request signing with the cluster's shared secret.
+
+The control plane is plain HTTP: every agent serves ``POST /control`` (one JSON message in, one JSON message
+out), ``GET /control/info`` (its ``PeerInfo``, for static peers) and ``GET /control/timeline`` (its stage's busy
+intervals, for charts). The data plane (transport.py) is separate.
+
+    member -> leader   Hello        "I am here, this is what I offer"     -> Welcome | Refused
+    member -> leader   Heartbeat    every HEARTBEAT_INTERVAL_S (cluster.py), with its stage state -> Ack
+    leader -> member   PlanUpdate   phase 1: the new plan and the ring's addresses; load your range -> Ack
+    member -> leader   StageStatus  "loaded" (or "failed") for that epoch                         -> Ack
+    leader -> member   Activate     phase 2: switch to the epoch (ring links, worker)               -> Ack
+    member -> leader   StageStatus  "ready": its worker runs and its link to the successor is open -> Ack
+    leader -> member   Hello        a leader that learned of a member (static peer) invites it      -> Ack
+    either             Bye          stopping gracefully                                             -> Ack
+
+Messages are frozen, strict pydantic models in a tagged union (``kind``), each with the protocol version ``v``.
+
+Signing: with a shared secret, every control, weights and ring request carries
+``X-Flowspec-Auth: <unix time>:<hex HMAC-SHA256(secret, method \\n path \\n time \\n sha256(body))>``; requests
+older or newer than MAX_CLOCK_SKEW_S are refused, so a stranger on the LAN can neither join, nor fetch weights,
+nor open a ring link and feed frames. mDNS advertisements carry only ``auth_tag`` (an HMAC of the cluster name),
+so agents with different secrets ignore each other quietly instead of failing handshakes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+
+from ..errors import ProtocolError
+from ..model.arch import ModelConfig
+from ..types import FrozenModel, LayerRange
+from .planner import Plan
+from .profile import DeviceProfile
+
+CONTROL_VERSION = 1
+CONTROL_PATH = "/control"
+INFO_PATH = "/control/info"
+TIMELINE_PATH = "/control/timeline"
+AUTH_HEADER = "X-Flowspec-Auth"
+MAX_CLOCK_SKEW_S = 120.0
+MAX_CONTROL_BYTES = 4 * 1024 * 1024
+
+
+class _Msg(FrozenModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+Role = Literal["leader", "member"]
+
+
+class PeerInfo(_Msg):
+    """Who an agent is and what it offers: advertised over mDNS, sent in Hello, listed by ``GET /cluster``."""
+
+    id: str = Field(min_length=1, max_length=64)
+    name: str = ""
+    cluster: str
+    role: Role
+    host: str  # the address its agent server is reachable at
+    port: int = Field(ge=1, le=65535)
+    pid: int = 0
+    started: float = 0.0  # unix time; the older of two leaders wins
+    profile: DeviceProfile
+    model: str = ""  # fingerprint of the model copy it holds ("" = none: it fetches its range)
+    version: int = CONTROL_VERSION
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+class Hello(_Msg):
+    kind: Literal["hello"] = "hello"
+    v: int = CONTROL_VERSION
+    peer: PeerInfo
+
+
+class Welcome(_Msg):
+    kind: Literal["welcome"] = "welcome"
+    v: int = CONTROL_VERSION
+    leader: PeerInfo
+    epoch: int
+
+
+class Refused(_Msg):
+    kind: Literal["refused"] = "refused"
+    v: int = CONTROL_VERSION
+    reason: str
+    leader: PeerInfo | None = None
+
+
+StageState = Literal["idle", "loading", "loaded", "ready", "failed"]
+
+
+class Heartbeat(_Msg):
+    kind: Literal["heartbeat"] = "heartbeat"
+    v: int = CONTROL_VERSION
+    agent_id: str
+    epoch: int  # the plan epoch the agent runs (-1: none yet)
+    state: StageState
+    counters: dict[str, float] = Field(default_factory=dict)
+    suspects: tuple[str, ...] = ()  # peers whose ring link broke unexpectedly: the leader checks on them
+
+
+class Ack(_Msg):
+    kind: Literal["ack"] = "ack"
+    v: int = CONTROL_VERSION
+    epoch: int = -1  # the leader's current plan epoch
+    known: bool = True  # False: the leader does not know the sender (it restarted): send Hello again
+
+
+class RingNode(_Msg):
+    """One stage of a plan with the address its ``/ring`` and ``/control`` are served at."""
+
+    agent_id: str
+    host: str
+    port: int
+    layers: LayerRange
+    embed: bool
+    head: bool  # the last stage: applies the final norm and returns features (the LM head stays on the leader)
+    fingerprint: str  # weight_server.stage_fingerprint of exactly this stage's tensors
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+class PlanUpdate(_Msg):
+    kind: Literal["plan"] = "plan"
+    v: int = CONTROL_VERSION
+    cluster: str
+    epoch: int = Field(ge=1)
+    leader: PeerInfo
+    plan: Plan
+    ring: tuple[RingNode, ...]  # in stage order; the leader closes the ring
+    config: ModelConfig  # the architecture, so a member without a model copy can build its shard
+    model_fingerprint: str
+    context: int  # KV capacity per request each stage allocates
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every shard
+    wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
+
+    def node(self, agent_id: str) -> RingNode | None:
+        return next((n for n in self.ring if n.agent_id == agent_id), None)
+
+    def successor(self, agent_id: str) -> RingNode | PeerInfo:
+        """Where a stage sends its output: the next stage, or the leader after the last one."""
+        ids = [n.agent_id for n in self.ring]
+        i = ids.index(agent_id)
+        return self.ring[i + 1] if i + 1 < len(self.ring) else self.leader
+
+    def predecessor_id(self, agent_id: str) -> str:
+        ids = [n.agent_id for n in self.ring]
+        if agent_id == self.leader.id and agent_id not in ids:
+            return ids[-1]
+        i = ids.index(agent_id)
+        return ids[i - 1] if i > 0 else self.leader.id
+
+
+class Activate(_Msg):
+    """Phase 2 of a re-plan: every stage has loaded its range of ``epoch``; switch to it now."""
+
+    kind: Literal["activate"] = "activate"
+    v: int = CONTROL_VERSION
+    epoch: int
+
+
+class StageStatus(_Msg):
+    kind: Literal["status"] = "status"
+    v: int = CONTROL_VERSION
+    agent_id: str
+    epoch: int
+    state: StageState
+    detail: str = ""
+    source: Literal["", "local", "fetched", "cache", "kept"] = ""  # where its weights came from
+    load_s: float = 0.0
+    fetched_bytes: int = 0
+
+
+class Bye(_Msg):
+    kind: Literal["bye"] = "bye"
+    v: int = CONTROL_VERSION
+    agent_id: str
+    reason: str = "stopping"
+
+
+ControlMessage = Annotated[
+    Hello | Welcome | Refused | Heartbeat | Ack | PlanUpdate | Activate | StageStatus | Bye, Field(discriminator="kind")
+]
+_ADAPTER: TypeAdapter = TypeAdapter(ControlMessage)
+
+
+def encode(msg: _Msg) -> bytes:
+    return msg.model_dump_json().encode()
+
+
+def decode(data: bytes | str) -> _Msg:
+    """Parse one control message; raise ProtocolError on anything malformed or of another protocol version."""
+    if len(data) > MAX_CONTROL_BYTES:
+        raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
+    try:
+        msg = _ADAPTER.validate_json(data)
+    except ValidationError as e:
+        raise ProtocolError(f"malformed control message: {str(e).splitlines()[0]}") from None
+    if msg.v != CONTROL_VERSION:
+        raise ProtocolError(f"control protocol {msg.v} is not {CONTROL_VERSION}; upgrade the older agent")
+    return msg
+
+
+# -------------------------------------------------------------------------------------------------- signing
+
+
+def _mac(secret: bytes, method: str, path: str, ts: str, body: bytes) -> str:
+    payload = "\n".join((method.upper(), path, ts, hashlib.sha256(body).hexdigest())).encode()
+    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
+
+
+def sign(secret: bytes, method: str, path: str, body: bytes = b"", now: float | None = None) -> str:
+    """The value of the AUTH_HEADER for one request (path includes the query string)."""
+    ts = f"{time.time() if now is None else now:.3f}"
+    return f"{ts}:{_mac(secret, method, path, ts, body)}"
+
+
+def verify(secret: bytes, header: str | None, method: str, path: str, body: bytes = b"",
+           now: float | None = None) -> None:
+    """Raise ProtocolError unless ``header`` is a fresh, valid signature of this request."""
+    if not header or ":" not in header:
+        raise ProtocolError("missing signature: this cluster needs the shared secret")
+    ts, mac = header.split(":", 1)
+    try:
+        age = abs((time.time() if now is None else now) - float(ts))
+    except ValueError:
+        raise ProtocolError("malformed signature") from None
+    if age > MAX_CLOCK_SKEW_S:
+        raise ProtocolError(f"signature is {age:.0f} s off this agent's clock (limit {MAX_CLOCK_SKEW_S:.0f} s)")
+    if not hmac.compare_digest(mac, _mac(secret, method, path, ts, body)):
+        raise ProtocolError("bad signature: wrong shared secret")
+
+
+def auth_tag(secret: bytes | None, cluster: str) -> str:
+    """Advertised in mDNS: equal for agents sharing (cluster, secret); reveals nothing of the secret."""
+    if secret is None:
+        return ""
+    return hmac.new(secret, f"flowspec-cluster:{cluster}".encode(), hashlib.sha256).hexdigest()[:12]

@@ -1,0 +1,407 @@
+"""The leader's control plane: membership, planning, and the two-phase switch from one plan epoch to the next.
+
+    HTTP (Hello, Heartbeat, StageStatus, Bye), mDNS removals, broken ring links, timer ticks
+        --> cluster.apply (membership)  --debounced-->  planner.plan  --a new layout-->  Transition
+    Transition, phase 1 "prepare":  PlanUpdate to every member; each stage loads its range ("loaded") while the
+                                    old pipeline, if intact, keeps serving
+               phase 2 "activate":  the request in flight may finish (DRAIN_TIMEOUT_S); the leader retires the
+                                    old pipeline, moves its ring server to the new epoch and sends Activate; each
+                                    stage starts its worker and links ("ready")
+               "finish":            the leader opens the first hop and installs the new Pipeline
+
+A departure from the serving ring breaks the pipeline at once (requests then wait or get 503, see leader.py) and
+skips the debounce and the drain. Every epoch is a diff from the previous one (planner.diff); stages whose range
+did not change keep their shard, and moved ranges share the blocks they already hold (stage_host.build_shard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..config import AgentConfig
+from ..errors import ConfigError, FlowSpecError, PeerGone, PlanInfeasible, ProtocolError
+from ..model.arch import ModelConfig
+from ..pipeline.messages import PROTOCOL_VERSION
+from ..pipeline.ring_server import RingServer
+from ..pipeline.transport import Hello as RingHello
+from ..pipeline.transport import LinkDown
+from . import membership as membership_mod
+from .control import (
+    Ack,
+    Activate,
+    Bye,
+    Heartbeat,
+    Hello,
+    PeerInfo,
+    PlanUpdate,
+    Refused,
+    RingNode,
+    StageStatus,
+    Welcome,
+)
+from .membership import Heard, Joined, Left, Membership, Planned, Tick
+from .planner import ModelSpec, Plan, PlanOptions, diff, plan, render
+from .stage_host import StageHost, connect_with_retry, ws_url
+
+log = logging.getLogger(__name__)
+
+LEADER_PROBE_S = 1.5  # a new leader listens this long for an older leader of its cluster before it plans
+INITIAL_PLAN_DELAY_S = 2.5  # the first plan waits for agents started at the same time
+TICK_S = 0.1  # the membership clock
+PROBE_TIMEOUT_S = 1.0  # a peer whose ring link broke must answer GET /control/info within this
+LOAD_TIMEOUT_S = 300.0  # phase 1: a member that has not loaded its range by then is left out
+ACTIVATE_TIMEOUT_S = 30.0  # phase 2: a member that has not opened its links by then is left out
+DRAIN_TIMEOUT_S = 20.0  # a join lets the request in flight finish for at most this long before switching
+
+
+class Net(Protocol):
+    """What the coordinator needs of its agent's network layer."""
+
+    async def post(self, url: str, msg) -> object: ...
+    async def fetch_info(self, host: str, port: int, timeout_s: float) -> PeerInfo | None: ...
+    def spawn(self, coro: Awaitable, name: str | None = None) -> None: ...
+
+
+@dataclass
+class Transition:
+    """A re-plan in progress."""
+
+    update: PlanUpdate
+    trigger: str
+    started: float
+    ring: set[str]  # agent ids holding layers in the new plan
+    deadline: float  # of the current phase
+    starts: dict[str, float]  # PeerInfo.started of each ring member: a restarted member breaks the ring
+    loaded: set[str] = field(default_factory=set)
+    ready: set[str] = field(default_factory=set)
+    phase: str = "prepare"
+    marks: dict[str, float] = field(default_factory=dict)  # when each phase began (time.monotonic())
+
+    @property
+    def epoch(self) -> int:
+        return self.update.epoch
+
+
+class Coordinator:
+    def __init__(self, cfg: AgentConfig, info: PeerInfo, *, net: Net, leader, weights, stage_host: StageHost,
+                 ring: RingServer, session, model: ModelSpec, model_config: ModelConfig,
+                 wire_dtype: Callable[[str], object]):
+        self.cfg = cfg
+        self.info = info
+        self.id = info.id
+        self.net = net
+        self.leader = leader  # leader.Leader
+        self.weights = weights  # weight_server.WeightServer
+        self.stage_host = stage_host
+        self.ring = ring
+        self.session = session
+        self.model = model
+        self.model_config = model_config
+        self.wire_dtype = wire_dtype
+        self.options = PlanOptions(tokens_per_step=cfg.planning.tokens_per_step, stages=cfg.planning.stages,
+                                   leader_layers=cfg.planning.leader_layers)
+        self.membership = Membership(self_info=info)
+        self.plan: Plan | None = None
+        self.update: PlanUpdate | None = None  # of the serving epoch
+        self.epoch = 0  # last epoch started
+        self.transition: Transition | None = None
+        self.planning = False  # a plan is being computed (or its transition set up)
+        self.broken: str | None = None  # why the serving pipeline is unusable
+        self.broken_at = 0.0
+        self.ring_starts: dict[str, float] = {}
+        self.statuses: dict[str, StageStatus] = {}
+        self.counters: dict[str, dict] = {}
+        self.recoveries: list[dict] = []
+        self.serving = asyncio.Event()
+
+    # ------------------------------------------------------------------------------------------- events
+
+    def apply(self, event) -> None:
+        """Apply a membership event; a departure from the serving ring breaks the pipeline at once."""
+        before = self.membership
+        self.membership = membership_mod.apply(before, event)
+        gone = set(before.members) - set(self.membership.members)
+        if self.plan is not None and gone & set(self.plan.agents) and self.broken is None:
+            self._break(f"{', '.join(sorted(gone))} left")
+
+    def _break(self, why: str) -> None:
+        self.broken, self.broken_at = why, time.monotonic()
+        self.net.spawn(self.leader.set_pipeline(None), name="unset-pipeline")
+        log.warning("pipeline broken: %s; re-planning", why)
+
+    async def handle(self, msg):
+        """A control message to the leader -> the reply."""
+        now = time.monotonic()
+        if isinstance(msg, Hello):
+            peer = msg.peer
+            if peer.cluster != self.cfg.cluster:
+                return Refused(reason=f"this leader serves cluster {self.cfg.cluster!r}", leader=self.info)
+            if peer.role == "leader":
+                log.warning("refused a second leader %s at %s (pid %d)", peer.id, peer.url, peer.pid)
+                return Refused(reason=f"cluster {self.cfg.cluster!r} already has a leader: agent {self.id} at "
+                                      f"{self.info.url}, pid {self.info.pid}", leader=self.info)
+            if peer.id not in self.membership.members:
+                log.info("member %s (%s) joined from %s: %.1f GFLOP/s, %.0f MB", peer.id, peer.name, peer.url,
+                         peer.profile.gflops, peer.profile.memory_bytes / 2**20)
+            self.apply(Joined(info=peer, at=now))
+            return Welcome(leader=self.info, epoch=self.epoch)
+        if isinstance(msg, Heartbeat | StageStatus) and msg.agent_id not in self.membership.members:
+            return Ack(epoch=self.epoch, known=False)
+        if isinstance(msg, Heartbeat):
+            self.apply(Heard(agent_id=msg.agent_id, at=now, epoch=msg.epoch, state=msg.state))
+            self.counters[msg.agent_id] = msg.counters
+            for s in msg.suspects:
+                self.net.spawn(self.probe(s, f"{msg.agent_id} lost its link"), name="probe")
+            return Ack(epoch=self.epoch)
+        if isinstance(msg, StageStatus):
+            self.on_status(msg)
+            return Ack(epoch=self.epoch)
+        if isinstance(msg, Bye):
+            if msg.agent_id in self.membership.members:
+                log.info("member %s left: %s", msg.agent_id, msg.reason)
+                self.apply(Left(agent_id=msg.agent_id, at=now, reason="bye"))
+            return Ack(epoch=self.epoch)
+        raise ProtocolError(f"a leader does not take {msg.kind!r} messages")
+
+    def peer_seen(self, info: PeerInfo, via: str) -> None:
+        """Discovery found ``info``. An older leader of this cluster ends this one (raises ConfigError)."""
+        if info.role == "leader":
+            if (info.started, info.id) < (self.info.started, self.info.id):
+                raise ConfigError(
+                    f"cluster {self.cfg.cluster!r} already has a leader: agent {info.id} ({info.name}) at "
+                    f"{info.url}, pid {info.pid}. Start this agent without --leader to join it, or stop that one.")
+            log.warning("a second leader %s (%s) appeared in cluster %r; it will be refused", info.id, info.url,
+                        self.cfg.cluster)
+        elif via == "static" and info.id not in self.membership.members:
+            self.net.spawn(self.net.post(info.url, Hello(peer=self.info)), name="invite")  # tell it where we are
+
+    def peer_lost(self, agent_id: str) -> None:
+        if agent_id in self.membership.members:
+            log.info("member %s left (mDNS removal)", agent_id)
+            self.apply(Left(agent_id=agent_id, at=time.monotonic(), reason="mdns"))
+
+    def link_down(self, ev: LinkDown) -> None:
+        """A ring link of the serving epoch closed outside a switch: is its peer still there?"""
+        t = self.transition
+        if self.update is None or ev.epoch != self.update.epoch or (t is not None and t.phase != "prepare"):
+            return
+        self.net.spawn(self.probe(ev.peer, f"ring link {ev.direction} {ev.reason}"), name="probe")
+
+    async def probe(self, agent_id: str, why: str) -> None:
+        m = self.membership.members.get(agent_id)
+        if m is None:
+            return
+        info = await self.net.fetch_info(m.info.host, m.info.port, PROBE_TIMEOUT_S)
+        if info is None or info.started != m.info.started:
+            log.warning("member %s is gone (%s)", agent_id, why)
+            self.apply(Left(agent_id=agent_id, at=time.monotonic(), reason="link"))
+        elif self.broken is None and self.transition is None:
+            self._break(f"ring link to {agent_id} broke")  # alive, but the ring must be rebuilt
+
+    async def goodbye(self) -> None:
+        bye = Bye(agent_id=self.id)
+        await asyncio.gather(*(self.net.post(m.info.url, bye) for m in self.membership.members.values()),
+                             return_exceptions=True)
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    async def run(self) -> None:
+        await asyncio.sleep(LEADER_PROBE_S)  # an older leader found meanwhile ends this agent (peer_seen)
+        first_plan_at = time.monotonic() + max(0.0, INITIAL_PLAN_DELAY_S - LEADER_PROBE_S)
+        infeasible = None
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            self.apply(Tick(at=now))
+            self._check_deadline(now)
+            if now < first_plan_at:
+                continue
+            changed = membership_mod.needs_replan(self.membership, now)
+            first = self.plan is None and self.transition is None
+            rebuild = self.broken is not None and self.transition is None
+            if not (changed or first or rebuild):
+                continue
+            self.membership = membership_mod.apply(self.membership, Planned(at=now))
+            self.planning = True  # until the new plan is kept or its transition has started
+            try:
+                new = await asyncio.to_thread(plan, membership_mod.devices(self.membership), self.model,
+                                              self.options)
+                infeasible = None
+                if self._can_keep(new):
+                    self.plan = new
+                else:
+                    await self._start(new, now)
+            except PlanInfeasible as e:
+                if str(e) != infeasible:
+                    log.error("no plan: %s", e)
+                infeasible = str(e)
+            finally:
+                self.planning = False
+
+    def _can_keep(self, new: Plan) -> bool:
+        if self.plan is None or self.broken is not None or self.transition is not None:
+            return False
+        for aid, started in self.ring_starts.items():
+            m = self.membership.members.get(aid)
+            if aid != self.id and (m is None or m.info.started != started):
+                return False  # it restarted: its stage state is gone
+        return not diff(self.plan, new)
+
+    async def _start(self, new: Plan, now: float) -> None:
+        self.epoch += 1
+        members = self.membership.members
+        infos = {s.agent_id: self.info if s.agent_id == self.id else members[s.agent_id].info for s in new.stages}
+        nodes = []
+        for s in new.stages:
+            fp = await asyncio.to_thread(self.weights.range_fingerprint, s.layers, embed=s.embed, norm=s.head)
+            info = infos[s.agent_id]
+            nodes.append(RingNode(agent_id=s.agent_id, host=info.host, port=info.port, layers=s.layers,
+                                  embed=s.embed, head=s.head, fingerprint=fp))
+        cfg = self.cfg
+        update = PlanUpdate(cluster=cfg.cluster, epoch=self.epoch, leader=self.info, plan=new, ring=tuple(nodes),
+                            config=self.model_config, model_fingerprint=self.model.fingerprint,
+                            context=cfg.planning.context, dtype=cfg.dtype, wire_dtype=cfg.wire_dtype)
+        departed = ", ".join(f"{a} ({r})" for a, r in self.membership.departed)
+        trigger = self.broken or (f"departed: {departed}" if departed else "membership changed")
+        self.transition = Transition(update=update, trigger=trigger,
+                                     started=self.broken_at if self.broken else now, ring=set(new.agents),
+                                     deadline=now + LOAD_TIMEOUT_S,
+                                     starts={a: i.started for a, i in infos.items()}, marks={"planned": now})
+        changes = "; ".join(str(c) for c in diff(self.plan, new))
+        log.info("epoch %d: %d stage(s) (%s): %s\n%s", self.epoch, len(new.stages), trigger, changes, render(new))
+        for m in list(members.values()):
+            self.net.spawn(self._send_plan(m.info, update), name="plan-update")
+        self.stage_host.prepare(update, self.on_status)
+
+    async def _send_plan(self, info: PeerInfo, update: PlanUpdate) -> None:
+        try:
+            await self.net.post(info.url, update)
+        except (PeerGone, ProtocolError) as e:
+            log.warning("member %s did not take plan %d: %s", info.id, update.epoch, e)
+            if info.id in update.plan.agents:
+                self.apply(Left(agent_id=info.id, at=time.monotonic(), reason="unreachable"))
+
+    def on_status(self, status: StageStatus) -> None:
+        """A stage's progress through the transition (members over HTTP, the leader's own stage directly)."""
+        self.statuses[status.agent_id] = status
+        if status.agent_id != self.id:
+            self.apply(Heard(agent_id=status.agent_id, at=time.monotonic(), epoch=status.epoch, state=status.state))
+        t = self.transition
+        if t is None or status.epoch != t.epoch or status.agent_id not in t.ring | {self.id}:
+            return
+        if status.state == "failed":
+            log.error("epoch %d: %s failed: %s", t.epoch, status.agent_id, status.detail)
+            if status.agent_id == self.id:
+                raise FlowSpecError(f"the leader cannot load its own layers: {status.detail}")
+            return
+        if status.state == "loaded" and status.agent_id in t.ring:
+            t.loaded.add(status.agent_id)
+        elif status.state in ("ready", "idle"):
+            t.ready.add(status.agent_id)
+        if t.phase == "prepare" and t.loaded >= t.ring:
+            t.phase = "activate"
+            t.marks["loaded"] = time.monotonic()
+            t.deadline = t.marks["loaded"] + DRAIN_TIMEOUT_S + ACTIVATE_TIMEOUT_S
+            self.net.spawn(self._activate(t), name="activate")
+        elif t.phase == "activate" and t.ready >= t.ring:
+            t.phase = "finish"
+            self.net.spawn(self._finish(t), name="finish")
+
+    def _check_deadline(self, now: float) -> None:
+        t = self.transition
+        if t is None or now <= t.deadline:
+            return
+        late = (t.ring - (t.loaded if t.phase == "prepare" else t.ready)) - {self.id}
+        for aid in late:
+            log.error("epoch %d: %s did not get %s in time; leaving it out", t.epoch, aid,
+                      "its layers loaded" if t.phase == "prepare" else "its links up")
+            self.apply(Heard(agent_id=aid, at=now, state="failed"))
+        t.deadline = now + LOAD_TIMEOUT_S  # the re-plan that follows supersedes this one
+
+    async def _activate(self, t: Transition) -> None:
+        if self.broken is None:  # the old pipeline still serves: let the request in flight finish
+            deadline = time.monotonic() + DRAIN_TIMEOUT_S
+            while self.leader.snapshot()["in_flight"] and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        if self.transition is not t:
+            return
+        await self.leader.set_pipeline(None)
+        last = t.update.ring[-1].agent_id
+        self.ring.allowed = lambda hello, last=last: hello.sender == last
+        await self.ring.set_epoch(t.epoch)
+        act = Activate(epoch=t.epoch)
+        for m in list(self.membership.members.values()):
+            self.net.spawn(self.net.post(m.info.url, act), name="activate")
+        self.on_status(await self.stage_host.activate(t.epoch))
+
+    async def _finish(self, t: Transition) -> None:
+        from ..decoding.context import Pipeline
+
+        if self.transition is not t:
+            return
+        u = t.update
+        first = u.ring[0]
+        try:
+            if first.agent_id == self.id:
+                sender = self.stage_host.local_sender()
+            else:
+                hello = RingHello(protocol=PROTOCOL_VERSION, cluster=self.cfg.cluster, epoch=u.epoch, sender=self.id)
+                sender = await connect_with_retry(ws_url(first.url), hello, self.session, self.leader.inbox,
+                                                  self.stage_host.link, self.wire_dtype(u.wire_dtype))
+        except PeerGone as e:
+            log.error("epoch %d: cannot reach stage 1 (%s): %s", u.epoch, first.agent_id, e)
+            self.apply(Heard(agent_id=first.agent_id, at=time.monotonic(), state="failed"))
+            return
+        if self.transition is not t:
+            await sender.close()
+            return
+        info = {"plan": [f"{s.agent_id} {s.layers}" for s in u.plan.stages],
+                "emulation": self.stage_host.link.describe()}
+        await self.leader.set_pipeline(Pipeline(sender, takes="tokens", epoch=u.epoch, stages=len(u.ring), info=info))
+        now = time.monotonic()
+        took = now - t.started
+        self.plan, self.update, self.transition, self.broken = u.plan, u, None, None
+        self.ring_starts = t.starts
+        planned, loaded = t.marks["planned"], t.marks.get("loaded", now)
+        record = {"epoch": u.epoch, "trigger": t.trigger, "seconds": round(took, 3),
+                  "detect_plan_s": round(planned - t.started, 3), "load_s": round(loaded - planned, 3),
+                  "switch_s": round(now - loaded, 3)}
+        self.recoveries = [*self.recoveries[-19:], record]
+        self.serving.set()
+        log.info("epoch %d serving on %d stage(s), %.2f s after: %s", u.epoch, len(u.ring), took, t.trigger)
+
+    # ------------------------------------------------------------------------------------------------ view
+
+    def view(self) -> dict:
+        """GET /cluster: members (id, role, address, pid, capabilities, state), the plan, per-stage counters."""
+        now = time.monotonic()
+        members = [{**self.info.model_dump(mode="json"), "address": self.info.url, "state": "leader",
+                    "epoch": self.update.epoch if self.update else -1}]
+        for m in sorted(self.membership.members.values(), key=lambda m: m.info.id):
+            members.append({**m.info.model_dump(mode="json"), "address": m.info.url, "state": m.state,
+                            "epoch": m.epoch, "failed": m.failed, "last_seen_s": round(now - m.last_seen, 2)})
+        stages = []
+        for i, n in enumerate(self.update.ring if self.update else (), 1):
+            counters = self.stage_host.snapshot() if n.agent_id == self.id else self.counters.get(n.agent_id)
+            stages.append({"stage": i, "agent_id": n.agent_id, "layers": str(n.layers), "address": n.url,
+                           "counters": counters})
+        t = self.transition
+        return {
+            "cluster": self.cfg.cluster,
+            "epoch": self.update.epoch if self.update else None,
+            "members": members,
+            "plan": self.plan.model_dump(mode="json") if self.plan else None,
+            "plan_text": render(self.plan) if self.plan else None,
+            "stages": stages,
+            "transition": None if t is None else {"epoch": t.epoch, "phase": t.phase, "trigger": t.trigger,
+                                                  "loaded": sorted(t.loaded), "ready": sorted(t.ready)},
+            "broken": self.broken,
+            "pending": self.membership.changed_at is not None or self.planning,
+            "recoveries": self.recoveries,
+            "emulation": self.cfg.emulation.model_dump(),
+        }

@@ -1,0 +1,122 @@
+"""What a device can offer, measured when its agent starts: free memory, decoder-block throughput, threads.
+
+    memory_bytes   MEMORY_FRACTION of the memory available now (``MemAvailable``), or a configured cap
+    gflops         effective GFLOP/s of one decoder block of the model (or of REFERENCE_CONFIG when the agent
+                   has no model copy yet) on a BENCH_TOKENS-token segment over a BENCH_CONTEXT-token cache,
+                   median of BENCH_REPEATS runs, divided by the emulated compute slowdown. The planner turns it
+                   into seconds per layer: tokens * 2 * layer_params / (gflops * 1e9)
+    link_mbps      the device's link estimate (configured, or the emulated bandwidth); None = unknown
+
+The benchmark runs on random weights: it measures the device, not the model's values, and needs no weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+
+import torch
+from pydantic import Field
+
+from ..model.arch import ModelConfig
+from ..types import FrozenModel
+
+log = logging.getLogger(__name__)
+
+MEMORY_FRACTION = 0.8  # of MemAvailable, leaving room for the OS, the Python runtime and other programs
+BENCH_TOKENS = 16  # a FlowSpec segment
+BENCH_CONTEXT = 128  # tokens already in the KV cache
+BENCH_REPEATS = 5
+BENCH_WARMUP = 2
+SCORE_DIGITS = 2  # significant digits kept: two agents on equal hardware advertise equal scores
+
+# SmolLM2-135M's block shape: the reference when the agent has no model copy yet.
+REFERENCE_CONFIG = ModelConfig(
+    arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rms_eps=1e-5, rope_theta=100000.0, max_position=2048,
+)
+
+
+class DeviceProfile(FrozenModel):
+    memory_bytes: int = Field(ge=0)
+    gflops: float = Field(gt=0)
+    threads: int = Field(ge=1)
+    link_mbps: float | None = Field(default=None, gt=0)
+    latency_ms: float = Field(default=0.0, ge=0)
+    slowdown: float = Field(default=1.0, ge=1.0)
+    measured: bool = True  # False when memory or compute came from configuration
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS could give us now without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 30
+
+
+def block_flops(cfg: ModelConfig, tokens: int, context: int) -> float:
+    """Multiply-adds x 2 of one decoder block on ``tokens`` new tokens over ``context`` cached ones."""
+    attn = 2 * 2 * tokens * (context + tokens) * cfg.q_dim  # scores + weighted values
+    return 2.0 * cfg.layer_params() * tokens + attn
+
+
+def benchmark_block(cfg: ModelConfig, *, tokens: int = BENCH_TOKENS, context: int = BENCH_CONTEXT,
+                    repeats: int = BENCH_REPEATS, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of one decoder block with random weights (median of ``repeats``)."""
+    from ..model.kv_cache import KVCache
+    from ..model.shard import DecoderBlock, Rotary
+
+    block = DecoderBlock(cfg).to(dtype)
+    block.reset_parameters()
+    rot = Rotary(cfg, context + tokens, dtype)
+    cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, context + tokens, dtype=dtype)
+    cache.length = cache.committed = context
+    x = torch.randn(1, tokens, cfg.hidden_size, dtype=dtype)  # [1, tokens, hidden]
+    cos, sin = rot.gather(torch.arange(context, context + tokens)[None])  # [1, 1, tokens, head_dim]
+    mask = torch.ones(1, 1, tokens, context + tokens, dtype=torch.bool).tril(context)  # [1, 1, tokens, ctx+tokens]
+    times = []
+    with torch.inference_mode():
+        for i in range(BENCH_WARMUP + repeats):
+            t0 = time.perf_counter()
+            block(x, cos, sin, (cache, 0, context), mask, False)
+            if i >= BENCH_WARMUP:
+                times.append(time.perf_counter() - t0)
+    return block_flops(cfg, tokens, context) / statistics.median(times) / 1e9
+
+
+def _round(x: float, digits: int = SCORE_DIGITS) -> float:
+    if x <= 0:
+        return x
+    from math import floor, log10
+
+    return round(x, digits - 1 - floor(log10(x)))
+
+
+def measure(model: ModelConfig | None = None, *, threads: int | None = None, memory_bytes: int | None = None,
+            gflops: float | None = None, link_mbps: float | None = None, latency_ms: float = 0.0,
+            slowdown: float = 1.0) -> DeviceProfile:
+    """Measure this device (or take the configured values). ``threads`` also sets torch's thread count."""
+    if threads:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
+    measured = memory_bytes is None and gflops is None
+    if memory_bytes is None:
+        memory_bytes = int(available_memory_bytes() * MEMORY_FRACTION)
+    if gflops is None:
+        t0 = time.perf_counter()
+        raw = benchmark_block(model or REFERENCE_CONFIG)
+        gflops = _round(raw / slowdown)
+        log.info("micro-benchmark: %.2f GFLOP/s per block (%d threads, slowdown %g) in %.2f s", gflops, threads,
+                 slowdown, time.perf_counter() - t0)
+    return DeviceProfile(memory_bytes=memory_bytes, gflops=gflops, threads=threads, link_mbps=link_mbps,
+                         latency_ms=latency_ms, slowdown=slowdown, measured=measured)

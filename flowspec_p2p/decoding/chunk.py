@@ -1,0 +1,113 @@
+"""Chunk-PP, the FlowSpec paper's main baseline (flowspec-algorithm.md §7.1 ``naive``): pipelined speculative
+decoding with whole-tree verification.
+
+One round:
+    1. draft an EAGLE-2 tree (EAGLE order) from the root, the last committed token (tree.py, drafter.py)
+    2. cut it into contiguous segments and send them all down the pipeline back to back; stage s works on
+       segment k while stage s+1 works on segment k-1
+    3. wait for the *last* segment to come back, verify the whole tree (verify.py), commit the accepted path and
+       the bonus token, and send ``Prune(keep=accepted, accept=len(accepted))`` so every stage keeps exactly the
+       accepted path's K/V (causal-consistent, in order with the next round's segments)
+    4. feed the committed tokens and their target features to the drafter; repeat
+
+Every round fills and drains the pipeline; that idle time is what FlowSpec removes. Greedy output equals
+autoregressive decoding token for token; sampling keeps the target distribution (verify.verify_sampling).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from functools import partial
+
+import torch
+
+from ..model.sampling import target_probs
+from ..spec.drafter import TreeShape
+from ..spec.tree import DraftTree, segment_bounds, split_lengths
+from ..spec.verify import LazyRows, Verdict, verify_greedy, verify_sampling
+from .context import ModeContext, ModeSpec, prefill
+
+# The pipeline's tree is not the single-device one (spec.DEFAULT_TREE, tuned for one forward on one CPU): here
+# it is cut into one segment per stage, so a bigger tree costs little more per round. Same budget as FlowSpec's
+# initial tree, so the two modes draft comparable trees.
+CHUNK_TREE = TreeShape(total_tokens=24, depth=6, top_k=4)
+
+
+def _verify(ctx: ModeContext, tree: DraftTree, f: torch.Tensor) -> Verdict:
+    """f: [n, hidden] target features of the whole tree. LM-head rows only where the walk goes."""
+    head, params = ctx.logits, ctx.params
+    if params.greedy:
+        return verify_greedy(tree, LazyRows(len(tree), lambda i: head(f[i])), stop_ids=ctx.stop_ids)
+    probs = LazyRows(len(tree), lambda i: target_probs(head(f[i]), params))
+    uniforms = torch.rand(len(tree) + 1, generator=ctx.gen, dtype=torch.float64)
+    return verify_sampling(tree, probs, uniforms, stop_ids=ctx.stop_ids)
+
+
+def _commit(ctx: ModeContext, tree: DraftTree, f: torch.Tensor, verdict: Verdict, more: bool) -> None:
+    """Feed the drafter the accepted tokens with their target features (when the reply goes on)."""
+    if more:
+        acc = torch.tensor(verdict.accepted)
+        ctx.drafter.feed(tree.tokens[acc].tolist(), f[acc], verdict.token)
+
+
+async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: int | None = None
+                     ) -> AsyncIterator[list[int]]:
+    """``segments``: per tree (default: the pipeline's stages + 1, the leader included, as the reference)."""
+    drafter, stats = ctx.drafter, ctx.stats
+    budget = ctx.max_new_tokens
+    segments = segments or ctx.pipeline.stages + 1
+    t0 = time.perf_counter()
+    feats = await prefill(ctx)  # [P, hidden]
+    token = await ctx.compute(ctx.choose, feats[-1])
+    drafter.reset(len(ctx.prompt) + budget + shape.draft_slots())
+    await ctx.compute(drafter.feed, ctx.prompt, feats, token)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.steps, stats.new_tokens = 1, 1
+    committed = len(ctx.prompt)
+    draft_s, nodes = 0.0, 0
+    t1 = time.perf_counter()
+    try:
+        yield [token]
+        while stats.new_tokens < budget and token not in ctx.stop_ids:
+            remaining = budget - stats.new_tokens
+            # 1. draft (no deeper than the reply can still grow)
+            td = time.perf_counter()
+            tree: DraftTree = await ctx.compute(drafter.draft, shape.capped(remaining - 1))
+            draft_s += time.perf_counter() - td
+            # 2. all segments down the pipeline, back to back
+            parents, positions = tree.parent_list, tree.positions(committed).tolist()
+            bounds = segment_bounds(split_lengths(len(tree), segments))
+            for k, (a, b) in enumerate(bounds):
+                await ctx.forward(first=a, parents=parents[a:b], positions=positions[a:b], tokens=tree.tokens[a:b],
+                                  tag=k)
+            # 3. verify once the last segment is back; keep the accepted path on every stage
+            f = torch.cat([ctx.features((await ctx.recv_forward())[1]) for _ in bounds])  # [n, hidden]
+            verdict: Verdict = await ctx.compute(_verify, ctx, tree, f)
+            await ctx.prune(len(verdict.accepted), verdict.accepted)
+            committed += len(verdict.accepted)
+            out = verdict.emitted(tree)[:remaining]
+            stats.steps += 1
+            stats.new_tokens += len(out)
+            nodes += len(tree)
+            token = out[-1]
+            yield out
+            # 4. the drafter learns the committed tokens with their real target features
+            more = stats.new_tokens < budget and token not in ctx.stop_ids
+            td = time.perf_counter()
+            await ctx.compute(_commit, ctx, tree, f, verdict, more)
+            draft_s += time.perf_counter() - td
+    finally:
+        stats.decode_s = time.perf_counter() - t1
+        rounds = stats.steps - 1
+        stats.extra.update(draft_s=round(draft_s, 4), segments=segments, tree=shape.model_dump(),
+                           tree_nodes=round(nodes / rounds, 2) if rounds else 0.0)
+
+
+def chunk_spec(shape: TreeShape = CHUNK_TREE, segments: int | None = None) -> ModeSpec:
+    """The ``chunk`` mode with a tree shape and a segment count (None: stages + 1)."""
+    return ModeSpec("chunk", partial(chunk_mode, shape=shape, segments=segments), needs_drafter=True,
+                    description="Chunk-PP: a whole EAGLE-2 tree in segments through the pipeline, verified at once")
+
+
+CHUNK = chunk_spec()

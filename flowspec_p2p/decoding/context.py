@@ -1,0 +1,252 @@
+"""What a decoding mode sees: ``ModeContext`` (one request's view of the pipeline and of the leader's pieces),
+``ModeSpec``, ``Pipeline``, the shared ``prefill`` helper, and the plain autoregressive mode ``AR``. The leader
+(leader.py) creates one ModeContext per request, routes the request's returned messages into it, and runs the
+mode.
+
+Writing a mode (the ``flowspec`` mode plugs in the same way)::
+
+    async def my_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
+        await ctx.forward(parents=[-1, 0], positions=[0, 1], tokens=ctx.prompt[:2], commit=True)
+        msg, tensors = await ctx.recv()                   # this request's next returned message, in order
+        feats = ctx.features(tensors)                      # [m, hidden] final-normed, head dtype
+        token = await ctx.compute(ctx.choose, feats[-1])   # heavy work on the leader's compute thread
+        ctx.stats.steps += 1; ctx.stats.new_tokens += 1
+        yield [token]                                      # committed tokens, streamed to the client at once
+
+    leader.register_mode(ModeSpec("my-mode", my_mode, needs_drafter=False))
+
+A mode must not send ``Release``: the leader does, in order, when the mode ends (or is closed early because the
+client left or a stop string matched). Prefill belongs to the mode (``prefill`` is the shared helper).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from ..errors import PeerGone, StageFailed
+from ..model.generate import GenStats
+from ..model.sampling import SamplingParams, choose
+from ..model.shard import Shard
+from ..pipeline.codec import wire_dtype
+from ..pipeline.emulation import cpu_time_wait, measured_wait
+from ..pipeline.messages import Forward, Prune, Reset, StageError
+from ..pipeline.transport import LINK_LOST, Sender
+
+if TYPE_CHECKING:
+    from .leader import Leader
+
+
+@dataclass
+class Pipeline:
+    """The current ring as the leader sees it. The leader owns ``sender`` once given (closes it when replaced)."""
+
+    sender: Sender  # the first hop
+    takes: Literal["tokens", "hidden"] = "tokens"  # what the first hop consumes
+    epoch: int = 0
+    stages: int = 1  # compute stages in the ring (the first hop included)
+    info: dict = field(default_factory=dict)  # free-form, shown on /cluster
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A decoding mode. ``run(ctx)`` is an async generator of committed-token chunks."""
+
+    name: str
+    run: Callable[[ModeContext], AsyncIterator[list[int]]]
+    needs_drafter: bool = False
+    lossless: bool = True  # greedy output equals single-device autoregressive output
+    description: str = ""
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+class ModeContext:
+    """One request's view of the pipeline and the leader's pieces (see the module docstring)."""
+
+    def __init__(self, leader: Leader, pipeline: Pipeline, request_id: str, prompt: list[int],
+                 params: SamplingParams, max_new_tokens: int, stop_ids: frozenset[int], stats: GenStats):
+        self.leader = leader
+        self.pipeline = pipeline
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.max_new_tokens = max_new_tokens  # already clamped to the context limit
+        self.stop_ids = stop_ids
+        self.stats = stats
+        self.head: Shard = leader.head
+        self.drafter = leader.drafter
+        self.settings = leader.settings
+        self.gen: torch.Generator | None = None if params.greedy else params.generator()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.seq = 0  # next sequence number of this request
+        self.in_flight = 0  # forwards sent whose result has not come back
+        self.returned = 0  # forward results queued here, not yet taken by recv()
+        self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
+        self.busy: list[tuple[float, float]] = []  # time.time() (start, end) of each compute, emulated wait included
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+            self.queue.put_nowait(_Failure(error))
+
+    # ------------------------------------------------------------------------------------------- sending
+
+    async def send(self, msg, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Send ``msg`` down the pipeline with this request's id and the next sequence number."""
+        if self.error is not None:
+            raise self.error
+        msg = msg.model_copy(update={"request_id": self.request_id, "seq": self.seq})
+        self.seq += 1
+        if isinstance(msg, Forward):
+            self.in_flight += 1
+        try:
+            await self.pipeline.sender.send(msg, tensors)
+        except PeerGone as e:
+            raise PeerGone(f"pipeline broke while sending: {e}") from e
+
+    async def forward(self, *, first: int = 0, parents: Sequence[int], positions: Sequence[int],
+                      tokens: Sequence[int] | torch.Tensor, commit: bool = False, tag: int = 0) -> None:
+        """Send new nodes: token ids, embedded here when the first stage does not embed."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)  # [m]
+        msg = Forward(request_id="", seq=0, first=first, parents=list(parents), positions=list(positions),
+                      commit=commit, tag=tag)
+        if self.pipeline.takes == "tokens":
+            await self.send(msg, {"tokens": ids})
+        else:
+            await self.send(msg, {"hidden": self.embed(ids)})
+
+    async def prune(self, accept: int, keep: Sequence[int]) -> None:
+        await self.send(Prune(request_id="", seq=0, accept=accept, keep=list(keep)))
+
+    async def reset(self, length: int) -> None:
+        await self.send(Reset(request_id="", seq=0, length=length))
+
+    # ----------------------------------------------------------------------------------------- receiving
+
+    async def recv(self, timeout_s: float | None = None) -> tuple[object, dict[str, torch.Tensor]]:
+        """The next message of this request back from the pipeline (Forward results and acks, in order).
+        Raises PeerGone (link down, re-plan, no reply in time) or StageFailed (a stage reported an error)."""
+        timeout_s = self.settings.step_timeout_s if timeout_s is None else timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                item = await self.queue.get()
+        except TimeoutError:
+            raise PeerGone(f"no reply from the pipeline within {timeout_s:g} s") from None
+        if isinstance(item, _Failure):
+            raise item.error
+        msg = item.msg
+        if isinstance(msg, StageError):
+            if msg.message.startswith(LINK_LOST):
+                raise PeerGone(msg.message.removeprefix(LINK_LOST))
+            raise StageFailed(f"stage {msg.stage}: {msg.message}")
+        if isinstance(msg, Forward):
+            self.in_flight -= 1
+            self.returned -= 1
+        return msg, item.tensors
+
+    async def recv_forward(self) -> tuple[Forward, dict[str, torch.Tensor]]:
+        """The next returned Forward, skipping acks of prunes and resets."""
+        while True:
+            msg, tensors = await self.recv()
+            if isinstance(msg, Forward):
+                return msg, tensors
+
+    # ------------------------------------------------------------------------------------------ compute
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [m] -> hidden [m, hidden] in the wire dtype (the leader embeds for a first stage without it)."""
+        if self.head.embed is None:
+            raise PeerGone("the first stage wants hidden states but the leader holds no embedding")
+        with torch.inference_mode():
+            return self.head.embed(ids).to(wire_dtype(self.settings.wire_dtype))
+
+    def features(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Final-normed features of returned nodes -> [m, hidden] in the head's dtype."""
+        with torch.inference_mode():
+            if "features" in tensors:
+                return tensors["features"].to(self.head.dtype)
+            if self.head.norm is None:
+                raise StageFailed("the last stage returned hidden states but the leader holds no final norm")
+            return self.head.norm(tensors["hidden"].to(self.head.dtype))
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., hidden] -> logits [..., vocab]"""
+        with torch.inference_mode():
+            return self.head.logits(features)
+
+    def choose(self, features: torch.Tensor) -> int:
+        """The next token at one position. features: [hidden]"""
+        return choose(self.logits(features), self.params, self.gen)
+
+    async def compute(self, fn: Callable, *args):
+        """Run ``fn(*args)`` on the leader's compute thread (keeps the event loop responsive). With an emulated
+        slowdown s (``LeaderSettings.slowdown``) the leader then stays busy until s times the CPU time it used
+        has passed (basis "cpu"), or waits (s - 1) * t after t seconds (basis "measured")."""
+
+        def timed():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            out = fn(*args)
+            return out, time.perf_counter() - t0, time.thread_time() - c0
+
+        start = time.time()
+        out, compute_s, cpu_s = await asyncio.get_running_loop().run_in_executor(self.leader.executor, timed)
+        s = self.settings
+        if s.slowdown_basis == "cpu" and torch.get_num_threads() == 1:  # more threads: t_cpu misses their work
+            wait = cpu_time_wait(s.slowdown, compute_s, cpu_s)
+        else:
+            wait = measured_wait(s.slowdown, compute_s)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self.busy.append((start, time.time()))
+        return out
+
+
+async def prefill(ctx: ModeContext) -> torch.Tensor:
+    """Send the prompt in committing chunks (all at once: the stages work on them as a pipeline); return the
+    features of every prompt token. -> [prompt_len, hidden]"""
+    prompt, step = ctx.prompt, ctx.settings.prefill_chunk
+    for a in range(0, len(prompt), step):
+        ids = prompt[a : a + step]
+        await ctx.forward(parents=list(range(-1, len(ids) - 1)), positions=range(a, a + len(ids)), tokens=ids,
+                          commit=True)
+    feats = []
+    for _ in range(0, len(prompt), step):
+        _, tensors = await ctx.recv_forward()
+        feats.append(ctx.features(tensors))
+    return torch.cat(feats)
+
+
+async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
+    """Pipelined autoregressive decoding: one token in flight; each step is one committing Forward."""
+    stats = ctx.stats
+    t0 = time.perf_counter()
+    feats = await prefill(ctx)
+    token = await ctx.compute(ctx.choose, feats[-1])
+    stats.prefill_s = time.perf_counter() - t0
+    stats.steps, stats.new_tokens = 1, 1
+    t1 = time.perf_counter()
+    try:
+        yield [token]
+        pos = len(ctx.prompt)
+        while stats.new_tokens < ctx.max_new_tokens and token not in ctx.stop_ids:
+            await ctx.forward(parents=[-1], positions=[pos], tokens=[token], commit=True)
+            _, tensors = await ctx.recv_forward()
+            token = await ctx.compute(ctx.choose, ctx.features(tensors)[-1])
+            pos += 1
+            stats.steps += 1
+            stats.new_tokens += 1
+            yield [token]
+    finally:
+        stats.decode_s = time.perf_counter() - t1
+
+
+AR = ModeSpec("ar", ar_mode, description="pipelined autoregressive decoding, one token in flight")

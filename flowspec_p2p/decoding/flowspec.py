@@ -1,0 +1,343 @@
+"""FlowSpec: continuous pipelined tree-based speculative decoding (arXiv 2507.02620; flowspec-algorithm.md §3-§6).
+
+With one request in flight a plain pipeline keeps one stage busy at a time. FlowSpec keeps every stage busy by
+streaming *segments* of a draft tree through the pipeline and verifying the tree step by step as segments return.
+
+Glossary (tree words as in tree.py, protocol words as in messages.py):
+
+    root            node 0 of the leader's tree: a token already decided (streamed to the client) whose K/V is
+                    not yet committed; the target's logits at the root decide what follows it
+    sent prefix     nodes [0, sent) have been sent down the pipeline; every stage holds (or will hold, FIFO) their
+                    K/V as its pending tree, in the same indexing
+    verified prefix nodes [0, V) whose final features are back at the leader; segments go out and return in
+                    index order, so this is always a prefix (and V = 0 right after every prune: the new root is
+                    never verified yet)
+    step            one returned segment: map it to current indices, extend the verified prefix, and — when the
+                    root is verified — *walk* (verify.py): accept the longest verified path the target agrees
+                    with and decide the token after it (argmax, or an exact sample). ``GenStats.steps`` counts
+                    walks (+1 for the prefill), so tau = tokens per verification as for chunk and spec; the
+                    returned segments are ``extra["segments"]``
+    continue        the decided token equals a child of the last accepted node that is already in the tree (sent or
+                    not): that child becomes the new root and its subtree survives — no pipeline drain. If the
+                    child was still unsent (``continues_unsent``), its features are a ring trip away, as after
+                    a restart (WalkClock measures what each outcome costs)
+    restart         the decided token is not in the tree: it becomes a fresh root; every in-flight node is pruned,
+                    but the new tree goes out at once (no drain, §10.5)
+    prune           Prune(accept = accepted path, keep = accepted + surviving *sent* nodes), sent in band, so every
+                    stage applies it exactly once, in order with the segments (no global barrier, §10.3)
+    expansion       after a walk, draft a fresh tree from the new root with the newly accepted target features,
+                    one level (draft-head forward) at a time; merge each level by token path (tree.merge) and
+                    send its new nodes at once (§6.1). A root with nothing drafted below it (the first token, or
+                    after a restart) goes out alone first. A returned segment with live nodes stops the draft:
+                    its walk comes first
+
+Segments in flight that the leader has since pruned still return (stages skip, or stop part-way through, what a
+prune discards, and pass it on as dead rows); the leader maps their rows through every prune made since they were
+sent and drops what died.
+
+Lossless: a node's features depend only on the committed prefix and its ancestors (tree attention, causal-
+consistent prunes), and each decision at a verified node is the target's argmax or an exact sample from its
+distribution (verify.verify_greedy / verify_sampling), made exactly once per emitted token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from functools import partial
+from typing import Protocol
+
+import torch
+from pydantic import Field
+
+from ..model.sampling import target_probs
+from ..pipeline.messages import Forward
+from ..spec.drafter import TreeShape
+from ..spec.tree import DraftTree
+from ..spec.verify import Verdict, verify_greedy, verify_sampling
+from ..types import FrozenModel
+from .context import ModeContext, ModeSpec, prefill
+from .flowstate import Calibration, FlowState, StageCost, WalkClock, best_segment, segment_value
+
+log = logging.getLogger(__name__)
+
+
+class FlowSpecConfig(FrozenModel):
+    """Tree budgets and segment sizing. Defaults tuned for a CPU pipeline (small trees, short segments)."""
+
+    # Drafting cost grows with depth x top_k (one draft-head forward per level), not with total_tokens: the
+    # expansion keeps its whole candidate pool, and the leader sends the best-scored *new* nodes first.
+    # Measured on the default model with the shipped head, a 4-stage ring (websockets, 100 Mbit/s and 2 ms links
+    # and 5x slower devices, emulated), 3 prompts x 48 tokens, side by side: the reference-like setting (depth 6,
+    # top-k 4, 6-node segments, ring always full, re-draft after every walk) ran at 0.35x pipelined AR, fixed
+    # 2-node segments 0.5x, these adaptive defaults 0.9-1.0x. With a draft this weak (about 1 in 2 first
+    # tokens right) a full ring mostly carries nodes that die, and each delays the next root at every stage.
+    # Since stages cut a forward that a prune discards entirely (worker.py) and the leader sends each drafted
+    # level at once, wider expansions and a fuller ring pay (`flowspec bench --modes ar,flowspec --per-dataset 1
+    # --max-tokens 48 --temperature 0`, 6 prompts, each setting vs AR in its own run): expansion top-k 2 and
+    # min_value 0.3 1.22x AR; top-k 4 1.26x; top-k 4 and min_value 0.1 1.31x; top-k 6 and 0.1 1.34x; top-k 8
+    # and 0.1 1.29x; top-k 4 and 0.05 1.28x; 2 and 0 (always fill) 1.14x. Later, same command: segment_cap 1
+    # 1.34x (a continue then takes ~73 ms, not ~180, but fewer nodes fit the ring and more walks restart),
+    # segment_cap 2 1.27x, cap 1 with in_flight 8 1.32x, cap 1 with expansion top-k 3 1.25x; all within the
+    # run-to-run noise (about +-0.05), so these defaults stay. With the fewrow kernel (shard.py: a stage's 2-6 node
+    # forward costs 1.05-1.23x a one-node one, was 1.36-1.95x) the defaults gave 1.50x AR (was 1.31x), and again nothing
+    # beat them beyond the noise: segment_cap 6 1.52x, 8 1.48x; stream_levels off 1.42x (cap 8: 1.43x); in_flight 3
+    # 1.46x; min_value 0.3 1.44x (a continue ~111 ms instead of ~145: less queueing, but utilization 36% and more
+    # restarts); min_value 0.2 with cap 8 1.53x.
+    init: TreeShape = TreeShape(total_tokens=32, depth=6, top_k=4, order="score")
+    expand: TreeShape = TreeShape(total_tokens=32, depth=4, top_k=6, order="score")
+    in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
+    segment_cap: int = Field(4, ge=1)  # nodes per segment at most
+    # Adaptive segments: each segment takes the k next nodes (score order) that maximise expected accepted tokens
+    # per unit of stage time, sum(p_1..p_k) / cost(k), where cost(k) is a k-node stage forward relative to a
+    # one-node one, measured (StageCost), and p_i is the node's draft path
+    # probability scaled by the acceptance measured so far in this request (see best_segment). Off: always
+    # segment_cap nodes, and always the full expansion depth (expand_min_path is ignored).
+    adaptive: bool = True
+    # The prior for a stage's forward cost per extra node, relative to a one-node forward, until the stages' own
+    # timings (Forward.stage_s) measure it (StageCost), after a few segments. On this project's CPU (one thread,
+    # the default model) 2 and 4 nodes cost 1.05x and 1.15x one with the fewrow kernel (1.36x and 1.75x with oneDNN,
+    # which serves where the kernel cannot; shard.py); on a GPU it is ~0. The prior stays the cautious one.
+    row_cost: float = Field(0.25, ge=0.0)
+    # Adaptive ring depth: a segment beyond the first live one goes out only if it is expected to be worth its
+    # stage time, sum(p) / cost(k) >= min_value. A node that dies in flight still delays every
+    # segment behind it at every stage, the next root's included; with a weak draft the ring stays shallow, with
+    # a strong one it fills up to in_flight. 0 = always fill the ring.
+    min_value: float = Field(0.1, ge=0.0)
+    max_unsent: int = Field(48, ge=1)  # drafted-but-unsent nodes kept at most (the lowest-scored are dropped)
+    # Re-draft from the new root after a walk only when fewer than this many unsent nodes remain below it (0 =
+    # after every walk, as the reference does). Drafting is the leader's main cost per step.
+    redraft_below: int = Field(6, ge=0)
+    # Adaptive expansion depth: draft only as deep as a path is still expected to be accepted with probability
+    # >= expand_min_path, from the per-level hit rate h measured in this request (Calibration.hit_rate): depth
+    # = floor(log(expand_min_path) / log(h)), between 1 and expand.depth. Each level is one draft-head forward
+    # on the leader, so a weak draft costs the leader less time per walk. 0 = always expand.depth.
+    expand_min_path: float = Field(0.15, ge=0.0, lt=1.0)
+    # Send after every drafted level (one draft-head forward), not after the whole draft: a root's children follow
+    # it down the ring while the deeper levels are drafted, and a returned segment's walk need not wait for them.
+    stream_levels: bool = True
+
+
+class _Rows:
+    """verify.Rows over the verified nodes: the LM head runs only for the nodes the walk visits (one row costs as
+    much as several layers on a small target), memoised per node until the next prune."""
+
+    def __init__(self, state: FlowState, fn):
+        self.state, self.fn = state, fn
+
+    def __len__(self) -> int:
+        return self.state.verified
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        row = self.state.rows.get(i)
+        if row is None:
+            row = self.state.rows[i] = self.fn(self.state.feats[i])
+        return row
+
+
+def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
+    """Verify the verified prefix of the current tree from its root."""
+    v = state.verified
+    if ctx.params.greedy:
+        return verify_greedy(state.tree, _Rows(state, ctx.logits), verified_end=v, stop_ids=ctx.stop_ids)
+    probs = _Rows(state, lambda f: target_probs(ctx.logits(f), ctx.params))
+    uniforms = torch.rand(len(state.tree) + 1, generator=ctx.gen, dtype=torch.float64)
+    return verify_sampling(state.tree, probs, uniforms, verified_end=v, stop_ids=ctx.stop_ids)
+
+
+def _next_level(levels: Iterator[DraftTree]) -> DraftTree | None:
+    """One level of a Drafter.draft_levels draft (on the compute thread) -> the tree so far, None when done."""
+    with torch.inference_mode():
+        return next(levels, None)
+
+
+class Growth(Protocol):
+    """How a pipelined tree mode drafts and cuts its tree (FlowSpec here; PipeDec in pipedec.py)."""
+
+    async def initial(self, ctx: ModeContext, state: FlowState, budget: int, send: Send) -> None:
+        """Draft the first tree below ``state.tree`` (the first token alone, not sent yet). ``send()`` sends what
+        is ready (the caller sends the rest after)."""
+
+    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool, send: Send) -> bool:
+        """Expand ``state.tree`` after a returned segment (``walked``: a walk just moved the root). -> drafted?"""
+
+    def segment(self, state: FlowState, live: int) -> int:
+        """Nodes in the next segment, starting at ``state.sent``, with ``live`` segments in the ring (0: send
+        nothing now)."""
+
+    def walked(self, state: FlowState, verdict: Verdict) -> None:
+        """A walk over ``state.tree`` (before its prune) ended in ``verdict``."""
+
+    def returned(self, msg: Forward) -> None:
+        """A segment came back (``msg.stage_s``: each stage's busy seconds for it)."""
+
+    def report(self) -> dict:
+        """What it learned in this request, for GenStats.extra."""
+
+
+Send = Callable[[], Awaitable[None]]  # fill the ring with what is ready to go
+
+
+class FlowSpecGrowth:
+    def __init__(self, cfg: FlowSpecConfig):
+        self.cfg = cfg
+        self.calibration = Calibration()
+        self.stage_cost = StageCost(cfg.row_cost)
+
+    def returned(self, msg: Forward) -> None:
+        self.stage_cost.observe(msg.computed_rows, msg.stage_s)
+
+    def report(self) -> dict:
+        med = self.stage_cost.measured()
+        return dict(acceptance_ratio=round(self.calibration.ratio, 3), hit_rate=round(self.calibration.hit_rate, 3),
+                    stage_ms={k: round(t * 1e3, 2) for k, t in med.items()})
+
+    def walked(self, state: FlowState, verdict: Verdict) -> None:
+        self.calibration.update(state.tree, verdict)
+
+    async def initial(self, ctx: ModeContext, state: FlowState, budget: int, send: Send) -> None:
+        await send()  # the first token goes down the ring while the leader drafts
+        if budget > 1:
+            await self._draft(ctx, state, self.cfg.init.capped(budget - 1), send)
+
+    async def grow(self, ctx: ModeContext, state: FlowState, budget: int, walked: bool, send: Send) -> bool:
+        cfg = self.cfg
+        if not walked or (cfg.redraft_below and len(state.tree) - state.sent >= cfg.redraft_below):
+            return False
+        depth = self.calibration.useful_depth(cfg.expand_min_path, cfg.expand.depth) if cfg.adaptive \
+            else cfg.expand.depth
+        await self._draft(ctx, state, cfg.expand.capped(min(depth, budget - 1)), send)
+        return True
+
+    async def _draft(self, ctx: ModeContext, state: FlowState, shape: TreeShape, send: Send) -> None:
+        """Draft below the root one level (one draft-head forward) at a time: after each level, merge the new
+        nodes, rank the unsent ones and send what the ring takes, so the root's children go down the ring while
+        the deeper levels are drafted. A segment with live nodes that has come back stops the draft: its walk
+        comes first (it decides the root the next draft starts from)."""
+        levels = ctx.drafter.draft_levels(shape, partial=self.cfg.stream_levels)
+        try:
+            while (fresh := await ctx.compute(_next_level, levels)) is not None:
+                state.tree, _ = state.tree.merge(fresh)
+                state.rank_unsent(self.cfg.max_unsent)
+                await send()
+                if self.cfg.stream_levels and state.live_returned(ctx.returned):
+                    break
+        finally:
+            # close() drops the draft's K/V; ValueError: cancelled while the compute thread still runs the level
+            # (the next request's drafter.reset() drops it then)
+            with contextlib.suppress(ValueError):
+                levels.close()
+
+    def segment(self, state: FlowState, live: int) -> int:
+        cfg, a = self.cfg, state.sent
+        b = min(len(state.tree), a + cfg.segment_cap)
+        if not cfg.adaptive or b <= a:
+            return b - a
+        probs = self.calibration.probs(state.tree, a, b)
+        cost = self.stage_cost.cost_fn()
+        k = best_segment(probs, cost, cfg.segment_cap)
+        if live and segment_value(probs, k, cost) < cfg.min_value:
+            return 0  # not worth delaying the segments (and the next root) behind it: wait for the next walk
+        return k
+
+
+async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None = None,
+                        draft_slots: int = 64) -> AsyncIterator[list[int]]:
+    """The pipelined tree loop shared by FlowSpec and PipeDec: prefill, fill the ring with segments, and on every
+    returned segment extend the verified prefix, walk, prune in band, grow the tree, refill."""
+    drafter, stats = ctx.drafter, ctx.stats
+    budget = ctx.max_new_tokens
+    in_flight = in_flight or ctx.pipeline.stages + 1
+    t0 = time.perf_counter()
+    feats = await prefill(ctx)  # [P, hidden]
+    token = await ctx.compute(ctx.choose, feats[-1])
+    drafter.reset(len(ctx.prompt) + budget + draft_slots)
+    await ctx.compute(drafter.feed, ctx.prompt, feats, token)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.steps, stats.new_tokens = 1, 1
+    draft_s = verify_s = 0.0
+    t1 = time.perf_counter()
+    state: FlowState | None = None
+    clock = WalkClock()
+    try:
+        yield [token]
+        if stats.new_tokens >= budget or token in ctx.stop_ids:
+            return
+        state = FlowState(tree=DraftTree.root(token), committed=len(ctx.prompt))
+
+        async def fill() -> None:
+            """Keep ``in_flight`` live segments in the ring while unsent nodes exist. Segments that a prune emptied
+            do not count: the stages skip their dead rows (look-ahead), so a fresh root goes out at once."""
+            while (live := sum(1 for seg in state.inflight if seg.nodes)) < in_flight:
+                n = growth.segment(state, live)
+                if n <= 0:
+                    return
+                tag, a, b = state.next_segment(n)
+                t = state.tree
+                positions = t.positions(state.committed)[a:b].tolist()
+                await ctx.forward(first=a, parents=t.parent_list[a:b], positions=positions, tokens=t.tokens[a:b],
+                                  tag=tag)
+
+        td = time.perf_counter()
+        await growth.initial(ctx, state, budget - stats.new_tokens, fill)
+        draft_s += time.perf_counter() - td
+        await fill()  # the initial tree, cut into segments, fills the ring
+        while True:
+            msg, tensors = await ctx.recv()
+            if not isinstance(msg, Forward):
+                continue  # acks of our prunes: the FIFO bookkeeping is done at send time
+            growth.returned(msg)
+            nodes, f = state.take_result(msg, ctx.features(tensors))
+            walked = False
+            if nodes:
+                tv = time.perf_counter()
+                state.feats += list(f)
+                verdict = await ctx.compute(_walk, ctx, state)  # the root is always in the verified prefix here
+                verify_s += time.perf_counter() - tv
+                clock.walked(time.perf_counter())
+                state.counters["walks"] += 1
+                stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
+                out = verdict.emitted(state.tree)[: budget - stats.new_tokens]
+                stats.new_tokens += len(out)
+                if out:
+                    yield out
+                if verdict.stopped or stats.new_tokens >= budget or out[-1] in ctx.stop_ids:
+                    return
+                growth.walked(state, verdict)
+                accept, keep, acc_tokens, acc_feats = state.apply(verdict)
+                clock.outcome(state.outcome)
+                await ctx.prune(accept, keep)
+                await fill()  # surviving unsent nodes go out before we spend time drafting
+                td = time.perf_counter()
+                await ctx.compute(drafter.feed, acc_tokens, acc_feats, verdict.token)
+                draft_s += time.perf_counter() - td
+                walked = True
+            td = time.perf_counter()
+            if await growth.grow(ctx, state, budget - stats.new_tokens, walked, fill):
+                state.counters["drafts"] = state.counters.get("drafts", 0) + 1
+            draft_s += time.perf_counter() - td
+            await fill()
+    finally:
+        stats.decode_s = time.perf_counter() - t1
+        if state is not None:
+            counters = {**state.counters, "trip_s": round(state.counters["trip_s"], 6)}
+            stats.extra.update(draft_s=round(draft_s, 4), verify_s=round(verify_s, 4), in_flight=in_flight,
+                               **counters, **clock.sums, **growth.report())
+
+
+async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) -> AsyncIterator[list[int]]:
+    cfg = config or FlowSpecConfig()
+    slots = cfg.init.draft_slots() + cfg.expand.draft_slots()
+    async for chunk in tree_pipeline(ctx, FlowSpecGrowth(cfg), cfg.in_flight, slots):
+        yield chunk
+
+
+def flowspec_spec(config: FlowSpecConfig | None = None) -> ModeSpec:
+    return ModeSpec("flowspec", partial(flowspec_mode, config=config), needs_drafter=True,
+                    description="FlowSpec: score-ordered tree segments streamed through the pipeline, verified "
+                                "step by step, pruned in band on every stage, expanded as they flow")
+
+
+FLOWSPEC = flowspec_spec()

@@ -1,0 +1,372 @@
+"""The leader: head of the pipeline, owner of requests, host of the decoding modes.
+
+    client -> api.py -> Leader.generate -> mode (async generator) -> ModeContext.send -> pipeline (stage 1 ...)
+                                            ^                                               |
+                                            +-- ModeContext.recv <- demux (Leader.run) <- inbox (stage N)
+
+Glossary:
+    pipeline     the ring of stages for the current plan (``Pipeline``): the first hop's sender (a websocket
+                 ``Link``, or a ``QueueSender`` into a StageWorker that runs in the leader's own process), what
+                 the first hop consumes (token ids, or hidden states the leader embeds), and the plan epoch
+    head         the leader's ``Shard``: the final norm + LM head (logits, verification) and, when the first
+                 stage does not embed, the embedding
+    mode         a decoding strategy: an async generator ``mode(ctx)`` yielding committed-token chunks
+    context      ``ModeContext``: one request's view of the pipeline (send / recv with request id and sequence
+                 numbers filled in, head, drafter, sampling, budget, stats)
+
+One request is in flight at a time (batch size 1, as in FlowSpec); others wait for their turn (at most
+``max_waiting`` of them, at most ``queue_timeout_s``) and are then refused with ``Busy`` (HTTP 503). Requests
+arriving while there is no pipeline (planning, loading) wait ``ready_timeout_s`` and then get ``NotReady``
+(HTTP 503 with Retry-After). A request whose pipeline breaks — a link down, no reply within ``step_timeout_s``, a
+re-plan (``set_pipeline``) — **resumes**: the leader waits up to ``resume_timeout_s`` for the next pipeline (the
+re-plan that a device leaving sets off) and continues from the tokens it already committed, prompt and committed
+tokens prefilled again. That is lossless: every mode decodes the target's distribution given the prefix (sampling
+draws from a fresh seed-derived stream, so the continuation does not reuse the first attempt's draws). Without a
+new pipeline in time, or after ``resume_attempts`` resumptions, it ends with ``PeerGone``; a stage error ends it
+with ``StageFailed``. It never hangs.
+
+Decoding modes plug in through ``ModeSpec`` and see one request through a ``ModeContext`` (mode.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+from pydantic import Field
+
+from ..errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone
+from ..model.generate import GenStats, check_context
+from ..model.sampling import SamplingParams
+from ..model.shard import Shard
+from ..pipeline.messages import Forward, Release
+from ..pipeline.transport import Frame, LinkDown
+from ..types import FrozenModel
+from .context import AR, ModeContext, ModeSpec, Pipeline
+
+log = logging.getLogger(__name__)
+
+
+class LeaderSettings(FrozenModel):
+    mode_preference: tuple[str, ...] = ("flowspec", "chunk", "ar")  # default mode: the first one available
+    default_mode: str | None = None  # overrides mode_preference
+    max_context: int = Field(2048, ge=2)  # prompt + new tokens; the stages' KV capacity must be at least this
+    max_waiting: int = Field(8, ge=0)  # requests queued behind the one in flight; more get Busy (503)
+    queue_timeout_s: float = Field(300.0, gt=0)  # waiting for the turn longer than this: Busy (503)
+    ready_timeout_s: float = Field(10.0, ge=0)  # waiting for a pipeline longer than this: NotReady (503)
+    step_timeout_s: float = Field(60.0, gt=0)  # no reply from the pipeline for this long: PeerGone
+    resume_attempts: int = Field(2, ge=0)  # a request whose pipeline broke continues on the next one this often
+    resume_timeout_s: float = Field(20.0, ge=0)  # ... if the next pipeline comes within this (re-plan + load)
+    retry_after_s: int = Field(2, ge=1)  # Retry-After for 503s
+    prefill_chunk: int = Field(128, ge=1)  # prompt tokens per prefill Forward (chunks are pipelined)
+    wire_dtype: str = "float32"  # activations the leader itself sends (when it embeds for stage 1)
+    tree_margin: int = Field(256, ge=0)  # KV slots a stage needs beyond max_context for pending draft-tree nodes
+    slowdown: float = Field(1.0, ge=1.0, le=1000.0)  # emulated device (emulation.py) for ``ModeContext.compute``
+    # (drafting, LM head, verification). Basis "cpu": the leader is busy slowdown x the CPU time its compute thread
+    # used (t_cpu; with one torch thread, else as "measured"), so stages computing at the same time on the shared
+    # host do not count; "measured": it waits (slowdown - 1) x the wall time, which multiplies that contention too
+    slowdown_basis: Literal["cpu", "measured"] = "cpu"
+
+    @property
+    def stage_capacity(self) -> int:
+        """KV capacity every stage (StageCore ``capacity``) needs for requests this leader accepts."""
+        return self.max_context + self.tree_margin
+
+
+def builtin_modes() -> list[ModeSpec]:
+    """Every mode this package ships, with default settings: ar, chunk, pipedec and flowspec."""
+    from .chunk import CHUNK
+    from .flowspec import FLOWSPEC
+    from .pipedec import PIPEDEC
+
+    return [AR, CHUNK, PIPEDEC, FLOWSPEC]
+
+
+def _decode_window(stats: GenStats, busy: list[tuple[float, float]]) -> None:
+    """Stamp the decode window (the mode's ``decode_s`` ending now, as wall-clock time.time(), comparable with the
+    stages' timelines) and the leader's busy seconds within it into ``stats.extra``."""
+    end = time.time()
+    start = end - stats.decode_s
+    stats.extra["decode_started_at"] = start
+    stats.extra["decode_finished_at"] = end
+    stats.extra["leader_busy_s"] = round(sum(max(0.0, min(b, end) - max(a, start)) for a, b in busy), 4)
+
+
+def _attempt_params(params: SamplingParams, attempt: int) -> SamplingParams:
+    """A resumed attempt samples from its own stream (derived from the seed), not the first attempt's draws again."""
+    if attempt == 0 or params.seed is None:
+        return params
+    return params.model_copy(update={"seed": (params.seed * 1_000_003 + attempt) % 2**63})
+
+
+def _sum(a: GenStats, b: GenStats) -> GenStats:
+    return GenStats(mode=b.mode, new_tokens=a.new_tokens + b.new_tokens, steps=a.steps + b.steps,
+                    prefill_s=a.prefill_s + b.prefill_s, decode_s=a.decode_s + b.decode_s)
+
+
+def _fold(stats: GenStats, prior: GenStats, cur: GenStats, attempt: int) -> None:
+    """The caller's ``stats``: counts and times summed over the attempts so far, extras of the latest one (its
+    mode and prompt_tokens, set by ``generate``, stay)."""
+    total = _sum(prior, cur)
+    stats.new_tokens, stats.steps = total.new_tokens, total.steps
+    stats.prefill_s, stats.decode_s = total.prefill_s, total.decode_s
+    stats.extra = {**cur.extra, **({"resumed": attempt} if attempt else {})}
+
+
+class Leader:
+    """See the module docstring. ``run()`` (the demultiplexer) must run while requests are served: give it to
+    the agent's TaskGroup, or let api.create_app run it (``cleanup_ctx``)."""
+
+    def __init__(self, head: Shard, tokenizer, *, drafter=None, settings: LeaderSettings | None = None,
+                 modes: Sequence[ModeSpec] = (AR,), model_id: str = "flowspec"):
+        assert head.has_head, "the leader's shard must hold the final norm and LM head"
+        self.head = head
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.settings = settings or LeaderSettings()
+        self.model_id = model_id
+        self.modes: dict[str, ModeSpec] = {}
+        for m in modes:
+            self.register_mode(m)
+        self.inbox: asyncio.Queue = asyncio.Queue()  # the return link's RingServer delivers here
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="leader")
+        self.pipeline: Pipeline | None = None
+        self._ready = asyncio.Event()
+        self._swapped = asyncio.Event()  # set whenever a new pipeline is installed
+        self._turn = asyncio.Lock()
+        self._waiting = 0
+        self._active: dict[str, ModeContext] = {}
+        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "busy": 0, "not_ready": 0,
+                         "dropped": 0, "resumed": 0}
+        self.last_stats: dict | None = None
+
+    # ---------------------------------------------------------------------------------------- modes
+
+    def register_mode(self, spec: ModeSpec) -> None:
+        self.modes[spec.name] = spec
+
+    def available_modes(self) -> list[str]:
+        return [n for n, m in self.modes.items() if self.drafter is not None or not m.needs_drafter]
+
+    def default_mode(self) -> str:
+        avail = self.available_modes()
+        if self.settings.default_mode in avail:
+            return self.settings.default_mode
+        for name in self.settings.mode_preference:
+            if name in avail:
+                return name
+        return avail[0]
+
+    def resolve_mode(self, name: str | None) -> ModeSpec:
+        name = name or self.default_mode()
+        spec = self.modes.get(name)
+        if spec is None:
+            raise InvalidRequest(f"unknown decoding mode {name!r}; available: {', '.join(self.available_modes())}")
+        if spec.needs_drafter and self.drafter is None:
+            raise InvalidRequest(f"decoding mode {name!r} needs a draft head, and this cluster has none")
+        return spec
+
+    # ------------------------------------------------------------------------------------- pipeline
+
+    @property
+    def ready(self) -> bool:
+        return self.pipeline is not None
+
+    async def set_pipeline(self, pipeline: Pipeline | None) -> None:
+        """Swap the pipeline (after a re-plan; None while planning). Requests in flight on the old one fail
+        with PeerGone; the old first-hop sender is closed. Requests that wait meanwhile get the new one."""
+        old, self.pipeline = self.pipeline, pipeline
+        if old is not None and (pipeline is None or old.sender is not pipeline.sender):
+            self._fail_all(PeerGone("the cluster is re-planning; retry the request"))
+            await old.sender.close()
+        if pipeline is None:
+            self._ready.clear()
+        else:
+            self._ready.set()
+            self._swapped.set()
+            log.info("pipeline ready: epoch %d, %d stage(s), first hop %s takes %s", pipeline.epoch,
+                     pipeline.stages, pipeline.sender.peer, pipeline.takes)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for ctx in self._active.values():
+            ctx.fail(error)
+
+    async def run(self) -> None:
+        """Demultiplex returned messages to their requests; fail requests whose links go down."""
+        try:
+            while True:
+                ev = await self.inbox.get()
+                if isinstance(ev, Frame):
+                    ctx = self._active.get(ev.msg.request_id)
+                    if ctx is not None:
+                        ctx.returned += isinstance(ev.msg, Forward)
+                        ctx.queue.put_nowait(ev)
+                    else:  # a late reply of a request that already ended
+                        self.counters["dropped"] += 1
+                elif isinstance(ev, LinkDown) and self._affects_pipeline(ev):
+                    self._fail_all(PeerGone(f"pipeline link {ev.direction} {ev.peer} down: {ev.reason}"))
+        finally:
+            if self.pipeline is not None:
+                await self.pipeline.sender.close()
+
+    def close(self) -> None:
+        """Stop the compute thread (after ``run`` ended)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _affects_pipeline(self, ev: LinkDown) -> bool:
+        p = self.pipeline
+        if p is None:
+            return False
+        if ev.direction == "out":
+            return ev.link == getattr(p.sender, "id", None)
+        return ev.epoch == p.epoch
+
+    # ------------------------------------------------------------------------------------- requests
+
+    def check(self, prompt_len: int, max_tokens: int, mode: str | None) -> tuple[ModeSpec, int]:
+        """Validate a request before it queues: -> (mode, clamped max new tokens). Raises InvalidRequest or
+        ContextOverflow."""
+        spec = self.resolve_mode(mode)
+        return spec, check_context(prompt_len, max_tokens, self.settings.max_context)
+
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        *,
+        params: SamplingParams,
+        max_tokens: int,
+        stop_ids: frozenset[int] | None = None,
+        mode: str | None = None,
+        stats: GenStats | None = None,
+        timeline: list[tuple[float, float]] | None = None,
+    ) -> AsyncIterator[list[int]]:
+        """Decode ``prompt`` through the pipeline: an async generator of committed-token chunks. ``stats`` is
+        filled as it goes (mode, tokens, steps, tau, prefill_s, decode_s; extras ``decode_started_at`` and
+        ``decode_finished_at``, the decode window in time.time(), and ``leader_busy_s``, the leader's compute within
+        it). ``timeline``: if given, receives the leader's compute intervals (time.time() start, end). Close it to
+        stop early. A broken pipeline is survived as the module docstring says (``resumed`` in the extras: how often;
+        counts and times are summed over the attempts, the other extras are the last attempt's)."""
+        spec, budget = self.check(len(prompt), max_tokens, mode)
+        stats = stats if stats is not None else GenStats(mode=spec.name)
+        stats.mode = spec.name
+        stats.prompt_tokens = len(prompt)
+        stop_ids = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer is not None else stop_ids
+        self.counters["requests"] += 1
+        stops = frozenset(stop_ids or ())
+        await self._take_turn()
+        try:
+            committed: list[int] = []
+            prior = GenStats(mode=spec.name)  # the attempts before this one (a resumed request has several)
+            pipeline = await self._wait_ready()
+            for attempt in itertools.count():
+                cur = GenStats(mode=spec.name)
+                rid = uuid.uuid4().hex[:16]
+                ctx = ModeContext(self, pipeline, rid, [*prompt, *committed], _attempt_params(params, attempt),
+                                  budget - len(committed), stops, cur)
+                self._active[rid] = ctx
+                outcome: str | None = "failed"
+                broken: PeerGone | None = None
+                try:
+                    if ctx.max_new_tokens > 0:
+                        async with contextlib.aclosing(spec.run(ctx)) as chunks:
+                            async for chunk in chunks:
+                                committed += chunk
+                                yield chunk
+                    outcome = "completed"
+                except PeerGone as e:
+                    if committed and (len(committed) >= budget or committed[-1] in stops):
+                        outcome = "completed"  # every token was decided before the break
+                    elif attempt >= self.settings.resume_attempts:
+                        raise
+                    else:
+                        broken, outcome = e, None  # counted once the next pipeline comes, or not
+                except (GeneratorExit, asyncio.CancelledError):
+                    outcome = "cancelled"  # the caller closed the stream early (client gone, stop string)
+                    raise
+                finally:
+                    del self._active[rid]
+                    if outcome is not None:
+                        self.counters[outcome] += 1
+                    _decode_window(cur, ctx.busy)
+                    _fold(stats, prior, cur, attempt)
+                    if timeline is not None:
+                        timeline.extend(ctx.busy)
+                    self.last_stats = stats.as_dict()
+                    if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
+                        with contextlib.suppress(FlowSpecError):
+                            await pipeline.sender.send(Release(request_id=rid, seq=ctx.seq))
+                if broken is None:
+                    return
+                log.warning("request: %s; resuming after %d token(s) on the next pipeline", broken, len(committed))
+                try:
+                    nxt = await self._wait_replaced(pipeline)
+                except (GeneratorExit, asyncio.CancelledError):
+                    self.counters["cancelled"] += 1  # the caller left while the request waited for a pipeline
+                    raise
+                if nxt is None:
+                    self.counters["failed"] += 1
+                    raise broken
+                self.counters["resumed"] += 1
+                prior = _sum(prior, cur)
+                pipeline = nxt
+        finally:
+            self._turn.release()
+
+    async def _take_turn(self) -> None:
+        if self._turn.locked() and self._waiting >= self.settings.max_waiting:
+            self.counters["busy"] += 1
+            raise Busy(f"{self._waiting} requests are already waiting; retry later")
+        self._waiting += 1
+        try:
+            async with asyncio.timeout(self.settings.queue_timeout_s):
+                await self._turn.acquire()
+        except TimeoutError:
+            self.counters["busy"] += 1
+            raise Busy(f"waited {self.settings.queue_timeout_s:g} s for the request ahead; retry later") from None
+        finally:
+            self._waiting -= 1
+
+    async def _wait_replaced(self, old: Pipeline) -> Pipeline | None:
+        """The first pipeline other than ``old`` installed within ``resume_timeout_s``, or None."""
+        try:
+            async with asyncio.timeout(self.settings.resume_timeout_s):
+                while self.pipeline is None or self.pipeline is old:
+                    self._swapped.clear()
+                    await self._swapped.wait()
+        except TimeoutError:
+            return None
+        return self.pipeline
+
+    async def _wait_ready(self) -> Pipeline:
+        if self.pipeline is None:
+            try:
+                async with asyncio.timeout(self.settings.ready_timeout_s):
+                    await self._ready.wait()
+            except TimeoutError:
+                pass
+        if self.pipeline is None:
+            self.counters["not_ready"] += 1
+            raise NotReady("the cluster is planning or loading; retry shortly")
+        return self.pipeline
+
+    def snapshot(self) -> dict:
+        p = self.pipeline
+        return {
+            "ready": p is not None,
+            "pipeline": None if p is None else {"epoch": p.epoch, "stages": p.stages, "first_hop": p.sender.peer,
+                                                "takes": p.takes, **p.info},
+            "modes": self.available_modes(),
+            "default_mode": self.default_mode(),
+            "slowdown": self.settings.slowdown,
+            "in_flight": list(self._active),
+            "waiting": self._waiting,
+            **self.counters,
+            "last_request": self.last_stats,
+        }

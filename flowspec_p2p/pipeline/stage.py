@@ -1,0 +1,278 @@
+"""The pure core of a pipeline stage: per-request KV caches and pending-tree bookkeeping, driven by data-plane
+messages (messages.py) applied strictly in arrival order. No asyncio, no I/O: the async worker feeds it.
+
+Invariant (flowspec-algorithm.md §5.3), for every request on every stage after every message:
+
+    KV slots = [committed prefix | pending tree nodes 0 .. P-1 that are live, in tree-index order]
+
+and ``parents[i]`` / ``depth[i]`` / ``slot[i]`` describe pending node i (parent -1 = hangs off the committed
+prefix; slot = its offset in the pending KV region, or None for a *dead* node: one a queued prune discards, which
+this stage skipped — see messages.py, look-ahead). A node's position is committed + depth; it attends to the
+committed prefix, its pending ancestors and itself. Dead nodes are never anyone's ancestor (prunes keep
+ancestor-closed sets), and the next prune removes them from the indexing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import torch
+
+from ..errors import ContextOverflow, FlowSpecError, ForwardStopped, ProtocolError
+from ..model.kv_cache import KVCache
+from ..model.shard import Shard
+from .messages import Forward, Prune, Release, Reset, StageError, TensorSpec
+
+log = logging.getLogger(__name__)
+
+MAX_REQUESTS = 16  # concurrent request states a stage keeps; the oldest is evicted beyond this
+
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class RequestState:
+    cache: KVCache
+    parents: list[int] = field(default_factory=list)  # per pending node
+    depth: list[int] = field(default_factory=list)  # per pending node
+    slot: list[int | None] = field(default_factory=list)  # per pending node: pending KV offset, None if dead
+    next_seq: int = 0
+
+
+def ancestor_mask(committed: int, parents: list[int], first: int, slot: list[int | None] | None = None,
+                  rows: list[int] | None = None) -> torch.Tensor:
+    """Visibility of new nodes over [committed prefix | pending KV]. Nodes ``first + r`` for r in ``rows`` (default
+    all from ``first``); ``slot`` maps a node to its pending KV offset (default: the node index itself).
+    -> bool [len(rows), committed + width], width = number of pending slots including the new ones."""
+    n = len(parents)
+    rows = list(range(n - first)) if rows is None else rows
+    width = n if slot is None else 1 + max((s for s in slot if s is not None), default=-1)
+    mask = torch.zeros(len(rows), committed + width, dtype=torch.bool)
+    mask[:, :committed] = True
+    for r, i in enumerate(rows):
+        j = first + i
+        while j != -1:
+            mask[r, committed + (j if slot is None else slot[j])] = True
+            j = parents[j]
+    return mask
+
+
+def is_chain(parents: list[int], first: int) -> bool:
+    """True when the new nodes continue a plain sequence: node first+i has parent first+i-1 (or -1 at 0)."""
+    return first == 0 and all(p == i - 1 for i, p in enumerate(parents))
+
+
+class StageCore:
+    """Applies data-plane messages to one shard. ``handle`` returns the message (and tensors) to pass on."""
+
+    def __init__(self, shard: Shard, *, index: int, capacity: int, wire_dtype: torch.dtype = torch.float16):
+        self.shard = shard
+        self.index = index
+        self.capacity = capacity
+        self.wire_dtype = wire_dtype
+        self.requests: dict[str, RequestState] = {}
+        self.counters = {"forwards": 0, "tokens": 0, "prunes": 0, "errors": 0}
+
+    # ------------------------------------------------------------------------------------------ dispatch
+
+    def handle(self, msg, tensors: Tensors, upcoming: list | tuple = (), stop: Callable[[], bool] | None = None
+               ) -> tuple[object, Tensors]:
+        """Apply one message. Errors specific to a request become a StageError passed on; they never raise.
+        ``upcoming``: messages queued behind this one (look-ahead: a Forward skips rows a queued Prune discards).
+        ``stop``: asked between layers of a tree forward; yes means a prune that arrived since discards every
+        node of it, so the forward stops there and passes its rows on as dead (the worker decides, worker.py)."""
+        if isinstance(msg, StageError):
+            self.requests.pop(msg.request_id, None)
+            return msg, {}
+        try:
+            state = self._state(msg)
+            if isinstance(msg, Forward):
+                out = self._forward(state, msg, tensors, _next_prune(msg.request_id, upcoming), stop)
+            elif isinstance(msg, Prune):
+                self._prune(state, msg)
+                out = (msg, {})
+            elif isinstance(msg, Reset):
+                self._reset(state, msg)
+                out = (msg, {})
+            elif isinstance(msg, Release):
+                self.requests.pop(msg.request_id, None)
+                out = (msg, {})
+            else:
+                raise ProtocolError(f"unexpected message {type(msg).__name__}")
+            state.next_seq = msg.seq + 1
+            return out
+        except FlowSpecError as e:
+            self.counters["errors"] += 1
+            self.requests.pop(msg.request_id, None)
+            log.warning("stage %d: request %s failed: %s", self.index, msg.request_id, e)
+            return StageError(request_id=msg.request_id, seq=msg.seq, stage=self.index, message=str(e)), {}
+
+    def _state(self, msg) -> RequestState:
+        state = self.requests.get(msg.request_id)
+        if state is None:
+            if msg.seq != 0 or not isinstance(msg, Forward):
+                if isinstance(msg, Release):  # releasing an unknown request is harmless
+                    return RequestState(cache=None)  # type: ignore[arg-type]
+                raise ProtocolError(f"unknown request {msg.request_id} at seq {msg.seq}")
+            if len(self.requests) >= MAX_REQUESTS:
+                oldest = next(iter(self.requests))
+                log.warning("stage %d: evicting request %s (too many open requests)", self.index, oldest)
+                del self.requests[oldest]
+            state = RequestState(cache=self.shard.new_cache(self.capacity))
+            self.requests[msg.request_id] = state
+        elif msg.seq != state.next_seq:
+            raise ProtocolError(f"request {msg.request_id}: expected seq {state.next_seq}, got {msg.seq}")
+        return state
+
+    # ---------------------------------------------------------------------------------------- messages
+
+    def _forward(self, state: RequestState, msg: Forward, tensors: Tensors, ahead: Prune | None,
+                 stop: Callable[[], bool] | None = None) -> tuple[Forward, Tensors]:
+        cache = state.cache
+        m = len(msg.parents)
+        first = msg.first
+        if m == 0 or len(msg.positions) != m:
+            raise ProtocolError(f"forward needs one parent and one position per node (got {m}, {len(msg.positions)})")
+        if first != len(state.parents):
+            raise ProtocolError(f"forward starts at node {first} but this stage holds {len(state.parents)} pending")
+        if msg.commit and (state.parents or msg.dead):
+            raise ProtocolError("a committing forward needs an empty pending tree and no dead rows")
+        if any(not 0 <= r < m for r in msg.dead):
+            raise ProtocolError(f"dead rows {msg.dead} out of range")
+        parents = state.parents + list(msg.parents)
+        depth = list(state.depth)
+        for i, p in enumerate(msg.parents):
+            if not -1 <= p < first + i:
+                raise ProtocolError(f"node {first + i} has invalid parent {p}")
+            d = 0 if p == -1 else depth[p] + 1
+            if msg.positions[i] != cache.committed + d:
+                raise ProtocolError(f"node {first + i}: position {msg.positions[i]} != {cache.committed + d}")
+            depth.append(d)
+        if msg.commit and not is_chain(msg.parents, 0):
+            raise ProtocolError("a committing forward must be a plain chain")
+
+        # dead rows: marked upstream, or discarded by the prune queued behind this forward (look-ahead)
+        dead = set(msg.dead)
+        if ahead is not None and not msg.commit:
+            kept = set(ahead.keep)
+            dead |= {i for i in range(m) if first + i not in kept}
+        slot = list(state.slot)
+        live = []
+        for i, p in enumerate(msg.parents):
+            if p >= 0 and slot[p] is None and i not in dead:
+                raise ProtocolError(f"node {first + i} is live but its parent {p} is dead")
+            if i in dead:
+                slot.append(None)
+            else:
+                slot.append(cache.pending + len(live))
+                live.append(i)
+        if cache.length + len(live) > cache.capacity:
+            raise ContextOverflow(f"request {msg.request_id} exceeds this stage's KV capacity {cache.capacity}")
+
+        name = "features" if self.shard.has_head else "hidden"
+        out = torch.zeros(m, self.shard.cfg.hidden_size, dtype=self.wire_dtype)  # [m, hidden]
+        x = self._input(msg, tensors, m)  # [1, m] ids or [1, m, hidden]
+        if live:
+            mask = None
+            if dead or not (cache.pending == 0 and is_chain(msg.parents, 0)):
+                mask = ancestor_mask(cache.committed, parents, first, slot, live)[None]  # [1, n_live, C + slots]
+            idx = torch.tensor(live)
+            positions = torch.tensor([[msg.positions[i] for i in live]], dtype=torch.long)  # [1, n_live]
+            try:
+                with torch.inference_mode():
+                    y = self.shard(x[:, idx], cache, positions=positions, mask=mask,
+                                   stop=None if msg.commit else stop)[0]  # [n_live, hidden]
+                out[idx] = y.to(self.wire_dtype)
+            except ForwardStopped as e:  # the reserved slots hold nothing: no node points at them, the prune drops them
+                log.debug("stage %d: request %s forward %d %s", self.index, msg.request_id, msg.tag, e)
+                dead |= set(live)
+                slot = [None if i >= first and i - first in dead else s for i, s in enumerate(slot)]
+                live = []
+                self.counters["stopped"] = self.counters.get("stopped", 0) + 1
+        state.parents, state.depth, state.slot = parents, depth, slot
+        if msg.commit:
+            cache.commit(m)
+            state.parents, state.depth, state.slot = [], [], []
+        self.counters["forwards"] += 1
+        self.counters["tokens"] += len(live)
+        self.counters["skipped"] = self.counters.get("skipped", 0) + m - len(live)
+        spec = TensorSpec(name=name, dtype=DTYPE_NAMES[self.wire_dtype], shape=tuple(out.shape))
+        return msg.model_copy(update={"tensors": [spec], "dead": sorted(dead)}), {name: out}
+
+    def _input(self, msg: Forward, tensors: Tensors, m: int) -> torch.Tensor:
+        hidden = self.shard.cfg.hidden_size
+        if self.shard.has_embed:
+            t = tensors.get("tokens")
+            if t is None or t.dtype != torch.int64 or tuple(t.shape) != (m,):
+                raise ProtocolError(f"stage {self.index} needs tokens int64 [{m}]")
+            if int(t.min()) < 0 or int(t.max()) >= self.shard.cfg.vocab_size:
+                raise ProtocolError("token id out of range")
+            return t[None]
+        t = tensors.get("hidden")
+        if t is None or not t.is_floating_point() or tuple(t.shape) != (m, hidden):
+            raise ProtocolError(f"stage {self.index} needs hidden [{m}, {hidden}]")
+        return t[None].to(self.shard.dtype)
+
+    def _prune(self, state: RequestState, msg: Prune) -> None:
+        cache = state.cache
+        keep, a = msg.keep, msg.accept
+        pending = len(state.parents)
+        if any(k < 0 or k >= pending for k in keep) or any(y <= x for x, y in pairwise(keep)):
+            raise ProtocolError(f"prune keeps {keep}: need strictly increasing indices below {pending}")
+        if a > len(keep):
+            raise ProtocolError(f"prune accepts {a} of only {len(keep)} kept nodes")
+        parents, slot = state.parents, state.slot
+        if any(slot[k] is None for k in keep):
+            raise ProtocolError("prune keeps a node this stage skipped as dead")
+        for i in range(a):  # the accepted nodes form a chain hanging off the committed prefix
+            want = -1 if i == 0 else keep[i - 1]
+            if parents[keep[i]] != want:
+                raise ProtocolError(f"accepted node {keep[i]} does not continue the accepted path")
+        last = keep[a - 1] if a else -1
+        new_index = {old: new - a for new, old in enumerate(keep) if new >= a}
+        new_parents, new_depth = [], []
+        for old in keep[a:]:
+            p = parents[old]
+            if p == last:
+                new_parents.append(-1)
+            elif p in new_index:
+                new_parents.append(new_index[p])
+            else:
+                raise ProtocolError(f"kept node {old} lost its parent {p}")
+            new_depth.append(state.depth[old] - a)
+        cache.keep([slot[k] for k in keep])
+        cache.commit(a)
+        state.parents, state.depth = new_parents, new_depth
+        state.slot = list(range(len(new_parents)))
+        self.counters["prunes"] += 1
+
+    def _reset(self, state: RequestState, msg: Reset) -> None:
+        if msg.length > state.cache.committed:
+            raise ProtocolError(f"reset to {msg.length} beyond the committed prefix {state.cache.committed}")
+        state.cache.truncate(msg.length)
+        state.parents, state.depth, state.slot = [], [], []
+
+
+def _next_prune(request_id: str, upcoming) -> Prune | None:
+    """The first Prune of ``request_id`` among the queued messages, unless a Reset/Release/Error comes first."""
+    for m in upcoming:
+        if getattr(m, "request_id", None) != request_id:
+            continue
+        if isinstance(m, Prune):
+            return m
+        if isinstance(m, Reset | Release | StageError):
+            return None
+    return None

@@ -1,0 +1,271 @@
+"""The async stage worker: a StageCore (stage.py) between an inbound queue and the link to the successor.
+
+    inbox (Frames from the RingServer or a QueueSender) -> StageCore.handle, strictly in order -> successor
+
+Forwards run on one worker thread (torch releases the GIL), so the event loop keeps answering heartbeats and
+HTTP while a stage computes; cheap messages (prune, reset, release) are applied inline, which is safe because
+the loop awaits each message before it takes the next. Sending runs as its own task, so computing message
+k+1 overlaps sending message k; order is kept by a FIFO queue.
+
+Compute emulation (issue 4 item 9, emulation.py): after a forward the stage holds the result (and the next
+message) until its DeviceClock says a device s times slower would be done, then appends its busy seconds to the
+returned Forward (``stage_s``).
+
+Observability: ``snapshot()`` (counters for /cluster) and ``timeline()`` (busy intervals: wall-clock start and
+end of each forward including the emulated wait, in a bounded ring buffer, for per-stage timeline charts).
+
+When the inbound link breaks, every request that came through it gets a StageError sent downstream, so the
+leader fails it at once with the reason instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from ..errors import PeerGone
+from .emulation import NO_COMPUTE_EMULATION, ComputeEmulation, DeviceClock
+from .messages import Forward, Prune, Release, Reset, StageError
+from .stage import StageCore
+from .transport import LINK_LOST, Frame, LinkDown, Sender
+
+log = logging.getLogger(__name__)
+
+TIMELINE_LENGTH = 8192  # busy intervals kept per stage
+
+
+@dataclass(frozen=True)
+class BusyInterval:
+    """One forward on this stage. ``start``/``end`` are time.time() (comparable across local processes), measured
+    around the forward and the emulated slowdown wait; ``compute_s`` is the forward alone."""
+
+    start: float
+    end: float
+    compute_s: float
+    request_id: str
+    nodes: int
+    tag: int
+
+
+class _DiscardWatch:
+    """Whether the first prune of a tree forward's request that arrives behind it discards every node of it.
+    Arriving events are appended to the worker's backlog in order (they are handled after the forward)."""
+
+    def __init__(self, msg: Forward, backlog: deque):
+        self.msg, self.backlog = msg, backlog
+        self.nodes = set(range(msg.first, msg.first + len(msg.parents)))
+        self.armed = not msg.commit  # committing forwards (prefill) are never discarded
+        self.discarded = False
+        for ev in backlog:  # a prune already queued was applied by look-ahead; later ones cannot cut this forward
+            if self._decides(ev):
+                self.armed = False
+                break
+
+    def _decides(self, ev) -> bool:
+        """Whether ``ev`` is the message that settles this forward's fate (a prune or the request's end)."""
+        return isinstance(ev, Frame) and ev.msg.request_id == self.msg.request_id and isinstance(
+            ev.msg, Prune | Reset | Release | StageError)
+
+    def arrived(self, ev) -> None:
+        self.backlog.append(ev)
+        if self.armed and self._decides(ev):
+            self.armed = False
+            self.discarded = isinstance(ev.msg, Prune) and not self.nodes & set(ev.msg.keep)
+
+
+class StageWorker:
+    """Runs ``core`` on the frames arriving in ``inbox`` and sends the results to ``successor``.
+
+    Ownership: the worker owns its successor link once given (``set_successor`` closes the one it replaces;
+    ``run`` closes the current one when it ends). ``run()`` runs until cancelled; give it to a TaskGroup."""
+
+    def __init__(self, core: StageCore, successor: Sender | None = None, *, inbox: asyncio.Queue | None = None,
+                 compute: ComputeEmulation = NO_COMPUTE_EMULATION, name: str | None = None):
+        self.core = core
+        self.successor = successor
+        self.inbox: asyncio.Queue = inbox if inbox is not None else asyncio.Queue()
+        self.compute = compute
+        self.clock = DeviceClock(compute)
+        self.name = name or f"stage{core.index}"
+        self.timeline_buffer: deque[BusyInterval] = deque(maxlen=TIMELINE_LENGTH)
+        self.counters = {"frames_in": 0, "frames_out": 0, "dropped_out": 0, "compute_s": 0.0, "busy_s": 0.0,
+                         "max_queue": 0}
+        self._origin: dict[str, int] = {}  # request id -> the inbound link it arrived on
+        self._out: asyncio.Queue = asyncio.Queue()
+        self.running = False
+
+    async def set_successor(self, successor: Sender | None) -> None:
+        old, self.successor = self.successor, successor
+        if old is not None and old is not successor:
+            await old.close()
+
+    async def run(self) -> None:
+        executor = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+        self.running = True
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._send_loop(), name=f"{self.name}-send")
+                await self._compute_loop(executor)
+        finally:
+            self.running = False
+            executor.shutdown(wait=False, cancel_futures=True)
+            if self.successor is not None:
+                await self.successor.close()
+
+    async def _next(self, backlog: deque) -> object:
+        """The next inbound event; everything already queued moves to ``backlog`` so forwards can look ahead."""
+        if not backlog:
+            backlog.append(await self.inbox.get())
+        while not self.inbox.empty():
+            backlog.append(self.inbox.get_nowait())
+        self.counters["max_queue"] = max(self.counters["max_queue"], len(backlog))
+        return backlog.popleft()
+
+    async def _compute_loop(self, executor: ThreadPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        backlog: deque = deque()
+        while True:
+            ev = await self._next(backlog)
+            if isinstance(ev, LinkDown):
+                self._link_down(ev)
+                continue
+            assert isinstance(ev, Frame)
+            msg = ev.msg
+            self.counters["frames_in"] += 1
+            self._origin[msg.request_id] = ev.link
+            if isinstance(msg, Forward):
+                out = await self._forward(loop, executor, ev, backlog)
+            else:
+                out = self.core.handle(msg, ev.tensors)
+            if isinstance(out[0], Release | StageError):
+                self._origin.pop(msg.request_id, None)
+            self._out.put_nowait(out)
+
+    async def _forward(self, loop, executor: ThreadPoolExecutor, ev: Frame, backlog: deque) -> tuple[object, dict]:
+        """Run one Forward, then hold it for the emulated device. Frames that arrive meanwhile join ``backlog``;
+        when the first prune of this request among them discards every node of the forward, the forward stops
+        at its next layer (stage.py) and an emulated device at its next emulated layer boundary."""
+        msg = ev.msg
+        start = time.time()
+        t0 = time.perf_counter()
+        upcoming = [e.msg for e in backlog if isinstance(e, Frame)]  # look-ahead (stage.py)
+        stop = threading.Event()
+        watch = _DiscardWatch(msg, backlog)
+        job = loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming, stop.is_set)
+        if await self._watch(job, None, watch):
+            stop.set()
+            await job
+        out = job.result()
+        compute_s = time.perf_counter() - t0
+        result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
+        rows = len(msg.parents) if result is None else result.computed_rows
+        if stop.is_set() or watch.discarded:  # nothing to learn about the device's speed from a cut forward
+            hold = max(0.0, self.clock.extra_wait(rows, compute_s, record=False))
+        else:
+            hold = max(0.0, self.clock.extra_wait(rows, compute_s))
+        if hold > 0:
+            emulated = compute_s + hold  # the whole forward on the emulated device, one layer at a time
+            layer = emulated / max(1, len(self.core.shard.blocks))
+            if watch.discarded or await self._watch(None, t0 + emulated, watch):
+                elapsed = time.perf_counter() - t0  # the emulated device stops at its next layer boundary
+                cut = min(emulated, math.ceil(elapsed / layer - 1e-9) * layer)
+                await asyncio.sleep(max(0.0, t0 + cut - time.perf_counter()))
+        if result is not None and (stop.is_set() or watch.discarded):
+            result = result.model_copy(update={"dead": list(range(len(msg.parents)))})
+            self.counters["cut"] = self.counters.get("cut", 0) + 1
+        end = time.time()
+        self.counters["compute_s"] += compute_s
+        self.counters["busy_s"] += end - start
+        self.timeline_buffer.append(BusyInterval(start, end, compute_s, msg.request_id, len(msg.parents), msg.tag))
+        if result is None:
+            return out
+        return result.model_copy(update={"stage_s": [*result.stage_s, round(end - start, 6)]}), out[1]
+
+    async def _watch(self, job: asyncio.Future | None, deadline: float | None, watch: _DiscardWatch) -> bool:
+        """Wait until ``job`` is done (or time.perf_counter() reaches ``deadline``), moving arriving frames to the
+        backlog. -> True as soon as ``watch`` sees a prune that discards the forward (the wait is cut short)."""
+        if watch.discarded:
+            return True
+        if not watch.armed:
+            if job is not None:
+                await job
+            else:
+                await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+            return False
+        while True:
+            getter = asyncio.ensure_future(self.inbox.get())
+            waits = {getter} if job is None else {getter, job}
+            timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                await asyncio.wait({getter})  # it may have taken a frame before the cancel landed
+            if not getter.cancelled():
+                watch.arrived(getter.result())
+                while not self.inbox.empty():
+                    watch.arrived(self.inbox.get_nowait())
+            if watch.discarded:
+                return True
+            if (job is not None and job.done()) or (deadline is not None and time.perf_counter() >= deadline):
+                return False
+            if not watch.armed:  # the deciding message came and keeps some node: nothing more to watch for
+                return await self._watch(job, deadline, watch)
+
+    def _link_down(self, ev: LinkDown) -> None:
+        if ev.direction != "in":
+            return
+        lost = [rid for rid, link in self._origin.items() if link == ev.link]
+        for rid in lost:
+            del self._origin[rid]
+            state = self.core.requests.get(rid)
+            if state is None:
+                continue
+            err = StageError(request_id=rid, seq=state.next_seq, stage=self.core.index,
+                             message=f"{LINK_LOST}stage {self.core.index} lost its link from {ev.peer}: {ev.reason}")
+            self._out.put_nowait(self.core.handle(err, {}))
+        if lost:
+            log.warning("%s: link from %s down (%s); failed %d request(s)", self.name, ev.peer, ev.reason, len(lost))
+
+    async def _send_loop(self) -> None:
+        while True:
+            msg, tensors = await self._out.get()
+            succ = self.successor
+            if succ is None:
+                self.counters["dropped_out"] += 1
+                log.warning("%s: no successor; dropped %s of request %s", self.name, msg.kind, msg.request_id)
+                continue
+            try:
+                await succ.send(msg, tensors)
+                self.counters["frames_out"] += 1
+            except PeerGone as e:
+                self.counters["dropped_out"] += 1
+                log.warning("%s: dropped %s of request %s: %s", self.name, msg.kind, msg.request_id, e)
+
+    # ------------------------------------------------------------------------------------ observability
+
+    def snapshot(self) -> dict:
+        """Counters for /cluster: the core's (forwards, tokens, prunes, errors) and the worker's."""
+        c = dict(self.counters)
+        c["compute_s"] = round(c["compute_s"], 4)
+        c["busy_s"] = round(c["busy_s"], 4)
+        return {
+            "stage": self.core.index,
+            "layers": str(self.core.shard.layers),
+            "running": self.running,
+            "open_requests": len(self.core.requests),
+            "queued": self.inbox.qsize(),
+            "emulation": self.compute.describe(),
+            **self.core.counters,
+            **c,
+            "successor": None if self.successor is None else self.successor.peer,
+        }
+
+    def timeline(self, since: float | None = None) -> list[dict]:
+        """Busy intervals (oldest first) that end after ``since`` (time.time())."""
+        return [asdict(b) for b in self.timeline_buffer if since is None or b.end > since]

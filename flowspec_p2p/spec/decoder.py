@@ -1,0 +1,174 @@
+"""Single-device speculative decoding with EAGLE-2 draft trees (speculative-decoding-notes §1.3-1.6).
+
+One *step*: draft a tree from the root (the last committed token, whose K/V is not computed yet), run the whole
+tree through the target in one forward (positions = committed + depth, ancestor mask), verify it (verify.py),
+keep the accepted path's K/V and drop the rest with the causal-consistent ``KVCache.keep``, stream the accepted
+tokens plus the bonus token at once, and feed the newly committed tokens with their target features to the
+drafter. The output equals autoregressive decoding (greedy: token for token; sampling: in distribution).
+
+    steps  target forwards, the prefill included (a step always commits >= 1 token)
+    tau    new_tokens / steps (bonus tokens included, as EAGLE counts it)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from ..model.generate import PREFILL_CHUNK, GenStats, check_context
+from ..model.kv_cache import KVCache
+from ..model.sampling import SamplingParams, choose, target_probs
+from ..model.shard import Shard
+from ..model.tokenizer import cache_dir
+from .drafter import Drafter, HeadDrafter, TreeShape
+from .head import DraftBundle, find_draft
+from .ngram import LookupDrafter
+from .verify import LazyRows, Verdict, verify_greedy, verify_sampling
+
+log = logging.getLogger(__name__)
+
+# The default tree for SmolLM2-135M on the 2-core CPU this project was built on, from `flowspec tune-tree
+# --threads 1` (docs/figures/spec-tune, 2026-11-30: the shipped head fine-tuned on 507k self-distilled answer
+# tokens, 12k draft vocabulary; oneDNN-packed weights for tree forwards and for the draft's LM head): 2/4/6/8/16
+# nodes cost 1.31x/1.53x/1.54x/1.79x/2.42x a one-token forward (a noisy curve: 5 nodes measured 1.73x while
+# another benchmark shared the host); teacher-forced tau 2.02 with this 6-node tree (depth 4, four children per
+# expanded node, the budget keeping the best 5 drafted tokens), estimated 1.09x autoregressive. Measured with
+# bench-spec on Spec-Bench lines 30-31: tau 2.32 at T=0, 1.02x autoregressive. That margin is within this
+# machine's noise, hence `generate --mode ar` stays the default; rerun tune-tree on another device.
+DEFAULT_TREE = TreeShape(total_tokens=6, depth=4, top_k=4)
+TUNING_FILE = "tree_tuning.json"  # under cache_dir(): written by `flowspec tune-tree`, read by the CLI
+
+
+def tuning_path() -> Path:
+    return cache_dir() / TUNING_FILE
+
+
+def tuned_tree(target_fingerprint: str | None, path: Path | None = None) -> TreeShape:
+    """The tree `flowspec tune-tree` chose on this device for this target, else ``DEFAULT_TREE``."""
+    p = path or tuning_path()
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return DEFAULT_TREE
+    if target_fingerprint is not None and data.get("target_fingerprint") != target_fingerprint:
+        return DEFAULT_TREE
+    try:
+        return TreeShape(**data["best"])
+    except (KeyError, TypeError, ValueError):
+        log.warning("ignoring malformed tree tuning file %s", p)
+        return DEFAULT_TREE
+
+
+def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | None = None) -> tuple[Drafter, dict]:
+    """The EAGLE head at ``draft`` (a stem, .json or .safetensors), or the shipped/cached head trained for this
+    target (``draft.find_draft``), with prompt-lookup candidates merged in (ngram.py). -> (drafter, metadata)"""
+    stem = Path(draft) if draft is not None else find_draft(target_fingerprint)
+    if stem is None:
+        raise ConfigError(
+            f"no draft head for this model (fingerprint {target_fingerprint}); "
+            "train one with `flowspec draft train` or pass --draft PATH"
+        )
+    bundle = DraftBundle.load(stem, dtype=target.dtype)
+    if bundle.meta.get("target_fingerprint") != target_fingerprint:
+        log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
+    return LookupDrafter(HeadDrafter(bundle.head, target, bundle.draft_vocab)), bundle.meta
+
+
+def prefill_features(model: Shard, cache: KVCache, prompt: Sequence[int]) -> torch.Tensor:
+    """Run the prompt in chunks; return the features of every prompt token. -> [n, hidden]"""
+    ids = torch.tensor([list(prompt)], dtype=torch.long)  # [1, n]
+    outs = [model(ids[:, a : a + PREFILL_CHUNK], cache)[0] for a in range(0, ids.shape[1], PREFILL_CHUNK)]
+    return torch.cat(outs)
+
+
+class SpecDecoder:
+    """Speculative decoding on a whole-model shard with a ``Drafter``; a *decoder* as in generate.py."""
+
+    mode = "spec"
+
+    def __init__(self, model: Shard, drafter: Drafter, shape: TreeShape = DEFAULT_TREE, max_context=None):
+        assert model.has_embed
+        assert model.has_head
+        self.model = model
+        self.drafter = drafter
+        self.shape = shape
+        self.max_context = max_context or model.max_position
+
+    @torch.inference_mode()
+    def __call__(
+        self, prompt, params: SamplingParams, max_new_tokens, stop_ids, stats: GenStats
+    ) -> Iterator[list[int]]:
+        budget = check_context(len(prompt), max_new_tokens, self.max_context)
+        stats.prompt_tokens = len(prompt)
+        if budget == 0:
+            return
+        model, drafter = self.model, self.drafter
+        gen = None if params.greedy else params.generator()
+        capacity = len(prompt) + budget + self.shape.total_tokens
+        cache = model.new_cache(capacity)
+        drafter.reset(len(prompt) + budget + self.shape.draft_slots())
+        draft_s = 0.0
+        nodes = 0
+        t0 = time.perf_counter()
+        feats = prefill_features(model, cache, prompt)  # [P, hidden]
+        cache.commit(cache.pending)
+        token = choose(model.logits(feats[-1]), params, gen)
+        td = time.perf_counter()
+        drafter.feed(prompt, feats, token)
+        stats.extra["draft_prefill_s"] = round(time.perf_counter() - td, 4)
+        stats.prefill_s = time.perf_counter() - t0
+        stats.steps, stats.new_tokens = 1, 1
+        t1 = time.perf_counter()
+        try:
+            yield [token]
+            while stats.new_tokens < budget and token not in stop_ids:
+                remaining = budget - stats.new_tokens
+                # 1. draft (no deeper than the reply can still grow: at most remaining - 1 drafted + bonus)
+                td = time.perf_counter()
+                tree = drafter.draft(self.shape.capped(remaining - 1))
+                draft_s += time.perf_counter() - td
+                # 2. one target forward over the whole tree
+                c = cache.committed
+                pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
+                f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
+                # 3. verify; keep the accepted path's K/V
+                verdict = self._verify(tree, f, params, gen, stop_ids)
+                cache.keep(verdict.accepted)
+                cache.commit(len(verdict.accepted))
+                out = verdict.emitted(tree)[:remaining]
+                stats.steps += 1
+                stats.new_tokens += len(out)
+                nodes += len(tree)
+                token = out[-1]
+                yield out
+                # 4. the drafter learns the committed tokens with their real target features
+                if stats.new_tokens < budget and token not in stop_ids:
+                    assert verdict.token is not None
+                    td = time.perf_counter()
+                    acc = torch.tensor(verdict.accepted)
+                    drafter.feed(tree.tokens[acc].tolist(), f[acc], verdict.token)
+                    draft_s += time.perf_counter() - td
+        finally:
+            stats.decode_s = time.perf_counter() - t1
+            decode_steps = stats.steps - 1
+            stats.extra.update(
+                draft_s=round(draft_s, 4),
+                draft_share=round(draft_s / stats.decode_s, 4) if stats.decode_s > 0 else None,
+                tree_nodes=round(nodes / decode_steps, 2) if decode_steps else 0.0,
+                tree=self.shape.model_dump(),
+            )
+
+    def _verify(self, tree, f: torch.Tensor, params: SamplingParams, gen, stop_ids) -> Verdict:
+        """f: [n, hidden] target features of the tree. LM-head rows are computed only where the walk goes."""
+        head = self.model.logits
+        if params.greedy:
+            return verify_greedy(tree, LazyRows(len(tree), lambda i: head(f[i])), stop_ids=stop_ids)
+        probs = LazyRows(len(tree), lambda i: target_probs(head(f[i]), params))
+        uniforms = torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64)
+        return verify_sampling(tree, probs, uniforms, stop_ids=stop_ids)
