@@ -4,7 +4,7 @@ import torch
 from flowspec_p2p.errors import UnsupportedModel
 from flowspec_p2p.model.arch import config_from_hf, rope_inv_freq
 
-from .conftest import tiny_hf_config
+from ..conftest import tiny_hf_config
 
 
 def test_unsupported_architecture_names_the_supported_ones():

@@ -12,7 +12,7 @@ from flowspec_p2p.decoding.leader import Leader, LeaderSettings
 from flowspec_p2p.pipeline.loopback import LoopbackRing
 from flowspec_p2p.spec.drafter import OracleDrafter
 
-from .ring_fixtures import F64, ByteTokenizer, tiny_parts
+from ..ring_fixtures import F64, ByteTokenizer, tiny_parts
 
 TOK = ByteTokenizer()
 

@@ -395,7 +395,7 @@ async def test_api_returns_token_ids_decode_window_and_leader_timeline_on_reques
     from flowspec_p2p.pipeline.loopback import LoopbackRing
     from flowspec_p2p.spec.drafter import OracleDrafter
 
-    from .ring_fixtures import F64, ByteTokenizer, tiny_parts
+    from ..ring_fixtures import F64, ByteTokenizer, tiny_parts
 
     parts = tiny_parts(tiny_llama)
     leader = Leader(parts.head, ByteTokenizer(), drafter=OracleDrafter(parts.whole), modes=[AR, CHUNK],

@@ -24,8 +24,8 @@ from flowspec_p2p.spec.tree import DraftTree
 from flowspec_p2p.spec.verify import Verdict
 from flowspec_p2p.types import LayerRange
 
-from .fake_ring import sync_pipeline
-from .ring_fixtures import F64, tiny_parts
+from ..fake_ring import sync_pipeline
+from ..ring_fixtures import F64, tiny_parts
 
 GREEDY = SamplingParams()
 PROMPTS = [[5, 17, 33, 8, 61, 9, 12, 40, 3, 77, 21], [1, 50, 51, 52, 9], [1, 88, 4, 4, 4, 4, 30, 31, 90]]

@@ -20,8 +20,8 @@ from flowspec_p2p.spec.drafter import HeadDrafter, TreeShape
 from flowspec_p2p.spec.head import DraftHead
 from flowspec_p2p.types import LayerRange
 
-from .conftest import build_tiny_checkpoint
-from .fake_ring import sync_pipeline
+from ..conftest import build_tiny_checkpoint
+from ..fake_ring import sync_pipeline
 
 F64 = torch.float64
 VOCAB = 4

@@ -17,7 +17,7 @@ from flowspec_p2p.pipeline.transport import QueueSender
 from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.spec.head import DraftHead
 
-from .ring_fixtures import F64, tiny_parts
+from ..ring_fixtures import F64, tiny_parts
 
 GREEDY = SamplingParams()
 NO_STOP = frozenset()

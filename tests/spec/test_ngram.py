@@ -15,8 +15,8 @@ from flowspec_p2p.spec.decoder import SpecDecoder
 from flowspec_p2p.spec.drafter import HeadDrafter, TreeShape
 from flowspec_p2p.spec.ngram import LookupConfig, LookupDrafter, PromptLookup
 
-from .fake_ring import sync_pipeline
-from .ring_fixtures import F64, tiny_parts
+from ..fake_ring import sync_pipeline
+from ..ring_fixtures import F64, tiny_parts
 from .test_drafter import random_head, tiny_target
 
 REPETITIVE = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6]

@@ -13,7 +13,7 @@ from flowspec_p2p.model.tokenizer import Detokenizer
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
 
-from .conftest import TINY_ARCHS
+from ..conftest import TINY_ARCHS
 
 GREEDY = SamplingParams()
 

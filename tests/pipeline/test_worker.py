@@ -13,7 +13,7 @@ from flowspec_p2p.pipeline.stage import StageCore
 from flowspec_p2p.pipeline.transport import LINK_LOST, Frame, LinkDown, QueueSender
 from flowspec_p2p.pipeline.worker import StageWorker
 
-from .ring_fixtures import F64, tiny_parts
+from ..ring_fixtures import F64, tiny_parts
 
 
 @pytest.fixture(scope="module")

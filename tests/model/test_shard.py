@@ -7,7 +7,7 @@ from flowspec_p2p.model.shard import PACKED_ENV, Shard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
 
-from .conftest import TINY_ARCHS
+from ..conftest import TINY_ARCHS
 
 
 def _hf(folder):

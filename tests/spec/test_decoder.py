@@ -155,7 +155,7 @@ def toy(tmp_path_factory):
     from flowspec_p2p.model.weights import open_source
     from flowspec_p2p.types import LayerRange
 
-    from .conftest import build_tiny_checkpoint
+    from ..conftest import build_tiny_checkpoint
 
     folder = tmp_path_factory.mktemp("toy5")
     build_tiny_checkpoint(

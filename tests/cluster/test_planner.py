@@ -13,7 +13,7 @@ from flowspec_p2p.cluster.planner import Device, ModelSpec, PlanOptions, diff, p
 from flowspec_p2p.errors import PlanInfeasible
 
 MB = 1024 * 1024
-PLANS = Path(__file__).resolve().parent.parent / "plans"
+PLANS = Path(__file__).resolve().parents[2] / "plans"
 
 
 def smol(context: int = 2048, layers: int = 30) -> ModelSpec:

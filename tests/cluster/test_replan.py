@@ -8,8 +8,8 @@ import aiohttp
 
 from flowspec_p2p.agent import Agent
 
-from .agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, start, until
-from .ring_fixtures import ByteTokenizer
+from ..agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, start, until
+from ..ring_fixtures import ByteTokenizer
 
 __all__ = ["make_fixture", "parts_fixture", "quick_timing_fixture"]
 
