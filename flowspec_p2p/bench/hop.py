@@ -165,7 +165,7 @@ async def bench_ring(*, stages: int = 3, modes: tuple[str, ...] = ("ar", "chunk"
                      max_tokens: int = 64, wire: str = "float16", drafter: str = "auto", hops: str = "ws",
                      link: LinkEmulation | None = None, compute: ComputeEmulation | None = None,
                      model_path: str | None = None, single: bool = True) -> dict:
-    from ..pipeline.loopback import LoopbackRing
+    from ..decoding.loopback import LoopbackRing
 
     link, compute = link or LinkEmulation(), compute or ComputeEmulation()
     lm, shards, head = _ring_parts(stages, model_path)

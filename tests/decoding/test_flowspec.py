@@ -12,12 +12,12 @@ from flowspec_p2p.decoding.context import AR
 from flowspec_p2p.decoding.flowspec import FlowSpecConfig, FlowSpecGrowth, flowspec_spec
 from flowspec_p2p.decoding.flowstate import Calibration, FlowState, StageCost, WalkClock, best_segment, linear_cost
 from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.pipedec import PipeDecConfig, pipedec_spec
 from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.shard import Shard
 from flowspec_p2p.model.weights import open_source
-from flowspec_p2p.pipeline.loopback import LoopbackRing
 from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.spec.head import DraftHead
 from flowspec_p2p.spec.tree import DraftTree

@@ -9,10 +9,10 @@ import torch
 from flowspec_p2p.decoding.chunk import CHUNK, chunk_spec
 from flowspec_p2p.decoding.context import AR, Pipeline
 from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.errors import Busy, InvalidRequest, NotReady, PeerGone, StageFailed
 from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.pipeline.loopback import LoopbackRing
 from flowspec_p2p.pipeline.transport import QueueSender
 from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.spec.head import DraftHead

@@ -16,15 +16,15 @@ import logging
 import torch
 from aiohttp import web
 
-from ..decoding.context import Pipeline
-from ..decoding.leader import Leader
 from ..model.shard import Shard
-from .emulation import NO_COMPUTE_EMULATION, NO_LINK_EMULATION, ComputeEmulation, LinkEmulation
-from .messages import PROTOCOL_VERSION
-from .ring_server import RingServer
-from .stage import StageCore
-from .transport import RING_PATH, Hello, Link, QueueSender, Sender
-from .worker import StageWorker
+from ..pipeline.emulation import NO_COMPUTE_EMULATION, NO_LINK_EMULATION, ComputeEmulation, LinkEmulation
+from ..pipeline.messages import PROTOCOL_VERSION
+from ..pipeline.ring_server import RingServer
+from ..pipeline.stage import StageCore
+from ..pipeline.transport import RING_PATH, Hello, Link, QueueSender, Sender
+from ..pipeline.worker import StageWorker
+from .context import Pipeline
+from .leader import Leader
 
 log = logging.getLogger(__name__)
 
