@@ -1,15 +1,14 @@
-"""Frozen, validated configuration of an agent. The only module that reads environment variables.
+"""Frozen, validated configuration of an agent.
 
 Sources, lowest precedence first: defaults < an agent profile (TOML, e.g. ``agents/leader.toml``) < command-line
-flags < nothing else. Environment variables only fill in what is still unset: ``FLOWSPEC_SECRET`` (the cluster's
-shared secret; preferred over ``--secret``, which other users can read from the process list) and
+flags < nothing else. Environment variables (env.py) only fill in what is still unset: ``FLOWSPEC_SECRET`` (the
+cluster's shared secret; preferred over ``--secret``, which other users can read from the process list) and
 ``FLOWSPEC_STATE_DIR``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -18,11 +17,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from .env import SECRET, STATE_DIR, environ
 from .errors import ConfigError
 from .types import FrozenModel
 
-ENV_SECRET = "FLOWSPEC_SECRET"
-ENV_STATE_DIR = "FLOWSPEC_STATE_DIR"
 DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")
 DEFAULT_API_PORT = 8000
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
@@ -168,7 +166,7 @@ def json_object(text: str | None, what: str) -> dict[str, Any] | None:
 def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
          env: Mapping[str, str] | None = None) -> AgentConfig:
     """Build an AgentConfig: profile TOML < ``overrides`` (None values ignored; nested dicts merge) < env fill-ins."""
-    env = os.environ if env is None else env
+    env = environ() if env is None else env
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path).expanduser()
@@ -179,10 +177,10 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
         if isinstance(data.get("model"), str) and not Path(data["model"]).is_absolute():
             data["model"] = str(p.parent / data["model"])
     data = _merge(data, overrides or {})
-    if data.get("secret") is None and env.get(ENV_SECRET):
-        data["secret"] = env[ENV_SECRET]
-    if data.get("state_dir") is None and env.get(ENV_STATE_DIR):
-        data["state_dir"] = env[ENV_STATE_DIR]
+    if data.get("secret") is None and env.get(SECRET):
+        data["secret"] = env[SECRET]
+    if data.get("state_dir") is None and env.get(STATE_DIR):
+        data["state_dir"] = env[STATE_DIR]
     for key in ("interfaces", "peers"):
         if key in data:
             data[key] = tuple(data[key])

@@ -6,11 +6,11 @@
 #
 #   bash scripts/train_head.sh            # all steps, then export to ~/.cache/flowspec_p2p/drafts
 #
-# The run folders live under ${FLOWSPEC_CACHE:-~/.cache/flowspec_p2p}/train/. Spec-Bench prompts never enter the prompt pool.
+# The run folders live under ${FLOWSPEC_CACHE_DIR:-~/.cache/flowspec_p2p}/train/. Spec-Bench prompts never enter the prompt pool.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$ROOT"
-TRAIN="${FLOWSPEC_CACHE:-$HOME/.cache/flowspec_p2p}/train"
+TRAIN="${FLOWSPEC_CACHE_DIR:-$HOME/.cache/flowspec_p2p}/train"
 
 # 1. self-distillation: the target answers the pool (greedy, 20% at T=1); ~17 answer tokens/s per core
 #    (stopped at 613 conversations, 100k answer tokens)

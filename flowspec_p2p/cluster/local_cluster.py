@@ -37,7 +37,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..config import ENV_SECRET, FlowSpecOverrides
+from ..config import FlowSpecOverrides
+from ..env import SECRET
 from ..errors import FlowSpecError
 from ..types import FrozenModel
 
@@ -161,7 +162,7 @@ class LocalCluster:
         args = list(a.args)
         if self.gflops is not None:
             args += ["--gflops", f"{self.gflops:g}"]
-        env = {**os.environ, ENV_SECRET: self.secret, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, SECRET: self.secret, "PYTHONUNBUFFERED": "1"}
         with contextlib.suppress(OSError):
             (a.state_dir / "agent.json").unlink()
         with open(a.log_path, "ab") as logf:

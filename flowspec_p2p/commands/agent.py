@@ -11,6 +11,8 @@ import signal
 from pathlib import Path
 
 from .. import config as config_mod
+from .. import env
+from . import run_async
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Start an agent: it measures what this device can offer, advertises it over mDNS, finds the "
         "other agents of its cluster and runs whatever pipeline stage the leader plans for it. One agent per "
         "cluster runs with --leader: it plans, serves the weights and the OpenAI-compatible API. "
-        f"The shared secret is best given as ${config_mod.ENV_SECRET}.",
+        f"The shared secret is best given as ${env.SECRET}.",
     )
     p.add_argument("--config", type=Path, default=None, help="agent profile TOML (e.g. agents/leader.toml)")
     p.add_argument("--cluster", default=None, help="cluster name (default 'default')")
@@ -45,10 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-port", type=int, default=None,
                    help=f"leader API port (default {config_mod.DEFAULT_API_PORT})")
     p.add_argument("--state-dir", type=Path, default=None,
-                   help=f"keeps the agent id and fetched weights (default ${config_mod.ENV_STATE_DIR} or "
+                   help=f"keeps the agent id and fetched weights (default ${env.STATE_DIR} or "
                    f"{config_mod.DEFAULT_STATE_DIR})")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--secret", default=None, help=f"shared secret (prefer ${config_mod.ENV_SECRET})")
+    p.add_argument("--secret", default=None, help=f"shared secret (prefer ${env.SECRET})")
     p.add_argument("--context", type=int, default=None, help="(leader) KV tokens per request on every stage")
     p.add_argument("--stages", type=int, default=None, help="(leader) force exactly N layer-holding stages")
     p.add_argument("--leader-layers", choices=["auto", "always", "never"], default=None,
@@ -102,7 +104,6 @@ async def serve(cfg: config_mod.AgentConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..__main__ import run_async
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every stack to stderr
     run_async(serve(config_from_args(args)))

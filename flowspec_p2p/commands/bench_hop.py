@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import run_async
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -51,7 +53,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_hop(args: argparse.Namespace) -> int:
-    from ..__main__ import run_async
     from ..bench import hop as bench_hop
 
     async def main():
@@ -71,7 +72,6 @@ def run_hop(args: argparse.Namespace) -> int:
 def run_ring(args: argparse.Namespace) -> int:
     import torch
 
-    from ..__main__ import run_async
     from ..bench import hop as bench_hop
     from ..pipeline.emulation import ComputeEmulation, LinkEmulation
 

@@ -15,7 +15,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..model.tokenizer import cache_dir
+from ..env import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ so this forward agrees with it to float rounding, in float32 and float64 alike.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import env
 from ..errors import ContextOverflow, ForwardStopped
 from ..types import LayerRange
 from . import kernels as fewrow
@@ -32,22 +32,18 @@ from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_n
 
 # -- matmuls of a few rows -----------------------------------------------------------------------------------------
 # MKL's sgemm streams the whole weight matrix once per row when a matmul has only a few rows (2-32: tree
-# verification, pipeline segments, the draft head's frontier), so on a CPU an n-node forward costs close to n
-# one-node ones. A kernel that reads the weights once for all rows makes a few rows cost about what one does: with
-# a second copy of each weight in the kernel's layout, made once. Two backends, best first:
-#   fewrow  this package's AVX2 kernel (fewrow.py, csrc/fewrow.c; needs a C compiler, built on first use, one
-#           torch thread). `python -m flowspec_p2p.model.kernels` times both: a quarter of the default model's layers,
-#           attention over a 200-token context included, took 1.05x, 1.15x, 1.23x, 1.55x, 2.21x the one-row time
-#           for 2, 4, 6, 8, 16 rows, against oneDNN's 1.36x, 1.75x, 1.95x, 2.13x, 2.91x and MKL's 1.53x, 2.51x,
-#           2.58x, 2.78x, 3.43x (the matmuls alone: fewrow 1.02-1.19x for 2-6 rows);
+# verification, pipeline segments, the draft head's frontier), so an n-node forward would cost close to n one-node
+# ones. A backend that reads the weights once for all rows makes a few rows cost about what one does, with a second
+# copy of each weight in its layout, made once. Two backends, best first:
+#   fewrow  this package's AVX2 kernel (kernels.py, csrc/fewrow.c; needs a C compiler, built on first use, one
+#           torch thread);
 #   onednn  oneDNN with weights reordered into its blocked layout.
-# One row stays on MKL's gemv with either (one row's matmuls: fewrow 2-8% slower, oneDNN 26-37%).
-# The same holds for the LM head (the largest matmul) and the draft head's reduced LM head (``project``). Big
-# prompt chunks stay on MKL. The copy doubles a block's weight memory, is made lazily on the first few-row inference
-# forward (pipeline stages make it when they load: Shard.warm_up), and is remade if the weights change. float32
-# only. FLOWSPEC_PACKED_WEIGHTS: 1 (default) the best available backend, ``fewrow`` or ``onednn`` that one, 0 none
-# (e.g. to save memory).
-PACKED_ENV = "FLOWSPEC_PACKED_WEIGHTS"
+# One row stays on MKL's gemv (faster there). The same holds for the LM head and the draft head's reduced LM head
+# (``project``); big prompt chunks stay on MKL. The copy doubles a block's weight memory, is made lazily on the
+# first few-row inference forward (pipeline stages make it when they load: Shard.warm_up), and is remade if the
+# weights change. float32 only. ``python -m flowspec_p2p.bench.kernels`` times the backends; the figures are in
+# docs/experiments.md. FLOWSPEC_PACKED_WEIGHTS (env.py): 1 (default) the best available backend, ``fewrow`` or
+# ``onednn`` that one, 0 none (e.g. to save memory).
 PACKED_MAX_ROWS = 32  # above this MKL's blocking is as good, and prompt chunks keep MKL's numerics
 _PACK_HINT = 16  # oneDNN's batch-size hint for the reorder; 4-64 measured alike for 2-16 rows
 
@@ -88,7 +84,7 @@ def _onednn_available() -> bool:
 def backend(dtype: torch.dtype = torch.float32) -> Backend | None:
     """The few-row backend for ``dtype`` now (FLOWSPEC_PACKED_WEIGHTS, what this host has, torch's thread count:
     the fewrow kernel is single-threaded), or None: plain matmuls."""
-    choice = os.environ.get(PACKED_ENV, "1")
+    choice = env.packed_weights()
     if dtype != torch.float32 or choice == "0":
         return None
     if choice in ("1", "fewrow") and torch.get_num_threads() == 1 and fewrow.library() is not None:

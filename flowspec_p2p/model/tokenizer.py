@@ -9,18 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import env
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FLOWSPEC_CACHE", Path.home() / ".cache" / "flowspec_p2p"))
 
 
 def _source_key(path: Path) -> str:
@@ -51,7 +47,7 @@ class Tokenizer:
                 if eos is not None:
                     eos_token_ids = (*eos_token_ids, *([eos] if isinstance(eos, int) else eos))
             return cls(tok, eos_token_ids)
-        cached = cache_dir() / "tokenizers" / _source_key(p)
+        cached = env.cache_dir() / "tokenizers" / _source_key(p)
         if (cached / "tokenizer_config.json").is_file():
             try:
                 return cls(AutoTokenizer.from_pretrained(cached), eos_token_ids)

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from .. import env
 from ..errors import ConfigError
 from ..model.generate import PREFILL_CHUNK, GenStats, check_context
 from ..model.kv_cache import KVCache
 from ..model.sampling import SamplingParams, choose, target_probs
 from ..model.shard import Shard
-from ..model.tokenizer import cache_dir
 from .drafter import Drafter, HeadDrafter, TreeShape
 from .head import DraftBundle, find_draft
 from .ngram import LookupDrafter
@@ -42,11 +42,11 @@ log = logging.getLogger(__name__)
 # bench-spec on Spec-Bench lines 30-31: tau 2.32 at T=0, 1.02x autoregressive. That margin is within this
 # machine's noise, hence `generate --mode ar` stays the default; rerun tune-tree on another device.
 DEFAULT_TREE = TreeShape(total_tokens=6, depth=4, top_k=4)
-TUNING_FILE = "tree_tuning.json"  # under cache_dir(): written by `flowspec tune-tree`, read by the CLI
+TUNING_FILE = "tree_tuning.json"  # under env.cache_dir(): written by `flowspec tune-tree`, read by the CLI
 
 
 def tuning_path() -> Path:
-    return cache_dir() / TUNING_FILE
+    return env.cache_dir() / TUNING_FILE
 
 
 def tuned_tree(target_fingerprint: str | None, path: Path | None = None) -> TreeShape:

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .. import env
 from ..errors import WeightsError
 from ..model.arch import ModelConfig
 from ..model.kv_cache import KVCache
@@ -144,9 +145,8 @@ class DraftBundle:
 def find_draft(target_fingerprint: str, search: list[Path] | None = None) -> Path | None:
     """The stem of a draft head trained for ``target_fingerprint``, looked up in ``search`` (default: the
     package's shipped assets, then ~/.cache/flowspec_p2p/drafts)."""
-    from ..model.tokenizer import cache_dir
 
-    for folder in search or [ASSETS, cache_dir() / "drafts"]:
+    for folder in search or [ASSETS, env.cache_dir() / "drafts"]:
         if not folder.is_dir():
             continue
         for meta_path in sorted(folder.glob("*.json")):

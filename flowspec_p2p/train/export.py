@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ..env import cache_dir
 from ..errors import ConfigError
-from ..model.tokenizer import cache_dir
 from ..spec.head import DraftBundle, DraftHead
 from .corpus import load_corpus
 from .evaluate import evaluate

@@ -4,6 +4,7 @@ import subprocess
 import pytest
 import torch
 
+from flowspec_p2p.env import CACHE_DIR
 from flowspec_p2p.model import kernels as fewrow
 
 needs_kernel = pytest.mark.skipif(fewrow.library() is None, reason="no AVX2/FMA CPU or no C compiler here")
@@ -73,7 +74,7 @@ def test_a_failed_build_falls_back_with_the_compilers_reason(tmp_path, monkeypat
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
     monkeypatch.setattr(fewrow, "SOURCE", bad)
-    monkeypatch.setenv(fewrow.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_DIR, str(tmp_path / "cache"))
     with pytest.raises(subprocess.CalledProcessError):
         fewrow.build(tmp_path / "cache")
     assert not list((tmp_path / "cache").iterdir())

@@ -1,9 +1,10 @@
 import pytest
 import torch
 
+from flowspec_p2p.env import PACKED_WEIGHTS
 from flowspec_p2p.model import kernels as fewrow
 from flowspec_p2p.model import shard as shard_mod
-from flowspec_p2p.model.shard import PACKED_ENV, Shard
+from flowspec_p2p.model.shard import Shard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
 
@@ -136,7 +137,7 @@ def test_packed_few_row_matmuls_agree_and_follow_the_weights(tiny_llama, monkeyp
     ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(3))
 
     def run(env: str, x=ids):
-        monkeypatch.setenv(PACKED_ENV, env)
+        monkeypatch.setenv(PACKED_WEIGHTS, env)
         with torch.inference_mode():
             return shard(x, None)
 
@@ -157,7 +158,7 @@ def test_packed_few_row_matmuls_agree_and_follow_the_weights(tiny_llama, monkeyp
         block.w13.mul_(0.5)
     assert (run(name) - run("0")).abs().max().item() <= 1e-5
     assert (run(name) - packed).abs().max().item() > 1e-3  # the new weights were used, not the stale copy
-    monkeypatch.setenv(PACKED_ENV, name)
+    monkeypatch.setenv(PACKED_WEIGHTS, name)
     fresh = _whole(tiny_llama, dtype=torch.float32)
     fresh(ids, None)
     assert fresh.blocks[0]._packed.key is None  # autograd on: training never sees the packed path
@@ -175,7 +176,7 @@ def test_packed_lm_head_agrees_for_a_few_rows_only(tiny_llama, monkeypatch, one_
     feats = torch.randn(1, 40, shard.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
 
     def logits(env: str, x):
-        monkeypatch.setenv(PACKED_ENV, env)
+        monkeypatch.setenv(PACKED_WEIGHTS, env)
         with torch.inference_mode():
             return shard.logits(x)
 
@@ -191,13 +192,13 @@ def test_packed_lm_head_agrees_for_a_few_rows_only(tiny_llama, monkeypatch, one_
 def test_the_best_backend_is_the_kernel_on_one_thread_and_onednn_on_more(monkeypatch, one_thread):
     """FLOWSPEC_PACKED_WEIGHTS=1 picks the fewrow kernel where it runs (one torch thread), else oneDNN; 0 picks
     none; float64 never packs."""
-    monkeypatch.setenv(PACKED_ENV, "1")
+    monkeypatch.setenv(PACKED_WEIGHTS, "1")
     kernel = fewrow.library() is not None
     onednn = shard_mod.ONEDNN if shard_mod._onednn_available() else None
     assert shard_mod.backend() is (shard_mod.FEWROW if kernel else onednn)
     torch.set_num_threads(2)
     assert shard_mod.backend() is onednn
-    monkeypatch.setenv(PACKED_ENV, "0")
+    monkeypatch.setenv(PACKED_WEIGHTS, "0")
     assert shard_mod.backend() is None
-    monkeypatch.setenv(PACKED_ENV, "1")
+    monkeypatch.setenv(PACKED_WEIGHTS, "1")
     assert shard_mod.backend(torch.float64) is None

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flowspec_p2p.env import PACKED_WEIGHTS
 from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.model.shard import PACKED_ENV, Shard, packing_enabled
+from flowspec_p2p.model.shard import Shard, packing_enabled
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.spec.decoder import prefill_features
 from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
@@ -203,7 +204,7 @@ def test_float32_drafting_with_packed_weights_drafts_the_same_tree(tiny_llama, m
     shape = TreeShape(total_tokens=24, depth=4, top_k=4)
     trees = {}
     for env in ("0", "1"):
-        monkeypatch.setenv(PACKED_ENV, env)
+        monkeypatch.setenv(PACKED_WEIGHTS, env)
         drafter = HeadDrafter(head, target)
         start(drafter, target, PROMPT)
         trees[env] = drafter.draft(shape)
