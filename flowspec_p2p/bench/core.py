@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,32 +36,11 @@ from tqdm import tqdm
 from ..model.generate import ARDecoder, generate_ids
 from ..model.load import LoadedModel
 from ..model.sampling import SamplingParams
+from ..specbench import Question
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("mt_bench", "alpaca", "gsm8k", "humaneval", "qa", "sum")
-BENCH_START = 30  # Spec-Bench lines [30, 50) (0-based) are the benchmark prompts (as in bench-spec)
-BENCH_COUNT = 20
 GREEDY = SamplingParams()
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    dataset: str
-    line: int  # 0-based line in <dataset>.jsonl
-    text: str  # the first user turn
-
-
-def load_prompts(data_dir: Path, datasets: Sequence[str], start: int = BENCH_START, count: int = BENCH_COUNT):
-    """``count`` prompts from lines [start, ...) of ``datasets``, taken round-robin (one set: its lines in order)."""
-    per_set = {}
-    for name in datasets:
-        lines = (Path(data_dir) / f"{name}.jsonl").read_text().splitlines()
-        per_set[name] = [BenchPrompt(name, i, json.loads(lines[i])["turns"][0]) for i in range(start, len(lines))]
-    out: list[BenchPrompt] = []
-    for i in range(max(len(v) for v in per_set.values())):
-        out += [v[i] for v in per_set.values() if i < len(v)]
-    return out[:count]
 
 
 def _bar(it, desc: str, progress: bool, total: int | None = None):
@@ -97,7 +75,7 @@ def _hf_generate(hf, ids: list[int], n: int, eos: Sequence[int], exact: bool) ->
 
 
 @torch.inference_mode()
-def speed(lm: LoadedModel, hf, prompts: list[BenchPrompt], new_tokens: int, repeats: int, progress: bool) -> dict:
+def speed(lm: LoadedModel, hf, prompts: list[Question], new_tokens: int, repeats: int, progress: bool) -> dict:
     """Side-by-side decode and prefill timings, ours vs transformers (see module doc)."""
     tok = lm.tokenizer
     ours = ARDecoder(lm.shard)
@@ -193,7 +171,7 @@ def bound(lm: LoadedModel, context: int = 160, repeats: int = 30) -> dict:
 
 
 @torch.inference_mode()
-def agreement(lm: LoadedModel, hf, prompts: list[BenchPrompt], new_tokens: int, progress: bool) -> dict:
+def agreement(lm: LoadedModel, hf, prompts: list[Question], new_tokens: int, progress: bool) -> dict:
     """Greedy token-for-token equality with transformers, per prompt; divergences with the top-2 gap there."""
     tok, shard = lm.tokenizer, lm.shard
     ours = ARDecoder(shard)

@@ -30,21 +30,18 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field
 
 from ..config import FlowSpecOverrides
 from ..errors import ConfigError, FlowSpecError
-from ..train.prompts import SPEC_BENCH_DIR
+from ..specbench import EVAL_START, PAPER_ORDER, Question, default_dir, load_questions
 from ..types import FrozenModel
 from . import report
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")  # the paper's column order
-START_LINE = 30  # Spec-Bench lines [30, 50) (0-based) are the paper's evaluation prompts
 RECORDS = "records.jsonl"
 RUN_FILE = "run.json"
 WARMUP_TOKENS = 8
@@ -64,8 +61,8 @@ class BenchConfig(FrozenModel):
     slowdown: float | None = Field(None, ge=1)  # None: default_slowdown(stages)
     per_dataset: int = Field(20, ge=1)
     turns: int = Field(2, ge=1)  # user turns per conversation, where a question has them (MT-bench: 2)
-    start: int = Field(START_LINE, ge=0)
-    datasets: tuple[str, ...] = DATASETS
+    start: int = Field(EVAL_START, ge=0)
+    datasets: tuple[str, ...] = PAPER_ORDER
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_tokens: int = Field(256, ge=1)
     modes: tuple[str, ...] | None = None  # None: every mode the leader offers
@@ -75,24 +72,11 @@ class BenchConfig(FrozenModel):
     model: Path | None = None
     draft: Path | None = None
     flowspec: FlowSpecOverrides | None = None  # --flowspec-config
-    data: Path = SPEC_BENCH_DIR
+    data: Path = Field(default_factory=default_dir)
     out: Path = Path("bench/flowspec")
     resume: bool = False
     progress: bool = True
     request_timeout_s: float = Field(REQUEST_TIMEOUT_S, gt=0)
-
-
-@dataclass(frozen=True)
-class Prompt:
-    dataset: str
-    line: int  # 0-based line in <dataset>.jsonl
-    question_id: int | str | None
-    text: str  # the first user turn
-    follow_ups: tuple[str, ...] = ()  # the later user turns, asked after the mode's own replies
-
-    @property
-    def turns(self) -> tuple[str, ...]:
-        return (self.text, *self.follow_ups)
 
 
 def default_slowdown(stages: int, cores: int | None = None) -> float:
@@ -101,23 +85,8 @@ def default_slowdown(stages: int, cores: int | None = None) -> float:
     return float(max(1, math.ceil(2 * (stages + 1) / cores)))
 
 
-def load_prompts(data: Path, datasets: tuple[str, ...], start: int, count: int, turns: int = 1) -> list[Prompt]:
-    """Lines [start, start + count) of each Spec-Bench set, with up to ``turns`` user turns each."""
-    out = []
-    for name in datasets:
-        path = Path(data) / f"{name}.jsonl"
-        try:
-            lines = path.read_text().splitlines()
-        except OSError as e:
-            raise ConfigError(f"cannot read Spec-Bench set {path}: {e} (pass --data)") from e
-        for i in range(start, min(start + count, len(lines))):
-            q = json.loads(lines[i])
-            out.append(Prompt(name, i, q.get("question_id"), q["turns"][0], tuple(q["turns"][1:turns])))
-    return out
-
-
-def plan_requests(prompts: list[Prompt], modes: list[str], temperatures: tuple[float, ...]
-                  ) -> list[tuple[float, Prompt, str]]:
+def plan_requests(prompts: list[Question], modes: list[str], temperatures: tuple[float, ...]
+                  ) -> list[tuple[float, Question, str]]:
     """(T, prompt, mode) in run order: per temperature, per prompt, the modes rotated by the prompt's index."""
     out = []
     for t in temperatures:
@@ -274,7 +243,7 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def conversation(p: Prompt, replies: list[str]) -> list[dict]:
+def conversation(p: Question, replies: list[str]) -> list[dict]:
     """The messages of the turn after ``replies`` (the mode's own replies to the earlier turns)."""
     msgs = []
     for user, reply in zip(p.turns, replies, strict=False):
@@ -282,14 +251,14 @@ def conversation(p: Prompt, replies: list[str]) -> list[dict]:
     return [*msgs, {"role": "user", "content": p.turns[len(replies)]}]
 
 
-def request_body(p: Prompt, mode: str, t: float, max_tokens: int, timeline: bool,
+def request_body(p: Question, mode: str, t: float, max_tokens: int, timeline: bool,
                  replies: list[str] | None = None) -> dict:
     return {"messages": conversation(p, replies or []), "max_tokens": max_tokens, "temperature": t,
             "seed": report.seed_for(p.dataset, p.line), "decoding": mode, "return_token_ids": True,
             "return_leader_timeline": timeline}
 
 
-def make_record(p: Prompt, mode: str, t: float, resp: dict, client_s: float, stage_timelines: list[list[dict]],
+def make_record(p: Question, mode: str, t: float, resp: dict, client_s: float, stage_timelines: list[list[dict]],
                 keep_timeline: bool, turn: int = 0) -> dict:
     """A finished request -> its record (see bench_report's glossary). ``stage_timelines``: per stage (in ring
     order) the worker's busy intervals (dicts with start, end, compute_s)."""
@@ -333,7 +302,7 @@ def run(cfg: BenchConfig) -> dict:
     """Run the benchmark (see the module docstring) -> results (also written to ``cfg.out``)."""
     from ..cluster.local_cluster import ClusterOptions, LocalCluster
 
-    prompts = load_prompts(cfg.data, cfg.datasets, cfg.start, cfg.per_dataset, cfg.turns)
+    prompts = load_questions(cfg.data, cfg.datasets, cfg.start, cfg.per_dataset, cfg.turns)
     if not prompts:
         raise ConfigError(f"no prompts: lines [{cfg.start}, {cfg.start + cfg.per_dataset}) of {cfg.datasets}")
     per_dataset = {d: sum(p.dataset == d for p in prompts) for d in cfg.datasets}
@@ -385,7 +354,7 @@ def run(cfg: BenchConfig) -> dict:
     return finish(out, setup, records)
 
 
-def _run_requests(cluster, cfg: BenchConfig, prompts: list[Prompt], modes: list[str], records: list[dict],
+def _run_requests(cluster, cfg: BenchConfig, prompts: list[Question], modes: list[str], records: list[dict],
                   records_path: Path) -> None:
     from tqdm import tqdm
 
@@ -416,11 +385,11 @@ def _run_requests(cluster, cfg: BenchConfig, prompts: list[Prompt], modes: list[
                 replies.append(rec.get("text") or "")
 
 
-def _key(t: float, p: Prompt, m: str, turn: int) -> tuple:
+def _key(t: float, p: Question, m: str, turn: int) -> tuple:
     return report.record_key({"temperature": t, "dataset": p.dataset, "line": p.line, "mode": m, "turn": turn})
 
 
-def _run_turn(cluster, url: str, cfg: BenchConfig, p: Prompt, m: str, t: float, turn: int, replies: list[str],
+def _run_turn(cluster, url: str, cfg: BenchConfig, p: Question, m: str, t: float, turn: int, replies: list[str],
               keep: bool, bar) -> dict:
     """One API request (turn ``turn`` of ``p``'s conversation under mode ``m``) -> its record."""
     where = f"T={t:g} {p.dataset}:{p.line}" + (f" turn {turn + 1}" if len(p.turns) > 1 else "") + f" {m}"

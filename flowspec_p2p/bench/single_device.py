@@ -22,8 +22,8 @@ import logging
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -35,36 +35,15 @@ from ..model.shard import Shard
 from ..spec.decoder import SpecDecoder, prefill_features
 from ..spec.drafter import TreeDrafter, TreeShape
 from ..spec.tree import DraftTree
+from ..specbench import Question
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("mt_bench", "alpaca", "gsm8k", "humaneval", "qa", "sum")
-BENCH_START = 30  # Spec-Bench lines [30, 50) (0-based) are the benchmark prompts; none may be used for training
-BENCH_COUNT = 20
 TUNE_START = 0  # the tuner calibrates on lines [0, TUNE_COUNT) of each set, disjoint from the benchmark lines
 NODE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 TOP_KS = (1, 2, 3, 4, 6, 8)
 MAX_DEPTH = 6
 CURVE_CONTEXT = 160  # committed tokens before the timed tree (a typical chat prompt + some reply)
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    dataset: str
-    line: int  # 0-based line in <dataset>.jsonl
-    text: str  # the first user turn
-
-
-def load_prompts(
-    data_dir: Path, datasets: Iterable[str] = DATASETS, start: int = BENCH_START, count: int = BENCH_COUNT
-) -> list[BenchPrompt]:
-    """Lines [start, start + count) of each Spec-Bench set (first turn only)."""
-    out = []
-    for name in datasets:
-        lines = (Path(data_dir) / f"{name}.jsonl").read_text().splitlines()
-        for i in range(start, min(start + count, len(lines))):
-            out.append(BenchPrompt(name, i, json.loads(lines[i])["turns"][0]))
-    return out
 
 
 def _bar(it, progress: bool, desc: str, total: int | None = None):
@@ -291,7 +270,7 @@ def bench(
     drafter: TreeDrafter,
     shape: TreeShape,
     tokenizer,
-    prompts: Sequence[BenchPrompt],
+    prompts: Sequence[Question],
     temperatures: Sequence[float] = (0.0, 1.0),
     max_new_tokens: int = 128,
     seed: int = 0,

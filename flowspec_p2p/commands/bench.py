@@ -22,7 +22,7 @@ def _names(value: str | None) -> tuple[str, ...] | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..bench.edge import DATASETS, START_LINE
+    from ..specbench import EVAL_START, PAPER_ORDER
 
     p = sub.add_parser(
         "bench",
@@ -52,8 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("bench/flowspec"), help="output folder (default bench/flowspec)")
     p.add_argument("--modes", default=None, help="comma-separated modes (default: every mode the leader offers)")
     p.add_argument("--datasets", default=None,
-                   help=f"comma-separated Spec-Bench sets (default {','.join(DATASETS)})")
-    p.add_argument("--start", type=int, default=START_LINE, help=f"first 0-based line of each set ({START_LINE})")
+                   help=f"comma-separated Spec-Bench sets (default {','.join(PAPER_ORDER)})")
+    p.add_argument("--start", type=int, default=EVAL_START, help=f"first 0-based line of each set ({EVAL_START})")
     p.add_argument("--data", type=Path, default=None, help="folder with the Spec-Bench <set>.jsonl files")
     p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default="float32",
                    help="activations between stages (default float32: exact, lossless)")

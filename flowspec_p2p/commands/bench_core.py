@@ -42,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
         agreement,
         bound,
         environment,
-        load_prompts,
         load_times,
         load_transformers,
         memory,
@@ -51,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from ..errors import ConfigError
     from ..model.load import load_model
+    from ..specbench import round_robin
 
     parts = list(dict.fromkeys(args.parts or PARTS))
     if unknown := [p for p in parts if p not in PARTS]:
@@ -66,13 +66,13 @@ def run(args: argparse.Namespace) -> int:
     hf = load_transformers(lm) if needs_prompts else None
     datasets = args.datasets.split(",")
     if "speed" in parts:
-        prompts = load_prompts(args.data, datasets, args.start, args.speed_prompts)
+        prompts = round_robin(args.data, datasets, args.start, args.speed_prompts)
         log.info("speed: %d prompts x %d tokens x %d repeats", len(prompts), args.speed_tokens, args.repeats)
         result["speed"] = speed(lm, hf, prompts, args.speed_tokens, args.repeats, progress)
     if "bound" in parts:
         result["bound"] = bound(lm)
     if "agreement" in parts:
-        prompts = load_prompts(args.data, datasets, args.start, args.prompts)
+        prompts = round_robin(args.data, datasets, args.start, args.prompts)
         result["agreement"] = agreement(lm, hf, prompts, args.max_tokens, progress)
         result["agreement"]["prompt_set"] = [f"{p.dataset}:{p.line}" for p in prompts]
     if "memory" in parts:

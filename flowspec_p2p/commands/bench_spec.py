@@ -38,9 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.single_device import bench, load_prompts, markdown, write_outputs
+    from ..bench.single_device import bench, markdown, write_outputs
     from ..model.load import load_model
     from ..spec.decoder import load_drafter
+    from ..specbench import load_questions
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     fingerprint = lm.fingerprint()
     drafter, meta = load_drafter(lm.shard, fingerprint, args.draft)
     shape = tree_shape(args, fingerprint)
-    prompts = load_prompts(args.data, args.datasets.split(","), args.start, args.per_dataset)
+    prompts = load_questions(args.data, args.datasets.split(","), args.start, args.per_dataset)
     temps = [float(t) for t in args.temperatures.split(",")]
     log.info("bench-spec: %d prompts, tree %s, temperatures %s", len(prompts), shape, temps)
     result = bench(

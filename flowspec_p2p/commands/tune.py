@@ -52,9 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.single_device import DATASETS, TUNE_START, load_prompts, tune, tune_markdown, write_outputs
+    from ..bench.single_device import TUNE_START, tune, tune_markdown, write_outputs
     from ..model.load import load_model
     from ..spec.decoder import load_drafter, tuning_path
+    from ..specbench import DATASETS, load_questions
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.curve_only:
         drafter, _ = load_drafter(lm.shard, fingerprint, args.draft)
     if args.data is not None:
-        texts = [p.text for p in load_prompts(args.data, DATASETS, TUNE_START, args.per_dataset)]
+        texts = [p.text for p in load_questions(args.data, DATASETS, TUNE_START, args.per_dataset)]
     else:
         texts = list(CALIBRATION_PROMPTS)
     prompts = [lm.tokenizer.chat([{"role": "user", "content": t}]) for t in texts]

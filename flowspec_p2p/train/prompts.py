@@ -18,7 +18,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import os
 import random
 import re
 from collections.abc import Iterable, Iterator
@@ -26,12 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..specbench import every_turn
 
 log = logging.getLogger(__name__)
 
-# The six Spec-Bench sets: $FLOWSPEC_SPEC_BENCH, else ../shared/data/spec-bench beside the repository checkout.
-SPEC_BENCH_DIR = Path(os.environ.get("FLOWSPEC_SPEC_BENCH")
-                      or Path(__file__).resolve().parents[3] / "shared" / "data" / "spec-bench")
 MIN_CHARS, MAX_CHARS = 16, 2000
 QA_MAX_CHARS = 120
 MIN_CONTAINED_CHARS = 24
@@ -62,17 +59,6 @@ def normalise(text: str) -> str:
 # ------------------------------------------------------------------------------------------ spec-bench
 
 
-def spec_bench_prompts(folder: Path = SPEC_BENCH_DIR) -> list[str]:
-    """Every turn of every prompt in the Spec-Bench JSONL files under ``folder``."""
-    if not folder.is_dir():
-        raise ConfigError(f"Spec-Bench folder {folder} not found (needed to keep its prompts out of training): "
-                          "set FLOWSPEC_SPEC_BENCH to the folder holding its six <set>.jsonl files")
-    out = []
-    for path in sorted(folder.glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                out.extend(json.loads(line)["turns"])
-    return out
 
 
 class Exclusion:
@@ -240,7 +226,7 @@ def build_pool(
     math_count: int = 6000,
 ) -> list[Prompt]:
     """The mixed prompt pool (deterministic for a given seed and source); at most ``limit`` prompts."""
-    ex = Exclusion(spec_bench_prompts() if exclude is None else exclude)
+    ex = Exclusion(every_turn() if exclude is None else exclude)
     rng = random.Random(seed)
     by_cat: dict[str, list[Prompt]] = {c: [] for c in MIX}
     seen: set[str] = set()

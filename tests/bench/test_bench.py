@@ -13,16 +13,15 @@ from aiohttp.test_utils import TestClient, TestServer
 from flowspec_p2p.bench import edge as bench
 from flowspec_p2p.bench import report as rep
 from flowspec_p2p.bench.edge import (
-    Prompt,
     check_resume,
     conversation,
     default_slowdown,
-    load_prompts,
     make_record,
     plan_requests,
     read_records,
 )
 from flowspec_p2p.errors import ConfigError
+from flowspec_p2p.specbench import Question
 
 MODES = ["ar", "chunk", "flowspec"]
 
@@ -205,7 +204,7 @@ def test_default_slowdown_keeps_the_devices_within_half_the_cores():
 
 
 def test_modes_are_interleaved_per_prompt_and_rotated():
-    prompts = [Prompt("gsm8k", i, i, "q") for i in (30, 31, 32)]
+    prompts = [Question("gsm8k", i, i, ("q",)) for i in (30, 31, 32)]
     plan = plan_requests(prompts, MODES, (0.0, 1.0))
     assert len(plan) == 18
     assert [m for _, _, m in plan[:9]] == ["ar", "chunk", "flowspec", "chunk", "flowspec", "ar", "flowspec", "ar",
@@ -213,20 +212,8 @@ def test_modes_are_interleaved_per_prompt_and_rotated():
     assert [t for t, _, _ in plan] == [0.0] * 9 + [1.0] * 9
 
 
-def test_prompts_are_the_first_turn_of_the_chosen_lines(tmp_path):
-    lines = [json.dumps({"question_id": 100 + i, "turns": [f"q{i}", "second"]}) for i in range(40)]
-    (tmp_path / "qa.jsonl").write_text("\n".join(lines) + "\n")
-    got = load_prompts(tmp_path, ("qa",), 30, 20)
-    assert [(p.line, p.question_id, p.text) for p in got] == [(i, 100 + i, f"q{i}") for i in range(30, 40)]
-    with pytest.raises(ConfigError):
-        load_prompts(tmp_path, ("gsm8k",), 30, 1)
-    two = load_prompts(tmp_path, ("qa",), 30, 1, turns=2)
-    assert two[0].turns == ("q30", "second")
-    assert load_prompts(tmp_path, ("qa",), 30, 1, turns=5)[0].turns == ("q30", "second")  # as many as it has
-
-
 def test_a_later_turn_carries_the_modes_own_earlier_replies():
-    p = Prompt("mt_bench", 30, 111, "first?", ("second?",))
+    p = Question("mt_bench", 30, 111, ("first?", "second?"))
     assert conversation(p, []) == [{"role": "user", "content": "first?"}]
     assert conversation(p, ["one"]) == [{"role": "user", "content": "first?"},
                                         {"role": "assistant", "content": "one"},
@@ -246,7 +233,7 @@ def test_conversations_run_turn_by_turn_and_resume_skips_finished_turns(tmp_path
     cluster = SimpleNamespace(api_url="http://x", timelines=lambda since: [], agents=[SimpleNamespace(alive=True)])
     monkeypatch.setattr(bench, "_post", fake_post)
     cfg = bench.BenchConfig(out=tmp_path, temperatures=(0.0,), progress=False, max_tokens=2)
-    prompts = [Prompt("mt_bench", 30, 111, "first?", ("second?",))]
+    prompts = [Question("mt_bench", 30, 111, ("first?", "second?"))]
     path = tmp_path / "records.jsonl"
     # an earlier run finished the first turn under ar only
     old = {"dataset": "mt_bench", "line": 30, "turn": 0, "mode": "ar", "temperature": 0.0, "ok": True,
@@ -274,7 +261,7 @@ def test_record_from_a_response_and_stage_timelines():
     resp = {"choices": [{"finish_reason": "length"}], "stats": stats}
     tls = [[{"start": 99.0, "end": 100.5, "compute_s": 0.1}, {"start": 101.0, "end": 101.5, "compute_s": 0.1}],
            [{"start": 100.0, "end": 102.0, "compute_s": 0.4}]]
-    r = make_record(Prompt("qa", 30, 351, "q"), "flowspec", 0.0, resp, 2.3, tls, keep_timeline=True)
+    r = make_record(Question("qa", 30, 351, ("q",)), "flowspec", 0.0, resp, 2.3, tls, keep_timeline=True)
     assert r["stage_busy_s"] == pytest.approx([1.0, 2.0])
     assert r["utilization"] == pytest.approx(0.75)
     assert r["stage_compute_s"] == pytest.approx([0.1, 0.4])  # forwards that start inside the window

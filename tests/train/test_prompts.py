@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
+from flowspec_p2p.specbench import every_turn
 from flowspec_p2p.train.prompts import (
     Exclusion,
     build_pool,
     iter_json_array,
     normalise,
-    spec_bench_prompts,
     stdlib_functions,
 )
 
@@ -29,7 +29,7 @@ def test_truncated_json_array_is_read_object_by_object_up_to_the_cut(tmp_path):
 
 
 def test_pool_excludes_every_spec_bench_prompt_exactly_and_normalised(tmp_path):
-    bench = spec_bench_prompts()
+    bench = every_turn()
     assert len(bench) > 400
     article = "The quick brown fox writes long prose about many things. " * 20
     convs = [(b, article) for b in bench[::7]]  # verbatim
