@@ -1,4 +1,4 @@
-"""Training the EAGLE-style draft head (``draft.DraftHead``) for a target, on CPU, from prompts to a shipped bundle.
+"""Training the EAGLE-style draft head (``spec.head.DraftHead``) for a target, on CPU, from prompts to a shipped bundle.
 
     prompts.py   prompt pool: ShareGPT first turns + synthetic math/code/summary prompts, Spec-Bench excluded
     batchgen.py  continuous-batching KV-cached generation on a ``Shard`` that records the target's features
@@ -8,7 +8,9 @@
     unroll.py    the head unrolled over its own features (EAGLE-3 training-time test) via its public forward
     fit.py       EAGLE loss, AdamW, checkpoints
     evaluate.py  held-out top-1 per depth, chain acceptance and tau
-    export.py    ``DraftBundle`` with metadata, where ``draft.find_draft`` looks
+    export.py    ``DraftBundle`` with metadata, where ``spec.head.find_draft`` looks
 
 The command is ``flowspec draft`` (commands/draft.py). Nothing here runs during inference.
+
+A leaf: no product module imports it (only commands/ does). May import model, spec and the base modules.
 """
