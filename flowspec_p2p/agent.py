@@ -54,6 +54,7 @@ from .cluster.profile import DeviceProfile, measure
 from .cluster.stage_host import StageHost, TapQueue
 from .config import AgentConfig, split_host_port
 from .errors import ConfigError, FlowSpecError, PeerGone, ProtocolError
+from .model.dtypes import TORCH_DTYPES
 from .model.shard import packing_enabled
 from .pipeline.emulation import ComputeEmulation, LinkEmulation
 from .pipeline.ring_server import RingServer
@@ -211,7 +212,7 @@ class Agent:
         from .model.tokenizer import Tokenizer
 
         cfg, src = self.cfg, self.source
-        dtype = _DTYPES[cfg.dtype]
+        dtype = TORCH_DTYPES[cfg.dtype]
         head = await asyncio.to_thread(
             lambda: Shard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True, dtype=dtype).eval())
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.load, src.path, src.config.eos_token_ids)
@@ -373,9 +374,6 @@ class Agent:
 
 
 # ============================================================================================== helpers
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
 
 def _modes(flowspec: dict | None = None) -> list:
     """The decoding modes this build offers (the leader picks what its drafter allows); ``flowspec``: FlowSpecConfig

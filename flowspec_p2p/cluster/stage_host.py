@@ -29,7 +29,7 @@ import aiohttp
 import torch
 
 from ..errors import FlowSpecError, PeerGone, ProtocolError
-from ..model.load import parse_dtype
+from ..model.dtypes import parse_dtype
 from ..model.shard import Shard
 from ..model.weights import EMBED, NORM, ROPE_FREQS, layer_tensor_names
 from ..pipeline.codec import wire_dtype as wire_torch_dtype

@@ -29,7 +29,7 @@ from pydantic import Field
 
 from ..errors import PeerGone, WeightsError
 from ..model.arch import ModelConfig
-from ..model.weights import _ST_DTYPES, NORM, ROPE_FREQS, fingerprint, gguf_tensor_from_raw, shard_tensor_names
+from ..model.weights import NORM, ROPE_FREQS, fingerprint, gguf_tensor_from_raw, safetensors_dtype, shard_tensor_names
 from ..types import FrozenModel, LayerRange
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def tensor_from_raw(config: ModelConfig, name: str, info: dict, raw: bytes | mem
     if info.get("format") == "gguf":
         return gguf_tensor_from_raw(config, name, info, raw)
     if info.get("format") == "safetensors":
-        dtype = _ST_DTYPES.get(info["dtype"])
+        dtype = safetensors_dtype(info["dtype"])
         if dtype is None:
             raise WeightsError(f"tensor {name} has unsupported dtype {info['dtype']}")
         if len(raw) == 0:

@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
+from ..model.dtypes import parse_dtype
 from ..model.generate import ARDecoder, GenStats, stream_text
-from ..model.load import load_model, parse_dtype
+from ..model.load import load_model
 from ..model.sampling import SamplingParams
 
 

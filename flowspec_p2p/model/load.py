@@ -9,23 +9,12 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
 from ..types import LayerRange
 from .shard import Shard
 from .tokenizer import Tokenizer
 from .weights import GGUFSource, SafetensorsSource, model_fingerprint, open_source
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}") from None
-
 
 @dataclass
 class LoadedModel:

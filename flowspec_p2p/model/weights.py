@@ -35,6 +35,7 @@ import torch
 from ..errors import ConfigError, UnsupportedModel, WeightsError
 from ..types import LayerRange
 from .arch import ModelConfig, config_from_gguf, config_from_hf
+from .dtypes import SAFETENSORS_NAMES, TORCH_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -372,10 +373,10 @@ def dequantize(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> torch.Tensor
     return out.reshape(shape)
 
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "I8": torch.int8,
-}
+def safetensors_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype of a safetensors header dtype ("F16", "BF16", ...), None for one we do not read."""
+    ours = SAFETENSORS_NAMES.get(name)
+    return None if ours is None else TORCH_DTYPES[ours]
 
 
 class SafetensorsSource:
@@ -420,7 +421,7 @@ class SafetensorsSource:
 
     def load(self, name: str) -> torch.Tensor:
         _, info, _ = self._entry(name)
-        dtype = _ST_DTYPES.get(info["dtype"])
+        dtype = safetensors_dtype(info["dtype"])
         if dtype is None:
             raise UnsupportedModel(f"tensor {name} has unsupported dtype {info['dtype']}")
         buf = self.raw_bytes(name)

@@ -29,6 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from ..errors import ProtocolError
+from ..model.dtypes import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from .messages import PROTOCOL_VERSION, TENSOR_NAMES, WIRE_DTYPES, DataMessage, Forward, TensorSpec
 
 MAGIC = b"FSPF"
@@ -37,17 +38,8 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024  # a 512-token prefill chunk of a 8192-wide 
 MAX_HEADER_BYTES = 1024 * 1024  # parents + positions of a few thousand nodes
 MAX_DIMS = 4
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
-assert set(TORCH_DTYPES) == set(WIRE_DTYPES)
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-FLOAT_WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+assert set(WIRE_DTYPES) <= set(TORCH_DTYPES)
+FLOAT_WIRE_DTYPES = tuple(d for d in WIRE_DTYPES if d in FLOAT_DTYPES)
 
 if sys.byteorder != "little":  # pragma: no cover - every device we target is little-endian
     raise ImportError("flowspec_p2p's wire codec assumes a little-endian host")
@@ -81,7 +73,7 @@ def encode(msg, tensors: Tensors | None = None, *, float_dtype: torch.dtype | No
     for name, t in tensors.items():
         if float_dtype is not None and t.is_floating_point():
             t = t.to(float_dtype)
-        if t.dtype not in DTYPE_NAMES:
+        if DTYPE_NAMES.get(t.dtype) not in WIRE_DTYPES:
             raise ProtocolError(f"tensor {name!r} has dtype {t.dtype}, which cannot go on the wire")
         t = t.detach().contiguous().cpu()
         specs.append(TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=tuple(t.shape)))

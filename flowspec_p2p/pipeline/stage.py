@@ -22,6 +22,7 @@ from itertools import pairwise
 import torch
 
 from ..errors import ContextOverflow, FlowSpecError, ForwardStopped, ProtocolError
+from ..model.dtypes import dtype_name
 from ..model.kv_cache import KVCache
 from ..model.shard import Shard
 from .messages import Forward, Prune, Release, Reset, StageError, TensorSpec
@@ -30,15 +31,6 @@ log = logging.getLogger(__name__)
 
 MAX_REQUESTS = 16  # concurrent request states a stage keeps; the oldest is evicted beyond this
 
-TORCH_DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 Tensors = dict[str, torch.Tensor]
 
@@ -209,7 +201,7 @@ class StageCore:
         self.counters["forwards"] += 1
         self.counters["tokens"] += len(live)
         self.counters["skipped"] = self.counters.get("skipped", 0) + m - len(live)
-        spec = TensorSpec(name=name, dtype=DTYPE_NAMES[self.wire_dtype], shape=tuple(out.shape))
+        spec = TensorSpec(name=name, dtype=dtype_name(self.wire_dtype), shape=tuple(out.shape))
         return msg.model_copy(update={"tensors": [spec], "dead": sorted(dead)}), {name: out}
 
     def _input(self, msg: Forward, tensors: Tensors, m: int) -> torch.Tensor:

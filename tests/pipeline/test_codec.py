@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowspec_p2p.errors import ProtocolError
+from flowspec_p2p.model.dtypes import DTYPE_NAMES
 from flowspec_p2p.pipeline import codec
 from flowspec_p2p.pipeline.messages import PROTOCOL_VERSION, Forward, Prune, Release, Reset, StageError
 
@@ -32,7 +33,7 @@ def test_forward_round_trips_bit_exactly_in_every_float_dtype(dtype):
     out, tensors = codec.decode(codec.encode(msg, {"hidden": hidden, "tokens": torch.arange(4)}))
     assert out.model_copy(update={"tensors": []}) == msg
     assert [(s.name, s.dtype, s.shape) for s in out.tensors] == [
-        ("hidden", codec.DTYPE_NAMES[dtype], (4, 8)), ("tokens", "int64", (4,))]
+        ("hidden", DTYPE_NAMES[dtype], (4, 8)), ("tokens", "int64", (4,))]
     assert torch.equal(tensors["hidden"], hidden)
     assert tensors["hidden"].dtype == dtype
     assert torch.equal(tensors["tokens"], torch.arange(4))
