@@ -27,6 +27,7 @@ import os
 import socket
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -56,7 +57,7 @@ from .config import AgentConfig, split_host_port
 from .errors import ConfigError, FlowSpecError, PeerGone, ProtocolError
 from .model.dtypes import TORCH_DTYPES
 from .model.shard import packing_enabled
-from .pipeline.emulation import ComputeEmulation, LinkEmulation
+from .pipeline.emulation import ComputeEmulation, EmulatedCompute, LinkEmulation, device_for
 from .pipeline.ring_server import RingServer
 from .pipeline.transport import LinkDown
 from .types import LayerRange
@@ -161,7 +162,7 @@ class Agent:
                 agent_id=self.id, cluster=cfg.cluster, ring=self.ring, session=self.session,
                 cache_dir=cfg.state_path, local_source=self.source,
                 link=LinkEmulation(bandwidth_mbps=cfg.emulation.link_mbps, latency_ms=cfg.emulation.link_latency_ms),
-                compute=ComputeEmulation(slowdown=cfg.emulation.slowdown), tap=self._on_link_down)
+                device=partial(device_for, ComputeEmulation(slowdown=cfg.emulation.slowdown)), tap=self._on_link_down)
             if cfg.leader:
                 api_runner = await self._start_leader()
             else:
@@ -207,7 +208,9 @@ class Agent:
 
     async def _start_leader(self) -> web.AppRunner:
         from .api.app import create_app
-        from .decoding.leader import Leader, LeaderSettings
+        from .decoding.context import ThreadCompute
+        from .decoding.leader import Leader
+        from .decoding.settings import LeaderSettings
         from .model.shard import Shard
         from .model.tokenizer import Tokenizer
 
@@ -217,10 +220,13 @@ class Agent:
             lambda: Shard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True, dtype=dtype).eval())
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.load, src.path, src.config.eos_token_ids)
         settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
-                                  default_mode=cfg.decoding, slowdown=cfg.emulation.slowdown)
+                                  default_mode=cfg.decoding)
+        compute = ThreadCompute()
+        if cfg.emulation.slowdown > 1.0:
+            compute = EmulatedCompute(compute, cfg.emulation.slowdown)
         drafter = _drafter(self.model_fp, head, cfg.draft)
         self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(cfg.flowspec),
-                             model_id=src.path.stem)
+                             model_id=src.path.stem, compute=compute)
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
         self.stage_host.leader_inbox = self.leader.inbox
@@ -378,14 +384,10 @@ class Agent:
 def _modes(flowspec: dict | None = None) -> list:
     """The decoding modes this build offers (the leader picks what its drafter allows); ``flowspec``: FlowSpecConfig
     fields that differ from the defaults (AgentConfig.flowspec)."""
-    from .decoding.flowspec import FlowSpecConfig, flowspec_spec
-    from .decoding.leader import builtin_modes
+    from .decoding.flowspec import FlowSpecConfig
+    from .decoding.registry import builtin_modes
 
-    modes = builtin_modes()
-    if flowspec:
-        tuned = flowspec_spec(FlowSpecConfig.model_validate(flowspec))
-        modes = [tuned if m.name == tuned.name else m for m in modes]
-    return modes
+    return builtin_modes(FlowSpecConfig.model_validate(flowspec) if flowspec else None)
 
 
 def _drafter(model_fp: str, head, stem: Path | None = None):

@@ -38,6 +38,10 @@ class PeerGone(FlowSpecError):
     """A peer's link closed or it stopped answering."""
 
 
+class LinkLost(PeerGone):
+    """A stage lost its inbound link while it held this request's state (it says so with a StageError)."""
+
+
 class PlanInfeasible(FlowSpecError):
     """No assignment of layers to the available devices fits their memory."""
 

@@ -92,7 +92,7 @@ def test_the_leader_runs_flowspec_with_the_configured_settings_and_the_others_as
     from flowspec_p2p.cli import build_parser
     from flowspec_p2p.commands.agent import config_from_args
     from flowspec_p2p.decoding.flowspec import FlowSpecConfig
-    from flowspec_p2p.decoding.leader import builtin_modes
+    from flowspec_p2p.decoding.registry import builtin_modes
 
     args = build_parser().parse_args(["agent", "--leader", "--flowspec-config", '{"segment_cap": 1, "in_flight": 8}'])
     cfg = config_from_args(args)

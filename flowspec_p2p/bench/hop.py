@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from ..decoding.context import AR, ModeSpec
-from ..decoding.leader import Leader, LeaderSettings
+from ..decoding.ar import AR
+from ..decoding.context import DecodingMode
+from ..decoding.leader import Leader
+from ..decoding.settings import LeaderSettings
 from ..model.generate import ARDecoder, GenStats, generate_ids
 from ..model.sampling import SamplingParams
 from ..pipeline import codec
@@ -145,7 +147,7 @@ def _drafter(kind: str, lm, head):
     return None, "none (no trained draft head found; chunk skipped)"
 
 
-def _modes(names: list[str]) -> list[ModeSpec]:
+def _modes(names: list[str]) -> list[DecodingMode]:
     specs = [AR]
     if "chunk" in names:
         from ..decoding.chunk import CHUNK
@@ -153,11 +155,11 @@ def _modes(names: list[str]) -> list[ModeSpec]:
         specs.append(CHUNK)
     if "flowspec" in names:
         try:
-            from ..decoding.flowspec import flowspec_spec
+            from ..decoding.flowspec import make_flowspec
         except ImportError:
             log.warning("the flowspec mode is not available in this checkout")
         else:
-            specs.append(flowspec_spec())
+            specs.append(make_flowspec())
     return specs
 
 

@@ -33,7 +33,7 @@ from ..model.dtypes import parse_dtype
 from ..model.shard import Shard
 from ..model.weights import EMBED, NORM, ROPE_FREQS, layer_tensor_names
 from ..pipeline.codec import wire_dtype as wire_torch_dtype
-from ..pipeline.emulation import ComputeEmulation, LinkEmulation
+from ..pipeline.emulation import Device, LinkEmulation
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer
 from ..pipeline.stage import StageCore
@@ -107,7 +107,7 @@ class StageHost:
         cache_dir: Path,
         local_source=None,
         link: LinkEmulation | None = None,
-        compute: ComputeEmulation | None = None,
+        device: Callable[[], Device] = Device,
         tap: Callable[[LinkDown], None] = lambda ev: None,
         leader_inbox: asyncio.Queue | None = None,
     ):
@@ -118,7 +118,7 @@ class StageHost:
         self.cache_dir = cache_dir
         self.local_source = local_source
         self.link = link or LinkEmulation()
-        self.compute = compute or ComputeEmulation()
+        self.device = device  # makes each new stage's device (an emulated one when the agent emulates one)
         self.tap = tap
         self.leader_inbox = leader_inbox  # set on the leader: its RingServer is the return path, not a stage inbox
         self.prepared: Prepared | None = None
@@ -219,7 +219,7 @@ class StageHost:
             wire = wire_torch_dtype(u.wire_dtype)
             inbox = TapQueue(self.tap)
             core = StageCore(p.shard, index=index, capacity=u.context, wire_dtype=wire)
-            worker = StageWorker(core, inbox=inbox, compute=self.compute, name=f"stage{index}")
+            worker = StageWorker(core, inbox=inbox, device=self.device(), name=f"stage{index}")
             if self.leader_inbox is None:
                 pred = u.predecessor_id(self.agent_id)
                 self.ring.allowed = lambda hello, pred=pred: hello.sender == pred

@@ -22,13 +22,12 @@ from functools import partial
 
 import torch
 
-from ..model.sampling import target_probs
 from ..spec.drafter import TreeShape
 from ..spec.tree import DraftTree, segment_bounds, split_lengths
-from ..spec.verify import LazyRows, Verdict, verify_greedy, verify_sampling
-from .context import ModeContext, ModeSpec, prefill
+from ..spec.verify import LazyRows, Verdict, verify_tree
+from .context import DecodingMode, ModeContext, prefill
 
-# The pipeline's tree is not the single-device one (spec.DEFAULT_TREE, tuned for one forward on one CPU): here
+# The pipeline's tree is not the single-device one (spec.decoder.DEFAULT_TREE, tuned for one forward on one CPU): here
 # it is cut into one segment per stage, so a bigger tree costs little more per round. Same budget as FlowSpec's
 # initial tree, so the two modes draft comparable trees.
 CHUNK_TREE = TreeShape(total_tokens=24, depth=6, top_k=4)
@@ -36,12 +35,8 @@ CHUNK_TREE = TreeShape(total_tokens=24, depth=6, top_k=4)
 
 def _verify(ctx: ModeContext, tree: DraftTree, f: torch.Tensor) -> Verdict:
     """f: [n, hidden] target features of the whole tree. LM-head rows only where the walk goes."""
-    head, params = ctx.logits, ctx.params
-    if params.greedy:
-        return verify_greedy(tree, LazyRows(len(tree), lambda i: head(f[i])), stop_ids=ctx.stop_ids)
-    probs = LazyRows(len(tree), lambda i: target_probs(head(f[i]), params))
-    uniforms = torch.rand(len(tree) + 1, generator=ctx.gen, dtype=torch.float64)
-    return verify_sampling(tree, probs, uniforms, stop_ids=ctx.stop_ids)
+    return verify_tree(tree, LazyRows(len(tree), lambda i: ctx.logits(f[i])), ctx.params, ctx.gen,
+                       stop_ids=ctx.stop_ids)
 
 
 def _commit(ctx: ModeContext, tree: DraftTree, f: torch.Tensor, verdict: Verdict, more: bool) -> None:
@@ -104,10 +99,10 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
                            tree_nodes=round(nodes / rounds, 2) if rounds else 0.0)
 
 
-def chunk_spec(shape: TreeShape = CHUNK_TREE, segments: int | None = None) -> ModeSpec:
+def make_chunk(shape: TreeShape = CHUNK_TREE, segments: int | None = None) -> DecodingMode:
     """The ``chunk`` mode with a tree shape and a segment count (None: stages + 1)."""
-    return ModeSpec("chunk", partial(chunk_mode, shape=shape, segments=segments), needs_drafter=True,
+    return DecodingMode("chunk", partial(chunk_mode, shape=shape, segments=segments), needs_drafter=True,
                     description="Chunk-PP: a whole EAGLE-2 tree in segments through the pipeline, verified at once")
 
 
-CHUNK = chunk_spec()
+CHUNK = make_chunk()

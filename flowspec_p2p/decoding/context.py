@@ -1,9 +1,9 @@
-"""What a decoding mode sees: ``ModeContext`` (one request's view of the pipeline and of the leader's pieces),
-``ModeSpec``, ``Pipeline``, the shared ``prefill`` helper, and the plain autoregressive mode ``AR``. The leader
-(leader.py) creates one ModeContext per request, routes the request's returned messages into it, and runs the
-mode.
+"""What a decoding mode sees: ``ModeContext`` (one request's view of the pipeline and of the leader's parts),
+``DecodingMode``, ``Pipeline``, ``LeaderParts``, the compute thread (``ThreadCompute``) and the shared ``prefill``
+helper. The leader (leader.py) creates one ModeContext per request, routes the request's returned messages into
+it, and runs the mode.
 
-Writing a mode (the ``flowspec`` mode plugs in the same way)::
+Writing a mode (the built-in modes plug in the same way; ar.py is the simplest)::
 
     async def my_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
         await ctx.forward(parents=[-1, 0], positions=[0, 1], tokens=ctx.prompt[:2], commit=True)
@@ -13,7 +13,7 @@ Writing a mode (the ``flowspec`` mode plugs in the same way)::
         ctx.stats.steps += 1; ctx.stats.new_tokens += 1
         yield [token]                                      # committed tokens, streamed to the client at once
 
-    leader.register_mode(ModeSpec("my-mode", my_mode, needs_drafter=False))
+    leader.register_mode(DecodingMode("my-mode", my_mode, needs_drafter=False))
 
 A mode must not send ``Release``: the leader does, in order, when the mode ends (or is closed early because the
 client left or a stop string matched). Prefill belongs to the mode (``prefill`` is the shared helper).
@@ -24,22 +24,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 
-from ..errors import PeerGone, StageFailed
+from ..errors import LinkLost, PeerGone, StageFailed
 from ..model.generate import GenStats
 from ..model.sampling import SamplingParams, choose
 from ..model.shard import Shard
 from ..pipeline.codec import wire_dtype
-from ..pipeline.emulation import cpu_time_wait, measured_wait
-from ..pipeline.messages import Forward, Prune, Reset, StageError
-from ..pipeline.transport import LINK_LOST, Sender
+from ..pipeline.messages import DataMessage, Forward, Prune, StageError
+from ..pipeline.transport import Frame, Sender
+from ..spec.drafter import Drafter
+from .settings import LeaderSettings
 
-if TYPE_CHECKING:
-    from .leader import Leader
+T = TypeVar("T")
+Tensors = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -54,7 +56,7 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
-class ModeSpec:
+class DecodingMode:
     """A decoding mode. ``run(ctx)`` is an async generator of committed-token chunks."""
 
     name: str
@@ -64,17 +66,65 @@ class ModeSpec:
     description: str = ""
 
 
+class Compute(Protocol):
+    """Where the leader's heavy work runs (drafting, LM head, verification): off the event loop."""
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class ThreadCompute:
+    """The leader's compute thread (one: torch releases the GIL, the event loop stays responsive). ``timed`` also
+    measures the wall and CPU time of the call, for an emulated device (pipeline/emulation.EmulatedCompute)."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="leader")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def timed(self, fn: Callable[..., T], *args: Any) -> tuple[T, float, float]:
+        """-> (fn(*args), wall seconds, CPU seconds of the compute thread)"""
+
+        def call() -> tuple[T, float, float]:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            out = fn(*args)
+            return out, time.perf_counter() - t0, time.thread_time() - c0
+
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
+
+    def describe(self) -> str:
+        return "compute: not emulated"
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class LeaderParts:
+    """What a mode uses of the leader: the head shard (final norm, LM head, maybe the embedding), the drafter, the
+    settings and where heavy work runs."""
+
+    head: Shard
+    drafter: Drafter | None
+    settings: LeaderSettings
+    compute: Compute
+
+
 @dataclass
 class _Failure:
     error: BaseException
 
 
 class ModeContext:
-    """One request's view of the pipeline and the leader's pieces (see the module docstring)."""
+    """One request's view of the pipeline and the leader's parts (see the module docstring)."""
 
-    def __init__(self, leader: Leader, pipeline: Pipeline, request_id: str, prompt: list[int],
+    def __init__(self, parts: LeaderParts, pipeline: Pipeline, request_id: str, prompt: list[int],
                  params: SamplingParams, max_new_tokens: int, stop_ids: frozenset[int], stats: GenStats):
-        self.leader = leader
+        self.parts = parts
         self.pipeline = pipeline
         self.request_id = request_id
         self.prompt = prompt
@@ -82,11 +132,11 @@ class ModeContext:
         self.max_new_tokens = max_new_tokens  # already clamped to the context limit
         self.stop_ids = stop_ids
         self.stats = stats
-        self.head: Shard = leader.head
-        self.drafter = leader.drafter
-        self.settings = leader.settings
+        self.head: Shard = parts.head
+        self.drafter = parts.drafter
+        self.settings = parts.settings
         self.gen: torch.Generator | None = None if params.greedy else params.generator()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[Frame | _Failure] = asyncio.Queue()
         self.seq = 0  # next sequence number of this request
         self.in_flight = 0  # forwards sent whose result has not come back
         self.returned = 0  # forward results queued here, not yet taken by recv()
@@ -98,9 +148,14 @@ class ModeContext:
             self.error = error
             self.queue.put_nowait(_Failure(error))
 
+    def deliver(self, frame: Frame) -> None:
+        """A message of this request came back from the pipeline (the leader's demultiplexer calls this)."""
+        self.returned += isinstance(frame.msg, Forward)
+        self.queue.put_nowait(frame)
+
     # ------------------------------------------------------------------------------------------- sending
 
-    async def send(self, msg, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    async def send(self, msg: DataMessage, tensors: Tensors | None = None) -> None:
         """Send ``msg`` down the pipeline with this request's id and the next sequence number."""
         if self.error is not None:
             raise self.error
@@ -127,14 +182,12 @@ class ModeContext:
     async def prune(self, accept: int, keep: Sequence[int]) -> None:
         await self.send(Prune(request_id="", seq=0, accept=accept, keep=list(keep)))
 
-    async def reset(self, length: int) -> None:
-        await self.send(Reset(request_id="", seq=0, length=length))
-
     # ----------------------------------------------------------------------------------------- receiving
 
-    async def recv(self, timeout_s: float | None = None) -> tuple[object, dict[str, torch.Tensor]]:
+    async def recv(self, timeout_s: float | None = None) -> tuple[DataMessage, Tensors]:
         """The next message of this request back from the pipeline (Forward results and acks, in order).
-        Raises PeerGone (link down, re-plan, no reply in time) or StageFailed (a stage reported an error)."""
+        Raises PeerGone (link down, re-plan, no reply in time; LinkLost when a stage lost its inbound link) or
+        StageFailed (a stage reported an error)."""
         timeout_s = self.settings.step_timeout_s if timeout_s is None else timeout_s
         try:
             async with asyncio.timeout(timeout_s):
@@ -145,16 +198,16 @@ class ModeContext:
             raise item.error
         msg = item.msg
         if isinstance(msg, StageError):
-            if msg.message.startswith(LINK_LOST):
-                raise PeerGone(msg.message.removeprefix(LINK_LOST))
+            if msg.reason == "link_lost":
+                raise LinkLost(msg.message)
             raise StageFailed(f"stage {msg.stage}: {msg.message}")
         if isinstance(msg, Forward):
             self.in_flight -= 1
             self.returned -= 1
         return msg, item.tensors
 
-    async def recv_forward(self) -> tuple[Forward, dict[str, torch.Tensor]]:
-        """The next returned Forward, skipping acks of prunes and resets."""
+    async def recv_forward(self) -> tuple[Forward, Tensors]:
+        """The next returned Forward, skipping acks of prunes."""
         while True:
             msg, tensors = await self.recv()
             if isinstance(msg, Forward):
@@ -169,7 +222,7 @@ class ModeContext:
         with torch.inference_mode():
             return self.head.embed(ids).to(wire_dtype(self.settings.wire_dtype))
 
-    def features(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def features(self, tensors: Tensors) -> torch.Tensor:
         """Final-normed features of returned nodes -> [m, hidden] in the head's dtype."""
         with torch.inference_mode():
             if "features" in tensors:
@@ -187,25 +240,11 @@ class ModeContext:
         """The next token at one position. features: [hidden]"""
         return choose(self.logits(features), self.params, self.gen)
 
-    async def compute(self, fn: Callable, *args):
-        """Run ``fn(*args)`` on the leader's compute thread (keeps the event loop responsive). With an emulated
-        slowdown s (``LeaderSettings.slowdown``) the leader then stays busy until s times the CPU time it used
-        has passed (basis "cpu"), or waits (s - 1) * t after t seconds (basis "measured")."""
-
-        def timed():
-            t0, c0 = time.perf_counter(), time.thread_time()
-            out = fn(*args)
-            return out, time.perf_counter() - t0, time.thread_time() - c0
-
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` where the leader computes (``LeaderParts.compute``); the interval, an emulated
+        device's wait included, is recorded in ``busy``."""
         start = time.time()
-        out, compute_s, cpu_s = await asyncio.get_running_loop().run_in_executor(self.leader.executor, timed)
-        s = self.settings
-        if s.slowdown_basis == "cpu" and torch.get_num_threads() == 1:  # more threads: t_cpu misses their work
-            wait = cpu_time_wait(s.slowdown, compute_s, cpu_s)
-        else:
-            wait = measured_wait(s.slowdown, compute_s)
-        if wait > 0:
-            await asyncio.sleep(wait)
+        out = await self.parts.compute.run(fn, *args)
         self.busy.append((start, time.time()))
         return out
 
@@ -223,30 +262,3 @@ async def prefill(ctx: ModeContext) -> torch.Tensor:
         _, tensors = await ctx.recv_forward()
         feats.append(ctx.features(tensors))
     return torch.cat(feats)
-
-
-async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
-    """Pipelined autoregressive decoding: one token in flight; each step is one committing Forward."""
-    stats = ctx.stats
-    t0 = time.perf_counter()
-    feats = await prefill(ctx)
-    token = await ctx.compute(ctx.choose, feats[-1])
-    stats.prefill_s = time.perf_counter() - t0
-    stats.steps, stats.new_tokens = 1, 1
-    t1 = time.perf_counter()
-    try:
-        yield [token]
-        pos = len(ctx.prompt)
-        while stats.new_tokens < ctx.max_new_tokens and token not in ctx.stop_ids:
-            await ctx.forward(parents=[-1], positions=[pos], tokens=[token], commit=True)
-            _, tensors = await ctx.recv_forward()
-            token = await ctx.compute(ctx.choose, ctx.features(tensors)[-1])
-            pos += 1
-            stats.steps += 1
-            stats.new_tokens += 1
-            yield [token]
-    finally:
-        stats.decode_s = time.perf_counter() - t1
-
-
-AR = ModeSpec("ar", ar_mode, description="pipelined autoregressive decoding, one token in flight")

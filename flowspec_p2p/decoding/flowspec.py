@@ -52,14 +52,14 @@ from typing import Protocol
 import torch
 from pydantic import Field
 
-from ..model.sampling import target_probs
 from ..pipeline.messages import Forward
 from ..spec.drafter import TreeShape
 from ..spec.tree import DraftTree
-from ..spec.verify import Verdict, verify_greedy, verify_sampling
+from ..spec.verify import LazyRows, Verdict, verify_tree
 from ..types import FrozenModel
-from .context import ModeContext, ModeSpec, prefill
-from .flowstate import Calibration, FlowState, StageCost, WalkClock, best_segment, segment_value
+from .context import DecodingMode, ModeContext, prefill
+from .flowstate import Calibration, FlowState, StageCost, best_segment, segment_value
+from .flowstats import FlowStats
 
 log = logging.getLogger(__name__)
 
@@ -120,31 +120,10 @@ class FlowSpecConfig(FrozenModel):
     stream_levels: bool = True
 
 
-class _Rows:
-    """verify.Rows over the verified nodes: the LM head runs only for the nodes the walk visits (one row costs as
-    much as several layers on a small target), memoised per node until the next prune."""
-
-    def __init__(self, state: FlowState, fn):
-        self.state, self.fn = state, fn
-
-    def __len__(self) -> int:
-        return self.state.verified
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        row = self.state.rows.get(i)
-        if row is None:
-            row = self.state.rows[i] = self.fn(self.state.feats[i])
-        return row
-
-
 def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
-    """Verify the verified prefix of the current tree from its root."""
-    v = state.verified
-    if ctx.params.greedy:
-        return verify_greedy(state.tree, _Rows(state, ctx.logits), verified_end=v, stop_ids=ctx.stop_ids)
-    probs = _Rows(state, lambda f: target_probs(ctx.logits(f), ctx.params))
-    uniforms = torch.rand(len(state.tree) + 1, generator=ctx.gen, dtype=torch.float64)
-    return verify_sampling(state.tree, probs, uniforms, verified_end=v, stop_ids=ctx.stop_ids)
+    """Verify the verified prefix of the current tree from its root (LM-head rows only where the walk goes)."""
+    rows = LazyRows(state.verified, lambda i: ctx.logits(state.feats[i]))
+    return verify_tree(state.tree, rows, ctx.params, ctx.gen, verified_end=state.verified, stop_ids=ctx.stop_ids)
 
 
 def _next_level(levels: Iterator[DraftTree]) -> DraftTree | None:
@@ -243,6 +222,81 @@ class FlowSpecGrowth:
         return k
 
 
+class _TreeLoop:
+    """One request's pipelined tree loop (tree_pipeline): the ring kept full, and each returned segment turned
+    into a walk, a prune in band and a grown tree."""
+
+    def __init__(self, ctx: ModeContext, growth: Growth, state: FlowState, in_flight: int):
+        self.ctx, self.growth, self.state, self.in_flight = ctx, growth, state, in_flight
+        self.stats = FlowStats()
+        self.verdict: Verdict | None = None  # the last walk's, until advance() applies it
+
+    def budget(self) -> int:
+        return self.ctx.max_new_tokens - self.ctx.stats.new_tokens
+
+    async def fill(self) -> None:
+        """Keep ``in_flight`` live segments in the ring while unsent nodes exist. Segments that a prune emptied do
+        not count: the stages skip their dead rows (look-ahead), so a fresh root goes out at once."""
+        state = self.state
+        while (live := sum(1 for seg in state.inflight if seg.nodes)) < self.in_flight:
+            n = self.growth.segment(state, live)
+            if n <= 0:
+                return
+            tag, a, b = state.next_segment(n)
+            self.stats.sent(tag, b - a)
+            t = state.tree
+            await self.ctx.forward(first=a, parents=t.parent_list[a:b], positions=t.positions(state.committed)[a:b]
+                                   .tolist(), tokens=t.tokens[a:b], tag=tag)
+
+    async def start(self) -> None:
+        td = time.perf_counter()
+        await self.growth.initial(self.ctx, self.state, self.budget(), self.fill)
+        self.stats.draft_s += time.perf_counter() - td
+        await self.fill()  # the initial tree, cut into segments, fills the ring
+
+    async def take(self, msg: Forward, tensors: dict[str, torch.Tensor]) -> tuple[list[int], bool]:
+        """A returned segment: its live nodes extend the verified prefix and are walked. -> (tokens decided now,
+        to stream at once; whether the reply is over)"""
+        ctx, state, stats = self.ctx, self.state, self.stats
+        self.growth.returned(msg)
+        seg, f = state.take_result(msg, ctx.features(tensors))
+        stats.returned(seg)
+        self.verdict = None
+        if not seg.nodes:
+            return [], False
+        tv = time.perf_counter()
+        state.feats += list(f)
+        verdict = await ctx.compute(_walk, ctx, state)  # the root is always in the verified prefix here
+        stats.verify_s += time.perf_counter() - tv
+        stats.walked()
+        ctx.stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
+        out = verdict.emitted(state.tree)[: self.budget()]
+        ctx.stats.new_tokens += len(out)
+        if verdict.stopped or self.budget() <= 0 or out[-1] in ctx.stop_ids:
+            return out, True
+        self.verdict = verdict
+        return out, False
+
+    async def advance(self) -> None:
+        """After ``take``: prune to the walk's outcome in band and feed the drafter (if it walked), grow the
+        tree, refill the ring."""
+        ctx, state, stats, verdict = self.ctx, self.state, self.stats, self.verdict
+        if verdict is not None:
+            self.growth.walked(state, verdict)
+            accept, keep, acc_tokens, acc_feats = state.apply(verdict)
+            stats.applied(state.outcome)
+            await ctx.prune(accept, keep)
+            await self.fill()  # surviving unsent nodes go out before we spend time drafting
+            td = time.perf_counter()
+            await ctx.compute(ctx.drafter.feed, acc_tokens, acc_feats, verdict.token)
+            stats.draft_s += time.perf_counter() - td
+        td = time.perf_counter()
+        if await self.growth.grow(ctx, state, self.budget(), verdict is not None, self.fill):
+            stats.drafted()
+        stats.draft_s += time.perf_counter() - td
+        await self.fill()
+
+
 async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None = None,
                         draft_slots: int = 64) -> AsyncIterator[list[int]]:
     """The pipelined tree loop shared by FlowSpec and PipeDec: prefill, fill the ring with segments, and on every
@@ -257,74 +311,28 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
     await ctx.compute(drafter.feed, ctx.prompt, feats, token)
     stats.prefill_s = time.perf_counter() - t0
     stats.steps, stats.new_tokens = 1, 1
-    draft_s = verify_s = 0.0
     t1 = time.perf_counter()
-    state: FlowState | None = None
-    clock = WalkClock()
+    loop: _TreeLoop | None = None
     try:
         yield [token]
         if stats.new_tokens >= budget or token in ctx.stop_ids:
             return
-        state = FlowState(tree=DraftTree.root(token), committed=len(ctx.prompt))
-
-        async def fill() -> None:
-            """Keep ``in_flight`` live segments in the ring while unsent nodes exist. Segments that a prune emptied
-            do not count: the stages skip their dead rows (look-ahead), so a fresh root goes out at once."""
-            while (live := sum(1 for seg in state.inflight if seg.nodes)) < in_flight:
-                n = growth.segment(state, live)
-                if n <= 0:
-                    return
-                tag, a, b = state.next_segment(n)
-                t = state.tree
-                positions = t.positions(state.committed)[a:b].tolist()
-                await ctx.forward(first=a, parents=t.parent_list[a:b], positions=positions, tokens=t.tokens[a:b],
-                                  tag=tag)
-
-        td = time.perf_counter()
-        await growth.initial(ctx, state, budget - stats.new_tokens, fill)
-        draft_s += time.perf_counter() - td
-        await fill()  # the initial tree, cut into segments, fills the ring
+        loop = _TreeLoop(ctx, growth, FlowState(tree=DraftTree.root(token), committed=len(ctx.prompt)), in_flight)
+        await loop.start()
         while True:
             msg, tensors = await ctx.recv()
             if not isinstance(msg, Forward):
                 continue  # acks of our prunes: the FIFO bookkeeping is done at send time
-            growth.returned(msg)
-            nodes, f = state.take_result(msg, ctx.features(tensors))
-            walked = False
-            if nodes:
-                tv = time.perf_counter()
-                state.feats += list(f)
-                verdict = await ctx.compute(_walk, ctx, state)  # the root is always in the verified prefix here
-                verify_s += time.perf_counter() - tv
-                clock.walked(time.perf_counter())
-                state.counters["walks"] += 1
-                stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
-                out = verdict.emitted(state.tree)[: budget - stats.new_tokens]
-                stats.new_tokens += len(out)
-                if out:
-                    yield out
-                if verdict.stopped or stats.new_tokens >= budget or out[-1] in ctx.stop_ids:
-                    return
-                growth.walked(state, verdict)
-                accept, keep, acc_tokens, acc_feats = state.apply(verdict)
-                clock.outcome(state.outcome)
-                await ctx.prune(accept, keep)
-                await fill()  # surviving unsent nodes go out before we spend time drafting
-                td = time.perf_counter()
-                await ctx.compute(drafter.feed, acc_tokens, acc_feats, verdict.token)
-                draft_s += time.perf_counter() - td
-                walked = True
-            td = time.perf_counter()
-            if await growth.grow(ctx, state, budget - stats.new_tokens, walked, fill):
-                state.counters["drafts"] = state.counters.get("drafts", 0) + 1
-            draft_s += time.perf_counter() - td
-            await fill()
+            out, done = await loop.take(msg, tensors)
+            if out:
+                yield out  # streamed the moment it is decided
+            if done:
+                return
+            await loop.advance()
     finally:
         stats.decode_s = time.perf_counter() - t1
-        if state is not None:
-            counters = {**state.counters, "trip_s": round(state.counters["trip_s"], 6)}
-            stats.extra.update(draft_s=round(draft_s, 4), verify_s=round(verify_s, 4), in_flight=in_flight,
-                               **counters, **clock.sums, **growth.report())
+        if loop is not None:
+            stats.extra.update(in_flight=in_flight, **loop.stats.extra(), **growth.report())
 
 
 async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) -> AsyncIterator[list[int]]:
@@ -334,10 +342,11 @@ async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) 
         yield chunk
 
 
-def flowspec_spec(config: FlowSpecConfig | None = None) -> ModeSpec:
-    return ModeSpec("flowspec", partial(flowspec_mode, config=config), needs_drafter=True,
-                    description="FlowSpec: score-ordered tree segments streamed through the pipeline, verified "
-                                "step by step, pruned in band on every stage, expanded as they flow")
+def make_flowspec(config: FlowSpecConfig | None = None) -> DecodingMode:
+    """The ``flowspec`` mode with these settings (None: the defaults)."""
+    return DecodingMode("flowspec", partial(flowspec_mode, config=config), needs_drafter=True,
+                        description="FlowSpec: score-ordered tree segments streamed through the pipeline, verified "
+                                    "step by step, pruned in band on every stage, expanded as they flow")
 
 
-FLOWSPEC = flowspec_spec()
+FLOWSPEC = make_flowspec()

@@ -2,19 +2,17 @@
 drives.
 
     FlowState    one request's tree, what is in flight (Segment), the verified prefix and the prunes (apply)
-    WalkClock    what each walk outcome costs (the time to the next walk), for the bench's diagnostics
     StageCost    a k-node stage forward's time relative to a one-node one, measured from the returned segments
     Calibration  how well the draft's scores predict the target in this request (acceptance estimates, hit rate)
     best_segment the segment size that maximises expected accepted nodes per unit of stage time
 
-Words as in flowspec.py's glossary.
+Words as in flowspec.py's glossary. What the loop reports about itself (counters, timings) is flowstats.py's.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +32,6 @@ class Segment:
     sent_rows: int
     rows: list[int]
     nodes: list[int]
-    sent_at: float = 0.0  # time.perf_counter() when it went out
 
 
 @dataclass
@@ -45,12 +42,8 @@ class FlowState:
     committed: int  # K/V-committed tokens on every stage (prompt + accepted)
     sent: int = 0
     feats: list[torch.Tensor] = field(default_factory=list)  # [hidden] per verified node (index < V)
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> target row [vocab], computed lazily
     inflight: deque[Segment] = field(default_factory=deque)
     next_tag: int = 0
-    counters: dict = field(default_factory=lambda: dict(
-        segments=0, nodes_sent=0, nodes_returned=0, nodes_dead=0, walks=0, continues=0, continues_unsent=0,
-        restarts=0, prunes=0, trip_s=0.0, trips=0))
     outcome: str = ""  # of the last walk applied: "continue", "continue_unsent" (new root not yet sent), "restart"
 
     @property
@@ -71,13 +64,12 @@ class FlowState:
         tag = self.next_tag
         self.next_tag += 1
         self.sent = b
-        self.inflight.append(Segment(tag, b - a, list(range(b - a)), list(range(a, b)), time.perf_counter()))
-        self.counters["segments"] += 1
-        self.counters["nodes_sent"] += b - a
+        self.inflight.append(Segment(tag, b - a, list(range(b - a)), list(range(a, b))))
         return tag, a, b
 
-    def take_result(self, msg: Forward, features: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Match a returned Forward to its in-flight segment -> (current node indices, their features [k, H])."""
+    def take_result(self, msg: Forward, features: torch.Tensor) -> tuple[Segment, torch.Tensor]:
+        """Match a returned Forward to its in-flight segment -> (the segment: its live nodes at current indices,
+        their features [k, H])."""
         seg = self.inflight.popleft()
         assert seg.tag == msg.tag, f"segment {msg.tag} returned, {seg.tag} expected (FIFO broken)"
         m = features.shape[0]
@@ -88,14 +80,9 @@ class FlowState:
         else:
             raise AssertionError(f"segment {seg.tag} returned {m} rows; sent {seg.sent_rows}, {len(seg.nodes)} live")
         assert not set(rows) & set(msg.dead), f"segment {seg.tag}: a live row came back dead"
-        self.counters["nodes_returned"] += len(seg.nodes)
-        self.counters["nodes_dead"] += seg.sent_rows - len(seg.nodes)
-        if seg.nodes:  # a live segment's trip round the ring (queueing behind earlier segments included)
-            self.counters["trip_s"] += time.perf_counter() - seg.sent_at
-            self.counters["trips"] += 1
         v = self.verified
         assert seg.nodes == list(range(v, v + len(seg.nodes))), (seg.nodes, v)
-        return seg.nodes, features[rows]
+        return seg, features[rows]
 
     def apply(self, verdict: Verdict) -> tuple[int, list[int], list[int], torch.Tensor]:
         """Commit the accepted path and prune to the new root's subtree (continue) or a fresh root (restart).
@@ -109,11 +96,8 @@ class FlowState:
         if new_tree is None:  # restart: the decided token is a fresh root
             new_tree = DraftTree.root(verdict.token)
             self.outcome = "restart"
-            self.counters["restarts"] += 1
         else:
             self.outcome = "continue" if verdict.next_child < self.sent else "continue_unsent"
-            self.counters["continues"] += 1
-            self.counters["continues_unsent"] += self.outcome == "continue_unsent"
         keep_sent = [i for i in keep if i < self.sent]
         a = len(acc)
         new_of = {old: new - a for new, old in enumerate(keep_sent) if new >= a}
@@ -123,8 +107,7 @@ class FlowState:
         self.sent = len(keep_sent) - a
         self.tree = new_tree
         self.committed += a
-        self.feats, self.rows = [], {}
-        self.counters["prunes"] += 1
+        self.feats = []
         return a, keep_sent, tokens, feats
 
     def rank_unsent(self, max_unsent: int) -> None:
@@ -137,29 +120,6 @@ class FlowState:
         scores = self.tree.scores.tolist()
         best = sorted(range(a, n), key=lambda i: (-scores[i], i))[:max_unsent]
         self.tree = self.tree.select([*range(a), *best], keep_order=True)
-
-
-@dataclass
-class WalkClock:
-    """What each walk outcome costs: the time from a walk to the next one, summed by the first walk's outcome
-    (FlowState.outcome), into GenStats.extra as ``<outcome>_gap_s`` and ``<outcome>_gaps``. A continue whose
-    child was in flight costs about one stage time; a restart, or a continue to an unsent child, a trip round
-    the ring. ``flowspec bench`` reports the mean of each. Call ``walked`` at every walk and ``outcome`` once
-    the walk is applied (the request's last walk has none)."""
-
-    sums: dict[str, float] = field(default_factory=dict)
-    last: tuple[float, str | None] | None = None
-
-    def walked(self, now: float) -> None:
-        if self.last is not None and self.last[1] is not None:
-            t, kind = self.last
-            self.sums[f"{kind}_gap_s"] = round(self.sums.get(f"{kind}_gap_s", 0.0) + now - t, 6)
-            self.sums[f"{kind}_gaps"] = self.sums.get(f"{kind}_gaps", 0) + 1
-        self.last = (now, None)
-
-    def outcome(self, kind: str) -> None:
-        assert self.last is not None, "outcome() of a walk that was not clocked"
-        self.last = (self.last[0], kind)
 
 
 CostFn = Callable[[int], float]

@@ -25,7 +25,8 @@ draws from a fresh seed-derived stream, so the continuation does not reuse the f
 new pipeline in time, or after ``resume_attempts`` resumptions, it ends with ``PeerGone``; a stage error ends it
 with ``StageFailed``. It never hangs.
 
-Decoding modes plug in through ``ModeSpec`` and see one request through a ``ModeContext`` (mode.py).
+Decoding modes plug in through ``DecodingMode`` and see one request through a ``ModeContext`` (context.py), which
+reaches the leader only through its ``LeaderParts``.
 """
 
 from __future__ import annotations
@@ -37,56 +38,19 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
-
-from pydantic import Field
 
 from ..errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone
 from ..model.generate import GenStats, check_context
 from ..model.sampling import SamplingParams
 from ..model.shard import Shard
-from ..pipeline.messages import Forward, Release
+from ..pipeline.messages import Release
 from ..pipeline.transport import Frame, LinkDown
-from ..types import FrozenModel
-from .context import AR, ModeContext, ModeSpec, Pipeline
+from ..spec.drafter import Drafter
+from .ar import AR
+from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
+from .settings import LeaderSettings
 
 log = logging.getLogger(__name__)
-
-
-class LeaderSettings(FrozenModel):
-    mode_preference: tuple[str, ...] = ("flowspec", "chunk", "ar")  # default mode: the first one available
-    default_mode: str | None = None  # overrides mode_preference
-    max_context: int = Field(2048, ge=2)  # prompt + new tokens; the stages' KV capacity must be at least this
-    max_waiting: int = Field(8, ge=0)  # requests queued behind the one in flight; more get Busy (503)
-    queue_timeout_s: float = Field(300.0, gt=0)  # waiting for the turn longer than this: Busy (503)
-    ready_timeout_s: float = Field(10.0, ge=0)  # waiting for a pipeline longer than this: NotReady (503)
-    step_timeout_s: float = Field(60.0, gt=0)  # no reply from the pipeline for this long: PeerGone
-    resume_attempts: int = Field(2, ge=0)  # a request whose pipeline broke continues on the next one this often
-    resume_timeout_s: float = Field(20.0, ge=0)  # ... if the next pipeline comes within this (re-plan + load)
-    retry_after_s: int = Field(2, ge=1)  # Retry-After for 503s
-    prefill_chunk: int = Field(128, ge=1)  # prompt tokens per prefill Forward (chunks are pipelined)
-    wire_dtype: str = "float32"  # activations the leader itself sends (when it embeds for stage 1)
-    tree_margin: int = Field(256, ge=0)  # KV slots a stage needs beyond max_context for pending draft-tree nodes
-    slowdown: float = Field(1.0, ge=1.0, le=1000.0)  # emulated device (emulation.py) for ``ModeContext.compute``
-    # (drafting, LM head, verification). Basis "cpu": the leader is busy slowdown x the CPU time its compute thread
-    # used (t_cpu; with one torch thread, else as "measured"), so stages computing at the same time on the shared
-    # host do not count; "measured": it waits (slowdown - 1) x the wall time, which multiplies that contention too
-    slowdown_basis: Literal["cpu", "measured"] = "cpu"
-
-    @property
-    def stage_capacity(self) -> int:
-        """KV capacity every stage (StageCore ``capacity``) needs for requests this leader accepts."""
-        return self.max_context + self.tree_margin
-
-
-def builtin_modes() -> list[ModeSpec]:
-    """Every mode this package ships, with default settings: ar, chunk, pipedec and flowspec."""
-    from .chunk import CHUNK
-    from .flowspec import FLOWSPEC
-    from .pipedec import PIPEDEC
-
-    return [AR, CHUNK, PIPEDEC, FLOWSPEC]
 
 
 def _decode_window(stats: GenStats, busy: list[tuple[float, float]]) -> None:
@@ -124,32 +88,36 @@ class Leader:
     """See the module docstring. ``run()`` (the demultiplexer) must run while requests are served: give it to
     the agent's TaskGroup, or let api.create_app run it (``cleanup_ctx``)."""
 
-    def __init__(self, head: Shard, tokenizer, *, drafter=None, settings: LeaderSettings | None = None,
-                 modes: Sequence[ModeSpec] = (AR,), model_id: str = "flowspec"):
+    def __init__(self, head: Shard, tokenizer, *, drafter: Drafter | None = None,
+                 settings: LeaderSettings | None = None, modes: Sequence[DecodingMode] = (AR,),
+                 model_id: str = "flowspec", compute: Compute | None = None):
+        """``compute``: where the modes' heavy work runs (default: one thread; an emulated device wraps it)."""
         assert head.has_head, "the leader's shard must hold the final norm and LM head"
         self.head = head
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.settings = settings or LeaderSettings()
         self.model_id = model_id
-        self.modes: dict[str, ModeSpec] = {}
+        self.parts = LeaderParts(head, drafter, self.settings, compute or ThreadCompute())
+        self.modes: dict[str, DecodingMode] = {}
         for m in modes:
             self.register_mode(m)
         self.inbox: asyncio.Queue = asyncio.Queue()  # the return link's RingServer delivers here
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="leader")
         self.pipeline: Pipeline | None = None
         self._ready = asyncio.Event()
         self._swapped = asyncio.Event()  # set whenever a new pipeline is installed
         self._turn = asyncio.Lock()
         self._waiting = 0
         self._active: dict[str, ModeContext] = {}
+        self.idle = asyncio.Event()  # set while no request is in flight
+        self.idle.set()
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "busy": 0, "not_ready": 0,
                          "dropped": 0, "resumed": 0}
         self.last_stats: dict | None = None
 
     # ---------------------------------------------------------------------------------------- modes
 
-    def register_mode(self, spec: ModeSpec) -> None:
+    def register_mode(self, spec: DecodingMode) -> None:
         self.modes[spec.name] = spec
 
     def available_modes(self) -> list[str]:
@@ -164,7 +132,7 @@ class Leader:
                 return name
         return avail[0]
 
-    def resolve_mode(self, name: str | None) -> ModeSpec:
+    def resolve_mode(self, name: str | None) -> DecodingMode:
         name = name or self.default_mode()
         spec = self.modes.get(name)
         if spec is None:
@@ -206,8 +174,7 @@ class Leader:
                 if isinstance(ev, Frame):
                     ctx = self._active.get(ev.msg.request_id)
                     if ctx is not None:
-                        ctx.returned += isinstance(ev.msg, Forward)
-                        ctx.queue.put_nowait(ev)
+                        ctx.deliver(ev)
                     else:  # a late reply of a request that already ended
                         self.counters["dropped"] += 1
                 elif isinstance(ev, LinkDown) and self._affects_pipeline(ev):
@@ -218,7 +185,7 @@ class Leader:
 
     def close(self) -> None:
         """Stop the compute thread (after ``run`` ended)."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.parts.compute.close()
 
     def _affects_pipeline(self, ev: LinkDown) -> bool:
         p = self.pipeline
@@ -230,7 +197,7 @@ class Leader:
 
     # ------------------------------------------------------------------------------------- requests
 
-    def check(self, prompt_len: int, max_tokens: int, mode: str | None) -> tuple[ModeSpec, int]:
+    def check(self, prompt_len: int, max_tokens: int, mode: str | None) -> tuple[DecodingMode, int]:
         """Validate a request before it queues: -> (mode, clamped max new tokens). Raises InvalidRequest or
         ContextOverflow."""
         spec = self.resolve_mode(mode)
@@ -268,9 +235,10 @@ class Leader:
             for attempt in itertools.count():
                 cur = GenStats(mode=spec.name)
                 rid = uuid.uuid4().hex[:16]
-                ctx = ModeContext(self, pipeline, rid, [*prompt, *committed], _attempt_params(params, attempt),
+                ctx = ModeContext(self.parts, pipeline, rid, [*prompt, *committed], _attempt_params(params, attempt),
                                   budget - len(committed), stops, cur)
                 self._active[rid] = ctx
+                self.idle.clear()
                 outcome: str | None = "failed"
                 broken: PeerGone | None = None
                 try:
@@ -292,6 +260,8 @@ class Leader:
                     raise
                 finally:
                     del self._active[rid]
+                    if not self._active:
+                        self.idle.set()
                     if outcome is not None:
                         self.counters[outcome] += 1
                     _decode_window(cur, ctx.busy)
@@ -364,7 +334,7 @@ class Leader:
                                                 "takes": p.takes, **p.info},
             "modes": self.available_modes(),
             "default_mode": self.default_mode(),
-            "slowdown": self.settings.slowdown,
+            "slowdown": getattr(self.parts.compute, "slowdown", 1.0),
             "in_flight": list(self._active),
             "waiting": self._waiting,
             **self.counters,

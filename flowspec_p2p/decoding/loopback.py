@@ -17,7 +17,7 @@ import torch
 from aiohttp import web
 
 from ..model.shard import Shard
-from ..pipeline.emulation import NO_COMPUTE_EMULATION, NO_LINK_EMULATION, ComputeEmulation, LinkEmulation
+from ..pipeline.emulation import NO_COMPUTE_EMULATION, NO_LINK_EMULATION, ComputeEmulation, LinkEmulation, device_for
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer
 from ..pipeline.stage import StageCore
@@ -49,7 +49,7 @@ class LoopbackRing:
         self.run_leader = run_leader  # False: someone else runs leader.run() (e.g. api.create_app)
         capacity = capacity or leader.settings.stage_capacity
         self.workers = [
-            StageWorker(StageCore(s, index=i + 1, capacity=capacity, wire_dtype=wire_dtype), compute=compute)
+            StageWorker(StageCore(s, index=i + 1, capacity=capacity, wire_dtype=wire_dtype), device=device_for(compute))
             for i, s in enumerate(shards)
         ]
         self.servers = [RingServer(f"stage{w.core.index}", cluster, epoch=epoch, inbox=w.inbox) for w in self.workers]

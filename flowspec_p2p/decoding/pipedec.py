@@ -25,7 +25,7 @@ from ..spec.drafter import TreeShape
 from ..spec.tree import DraftTree
 from ..spec.verify import Verdict
 from ..types import FrozenModel
-from .context import ModeContext, ModeSpec
+from .context import DecodingMode, ModeContext
 from .flowspec import Send, tree_pipeline
 from .flowstate import FlowState
 
@@ -111,9 +111,9 @@ async def pipedec_mode(ctx: ModeContext, config: PipeDecConfig | None = None) ->
         yield chunk
 
 
-def pipedec_spec(config: PipeDecConfig | None = None) -> ModeSpec:
-    return ModeSpec("pipedec", partial(pipedec_mode, config=config), needs_drafter=True,
+def make_pipedec(config: PipeDecConfig | None = None) -> DecodingMode:
+    return DecodingMode("pipedec", partial(pipedec_mode, config=config), needs_drafter=True,
                     description="PipeDec: the draft tree grows one level per pipeline step, one level per segment")
 
 
-PIPEDEC = pipedec_spec()
+PIPEDEC = make_pipedec()

@@ -1,4 +1,6 @@
-"""Emulating edge devices on one host (issue 4 item 9): slow links and slow compute. Off by default.
+"""Emulating edge devices on one host: slow links and slow compute, for benchmarks. Off by default; where it is on,
+the agent installs it as a wrapper (a link's ``LinkEmulation``, a stage's ``EmulatedDevice``, the leader's
+``EmulatedCompute``) and nothing else in the data path knows about it.
 
 Link emulation is applied by the *sender* of each data-plane link, frame by frame:
 
@@ -12,7 +14,7 @@ B_i*8/bw`` (``t_i`` the send time). The sender does not block: like a kernel soc
 frames until they are due. ``LinkSchedule`` is that arithmetic (pure, tested with a fake clock); ``Pacer`` is the
 asyncio shell that holds frames until they are due.
 
-Compute emulation (``ComputeEmulation``, applied per stage by the worker through a ``DeviceClock``): N stages
+Compute emulation (``ComputeEmulation``, applied per stage by an ``EmulatedDevice`` through a ``DeviceClock``): N stages
 sharing a few cores should behave like N devices each ``slowdown`` times slower than one uncontended core. A
 forward of r computed rows (rows the look-ahead skipped do not count) that computed for t seconds is held until
 ``slowdown * t_min(r)`` has passed, where t_min(r) is the fastest of the stage's last 64 r-row forwards (basis
@@ -20,20 +22,23 @@ forward of r computed rows (rows the look-ahead skipped do not count) that compu
 time on the shared host (which real devices would not) then still look like independent devices, as long as the
 contention stays below the slowdown. Basis "measured" holds it (slowdown - 1) * t instead, which multiplies any
 contention by the slowdown too: concurrent stages (FlowSpec, Chunk-PP) are penalised against one-at-a-time
-ones (autoregressive). The leader's compute (drafting, LM head, verification; ``LeaderSettings.slowdown``) uses
-basis "cpu": it stays busy until slowdown x the CPU time its compute thread used has passed (``cpu_time_wait``).
-Every benchmark report states the emulation it used (``describe``).
+ones (autoregressive). The leader's compute (drafting, LM head, verification; ``EmulatedCompute``) uses basis
+"cpu": it stays busy until slowdown x the CPU time its compute thread used has passed (``cpu_time_wait``; with more
+than one torch thread the thread's CPU time misses their work, so it falls back to "measured"). Every benchmark
+report states the emulation it used (``describe``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Any, Literal, Protocol, TypeVar
 
+import torch
 from pydantic import Field
 
 from ..types import FrozenModel
@@ -118,6 +123,87 @@ class DeviceClock:
 
 NO_LINK_EMULATION = LinkEmulation()
 NO_COMPUTE_EMULATION = ComputeEmulation()
+
+
+class Device:
+    """A stage's device as it is: a forward is done when it has computed (the worker's default)."""
+
+    async def finish(self, rows: int, compute_s: float, t0: float, layers: int, cut: bool,
+                     wait: Callable[[float], Awaitable[bool]]) -> None:
+        """Called after each forward; returns when the device would be done with it (see EmulatedDevice)."""
+
+    def describe(self) -> str:
+        return NO_COMPUTE_EMULATION.describe()
+
+
+class EmulatedDevice(Device):
+    """A stage's device ``emulation.slowdown`` times slower (DeviceClock). ``finish`` holds the forward until the
+    emulated device would be done; ``wait(deadline)`` (the worker's) waits until time.perf_counter() reaches the
+    deadline and says True as soon as a prune arrived that discards the whole forward: the emulated device then
+    stops at its next emulated layer boundary."""
+
+    def __init__(self, emulation: ComputeEmulation):
+        self.emulation = emulation
+        self.clock = DeviceClock(emulation)
+
+    async def finish(self, rows: int, compute_s: float, t0: float, layers: int, cut: bool,
+                     wait: Callable[[float], Awaitable[bool]]) -> None:
+        """``rows``: rows computed; ``t0``: time.perf_counter() at the start; ``cut``: the forward was already cut
+        short (nothing to learn about the device's speed from it)."""
+        hold = max(0.0, self.clock.extra_wait(rows, compute_s, record=not cut))
+        if hold <= 0:
+            return
+        emulated = compute_s + hold  # the whole forward on the emulated device, one layer at a time
+        layer = emulated / max(1, layers)
+        if cut or await wait(t0 + emulated):
+            elapsed = time.perf_counter() - t0
+            stop_at = min(emulated, math.ceil(elapsed / layer - 1e-9) * layer)
+            await asyncio.sleep(max(0.0, t0 + stop_at - time.perf_counter()))
+
+    def describe(self) -> str:
+        return self.emulation.describe()
+
+
+def device_for(emulation: ComputeEmulation) -> Device:
+    """The device a stage with this compute emulation runs on (a fresh clock for each)."""
+    return EmulatedDevice(emulation) if emulation.enabled else Device()
+
+
+T = TypeVar("T")
+
+
+class TimedCompute(Protocol):
+    async def timed(self, fn: Callable[..., T], *args: Any) -> tuple[T, float, float]:
+        """-> (fn(*args), wall seconds, CPU seconds of the thread it ran on)"""
+
+    def close(self) -> None: ...
+
+
+class EmulatedCompute:
+    """The leader's compute on a device ``slowdown`` times slower: after fn ran for t seconds using c seconds of
+    CPU, it stays busy until slowdown x c has passed (basis "cpu"; with more than one torch thread, or basis
+    "measured", it waits (slowdown - 1) x t). Wraps the leader's compute thread (decoding.context.ThreadCompute)."""
+
+    def __init__(self, inner: TimedCompute, slowdown: float, basis: Literal["cpu", "measured"] = "cpu"):
+        self.inner = inner
+        self.slowdown = slowdown
+        self.basis = basis
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        out, wall_s, cpu_s = await self.inner.timed(fn, *args)
+        if self.basis == "cpu" and torch.get_num_threads() == 1:
+            wait = cpu_time_wait(self.slowdown, wall_s, cpu_s)
+        else:
+            wait = measured_wait(self.slowdown, wall_s)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return out
+
+    def describe(self) -> str:
+        return f"leader compute slowdown {self.slowdown:g}x (basis {self.basis})"
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class LinkSchedule:

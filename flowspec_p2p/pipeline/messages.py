@@ -77,15 +77,6 @@ class Prune(FrozenModel):
     keep: list[int]
 
 
-class Reset(FrozenModel):
-    """Drop every pending node and truncate the committed prefix to ``length`` (a restart or a rollback)."""
-
-    kind: Literal["reset"] = "reset"
-    request_id: str
-    seq: int = Field(ge=0)
-    length: int = Field(ge=0)
-
-
 class Release(FrozenModel):
     """The request is over: free its state on every stage."""
 
@@ -102,6 +93,8 @@ class StageError(FrozenModel):
     seq: int = Field(ge=0)
     stage: int
     message: str
+    # "link_lost": the stage lost its inbound link (the leader resumes the request on the next pipeline)
+    reason: Literal["failed", "link_lost"] = "failed"
 
 
-DataMessage = Annotated[Forward | Prune | Reset | Release | StageError, Field(discriminator="kind")]
+DataMessage = Annotated[Forward | Prune | Release | StageError, Field(discriminator="kind")]

@@ -15,7 +15,7 @@ ancestor-closed sets), and the next prune removes them from the indexing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -25,7 +25,7 @@ from ..errors import ContextOverflow, FlowSpecError, ForwardStopped, ProtocolErr
 from ..model.dtypes import dtype_name
 from ..model.kv_cache import KVCache
 from ..model.shard import Shard
-from .messages import Forward, Prune, Release, Reset, StageError, TensorSpec
+from .messages import DataMessage, Forward, Prune, Release, StageError, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ class StageCore:
 
     # ------------------------------------------------------------------------------------------ dispatch
 
-    def handle(self, msg, tensors: Tensors, upcoming: list | tuple = (), stop: Callable[[], bool] | None = None
-               ) -> tuple[object, Tensors]:
+    def handle(self, msg: DataMessage, tensors: Tensors, upcoming: Sequence[DataMessage] = (),
+               stop: Callable[[], bool] | None = None) -> tuple[DataMessage, Tensors]:
         """Apply one message. Errors specific to a request become a StageError passed on; they never raise.
         ``upcoming``: messages queued behind this one (look-ahead: a Forward skips rows a queued Prune discards).
         ``stop``: asked between layers of a tree forward; yes means a prune that arrived since discards every
@@ -96,9 +96,6 @@ class StageCore:
             elif isinstance(msg, Prune):
                 self._prune(state, msg)
                 out = (msg, {})
-            elif isinstance(msg, Reset):
-                self._reset(state, msg)
-                out = (msg, {})
             elif isinstance(msg, Release):
                 self.requests.pop(msg.request_id, None)
                 out = (msg, {})
@@ -112,7 +109,7 @@ class StageCore:
             log.warning("stage %d: request %s failed: %s", self.index, msg.request_id, e)
             return StageError(request_id=msg.request_id, seq=msg.seq, stage=self.index, message=str(e)), {}
 
-    def _state(self, msg) -> RequestState:
+    def _state(self, msg: DataMessage) -> RequestState:
         state = self.requests.get(msg.request_id)
         if state is None:
             if msg.seq != 0 or not isinstance(msg, Forward):
@@ -133,61 +130,18 @@ class StageCore:
 
     def _forward(self, state: RequestState, msg: Forward, tensors: Tensors, ahead: Prune | None,
                  stop: Callable[[], bool] | None = None) -> tuple[Forward, Tensors]:
-        cache = state.cache
-        m = len(msg.parents)
-        first = msg.first
-        if m == 0 or len(msg.positions) != m:
-            raise ProtocolError(f"forward needs one parent and one position per node (got {m}, {len(msg.positions)})")
-        if first != len(state.parents):
-            raise ProtocolError(f"forward starts at node {first} but this stage holds {len(state.parents)} pending")
-        if msg.commit and (state.parents or msg.dead):
-            raise ProtocolError("a committing forward needs an empty pending tree and no dead rows")
-        if any(not 0 <= r < m for r in msg.dead):
-            raise ProtocolError(f"dead rows {msg.dead} out of range")
-        parents = state.parents + list(msg.parents)
-        depth = list(state.depth)
-        for i, p in enumerate(msg.parents):
-            if not -1 <= p < first + i:
-                raise ProtocolError(f"node {first + i} has invalid parent {p}")
-            d = 0 if p == -1 else depth[p] + 1
-            if msg.positions[i] != cache.committed + d:
-                raise ProtocolError(f"node {first + i}: position {msg.positions[i]} != {cache.committed + d}")
-            depth.append(d)
-        if msg.commit and not is_chain(msg.parents, 0):
-            raise ProtocolError("a committing forward must be a plain chain")
-
-        # dead rows: marked upstream, or discarded by the prune queued behind this forward (look-ahead)
-        dead = set(msg.dead)
-        if ahead is not None and not msg.commit:
-            kept = set(ahead.keep)
-            dead |= {i for i in range(m) if first + i not in kept}
-        slot = list(state.slot)
-        live = []
-        for i, p in enumerate(msg.parents):
-            if p >= 0 and slot[p] is None and i not in dead:
-                raise ProtocolError(f"node {first + i} is live but its parent {p} is dead")
-            if i in dead:
-                slot.append(None)
-            else:
-                slot.append(cache.pending + len(live))
-                live.append(i)
-        if cache.length + len(live) > cache.capacity:
-            raise ContextOverflow(f"request {msg.request_id} exceeds this stage's KV capacity {cache.capacity}")
-
+        """Check the new nodes against the pending tree, skip the dead ones, run the live ones through the shard."""
+        cache, m, first = state.cache, len(msg.parents), msg.first
+        parents, depth = self._extend_tree(state, msg)
+        dead, slot, live = self._place_rows(state, msg, ahead)
         name = "features" if self.shard.has_head else "hidden"
         out = torch.zeros(m, self.shard.cfg.hidden_size, dtype=self.wire_dtype)  # [m, hidden]
-        x = self._input(msg, tensors, m)  # [1, m] ids or [1, m, hidden]
         if live:
             mask = None
             if dead or not (cache.pending == 0 and is_chain(msg.parents, 0)):
                 mask = ancestor_mask(cache.committed, parents, first, slot, live)[None]  # [1, n_live, C + slots]
-            idx = torch.tensor(live)
-            positions = torch.tensor([[msg.positions[i] for i in live]], dtype=torch.long)  # [1, n_live]
             try:
-                with torch.inference_mode():
-                    y = self.shard(x[:, idx], cache, positions=positions, mask=mask,
-                                   stop=None if msg.commit else stop)[0]  # [n_live, hidden]
-                out[idx] = y.to(self.wire_dtype)
+                out[torch.tensor(live)] = self._run(msg, tensors, cache, live, mask, None if msg.commit else stop)
             except ForwardStopped as e:  # the reserved slots hold nothing: no node points at them, the prune drops them
                 log.debug("stage %d: request %s forward %d %s", self.index, msg.request_id, msg.tag, e)
                 dead |= set(live)
@@ -203,6 +157,64 @@ class StageCore:
         self.counters["skipped"] = self.counters.get("skipped", 0) + m - len(live)
         spec = TensorSpec(name=name, dtype=dtype_name(self.wire_dtype), shape=tuple(out.shape))
         return msg.model_copy(update={"tensors": [spec], "dead": sorted(dead)}), {name: out}
+
+    def _extend_tree(self, state: RequestState, msg: Forward) -> tuple[list[int], list[int]]:
+        """Validate the new nodes (parents before children, positions = committed + depth, a commit is a plain
+        chain on an empty tree) -> (parents, depth) of the pending tree with them."""
+        m, first = len(msg.parents), msg.first
+        if m == 0 or len(msg.positions) != m:
+            raise ProtocolError(f"forward needs one parent and one position per node (got {m}, {len(msg.positions)})")
+        if first != len(state.parents):
+            raise ProtocolError(f"forward starts at node {first} but this stage holds {len(state.parents)} pending")
+        if msg.commit and (state.parents or msg.dead):
+            raise ProtocolError("a committing forward needs an empty pending tree and no dead rows")
+        if any(not 0 <= r < m for r in msg.dead):
+            raise ProtocolError(f"dead rows {msg.dead} out of range")
+        parents = state.parents + list(msg.parents)
+        depth = list(state.depth)
+        for i, p in enumerate(msg.parents):
+            if not -1 <= p < first + i:
+                raise ProtocolError(f"node {first + i} has invalid parent {p}")
+            d = 0 if p == -1 else depth[p] + 1
+            if msg.positions[i] != state.cache.committed + d:
+                raise ProtocolError(f"node {first + i}: position {msg.positions[i]} != {state.cache.committed + d}")
+            depth.append(d)
+        if msg.commit and not is_chain(msg.parents, 0):
+            raise ProtocolError("a committing forward must be a plain chain")
+        return parents, depth
+
+    def _place_rows(self, state: RequestState, msg: Forward, ahead: Prune | None
+                    ) -> tuple[set[int], list[int | None], list[int]]:
+        """Dead rows (marked upstream, or discarded by the prune queued behind: look-ahead) take no KV slot.
+        -> (dead rows, pending slot per node, live rows)"""
+        cache, first = state.cache, msg.first
+        dead = set(msg.dead)
+        if ahead is not None and not msg.commit:
+            kept = set(ahead.keep)
+            dead |= {i for i in range(len(msg.parents)) if first + i not in kept}
+        slot = list(state.slot)
+        live = []
+        for i, p in enumerate(msg.parents):
+            if p >= 0 and slot[p] is None and i not in dead:
+                raise ProtocolError(f"node {first + i} is live but its parent {p} is dead")
+            if i in dead:
+                slot.append(None)
+            else:
+                slot.append(cache.pending + len(live))
+                live.append(i)
+        if cache.length + len(live) > cache.capacity:
+            raise ContextOverflow(f"request {msg.request_id} exceeds this stage's KV capacity {cache.capacity}")
+        return dead, slot, live
+
+    def _run(self, msg: Forward, tensors: Tensors, cache: KVCache, live: list[int], mask: torch.Tensor | None,
+             stop: Callable[[], bool] | None) -> torch.Tensor:
+        """The live rows through the shard -> [n_live, hidden] in the wire dtype."""
+        x = self._input(msg, tensors, len(msg.parents))  # [1, m] ids or [1, m, hidden]
+        positions = torch.tensor([[msg.positions[i] for i in live]], dtype=torch.long)  # [1, n_live]
+        with torch.inference_mode():
+            y = self.shard(x[:, torch.tensor(live)], cache, positions=positions, mask=mask,
+                           stop=stop)[0]  # [n_live, hidden]
+        return y.to(self.wire_dtype)
 
     def _input(self, msg: Forward, tensors: Tensors, m: int) -> torch.Tensor:
         hidden = self.shard.cfg.hidden_size
@@ -251,20 +263,14 @@ class StageCore:
         state.slot = list(range(len(new_parents)))
         self.counters["prunes"] += 1
 
-    def _reset(self, state: RequestState, msg: Reset) -> None:
-        if msg.length > state.cache.committed:
-            raise ProtocolError(f"reset to {msg.length} beyond the committed prefix {state.cache.committed}")
-        state.cache.truncate(msg.length)
-        state.parents, state.depth, state.slot = [], [], []
 
-
-def _next_prune(request_id: str, upcoming) -> Prune | None:
-    """The first Prune of ``request_id`` among the queued messages, unless a Reset/Release/Error comes first."""
+def _next_prune(request_id: str, upcoming: Sequence[DataMessage]) -> Prune | None:
+    """The first Prune of ``request_id`` among the queued messages, unless a Release or an error comes first."""
     for m in upcoming:
         if getattr(m, "request_id", None) != request_id:
             continue
         if isinstance(m, Prune):
             return m
-        if isinstance(m, Reset | Release | StageError):
+        if isinstance(m, Release | StageError):
             return None
     return None

@@ -52,7 +52,6 @@ CLOSE_REFUSED = 4403  # handshake refused: wrong cluster, protocol, sender, or n
 CLOSE_STALE_EPOCH = 4409  # handshake refused or link retired: the plan epoch is not the current one
 CLOSE_SHUTDOWN = 4503  # the agent is stopping
 
-LINK_LOST = "link lost: "  # prefix of a StageError that a stage sends when its inbound link broke (-> PeerGone)
 
 
 class Hello(FrozenModel):

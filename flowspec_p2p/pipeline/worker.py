@@ -7,22 +7,21 @@ HTTP while a stage computes; cheap messages (prune, reset, release) are applied 
 the loop awaits each message before it takes the next. Sending runs as its own task, so computing message
 k+1 overlaps sending message k; order is kept by a FIFO queue.
 
-Compute emulation (issue 4 item 9, emulation.py): after a forward the stage holds the result (and the next
-message) until its DeviceClock says a device s times slower would be done, then appends its busy seconds to the
-returned Forward (``stage_s``).
+After a forward the worker asks its ``Device`` (emulation.py) to finish it: a real device is done at once; an
+emulated one, s times slower, holds the result (and the next message) until it would be done. Each stage then
+appends its busy seconds to the returned Forward (``stage_s``).
 
 Observability: ``snapshot()`` (counters for /cluster) and ``timeline()`` (busy intervals: wall-clock start and
 end of each forward including the emulated wait, in a bounded ring buffer, for per-stage timeline charts).
 
-When the inbound link breaks, every request that came through it gets a StageError sent downstream, so the
-leader fails it at once with the reason instead of waiting for a timeout.
+When the inbound link breaks, every request that came through it gets a StageError (reason "link_lost") sent
+downstream, so the leader resumes it at once instead of waiting for a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -30,10 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from ..errors import PeerGone
-from .emulation import NO_COMPUTE_EMULATION, ComputeEmulation, DeviceClock
-from .messages import Forward, Prune, Release, Reset, StageError
-from .stage import StageCore
-from .transport import LINK_LOST, Frame, LinkDown, Sender
+from .emulation import Device
+from .messages import DataMessage, Forward, Prune, Release, StageError
+from .stage import StageCore, Tensors
+from .transport import Frame, LinkDown, Sender
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class _DiscardWatch:
     def _decides(self, ev) -> bool:
         """Whether ``ev`` is the message that settles this forward's fate (a prune or the request's end)."""
         return isinstance(ev, Frame) and ev.msg.request_id == self.msg.request_id and isinstance(
-            ev.msg, Prune | Reset | Release | StageError)
+            ev.msg, Prune | Release | StageError)
 
     def arrived(self, ev) -> None:
         self.backlog.append(ev)
@@ -86,12 +85,11 @@ class StageWorker:
     ``run`` closes the current one when it ends). ``run()`` runs until cancelled; give it to a TaskGroup."""
 
     def __init__(self, core: StageCore, successor: Sender | None = None, *, inbox: asyncio.Queue | None = None,
-                 compute: ComputeEmulation = NO_COMPUTE_EMULATION, name: str | None = None):
+                 device: Device | None = None, name: str | None = None):
         self.core = core
         self.successor = successor
         self.inbox: asyncio.Queue = inbox if inbox is not None else asyncio.Queue()
-        self.compute = compute
-        self.clock = DeviceClock(compute)
+        self.device = device or Device()
         self.name = name or f"stage{core.index}"
         self.timeline_buffer: deque[BusyInterval] = deque(maxlen=TIMELINE_LENGTH)
         self.counters = {"frames_in": 0, "frames_out": 0, "dropped_out": 0, "compute_s": 0.0, "busy_s": 0.0,
@@ -147,10 +145,11 @@ class StageWorker:
                 self._origin.pop(msg.request_id, None)
             self._out.put_nowait(out)
 
-    async def _forward(self, loop, executor: ThreadPoolExecutor, ev: Frame, backlog: deque) -> tuple[object, dict]:
-        """Run one Forward, then hold it for the emulated device. Frames that arrive meanwhile join ``backlog``;
-        when the first prune of this request among them discards every node of the forward, the forward stops
-        at its next layer (stage.py) and an emulated device at its next emulated layer boundary."""
+    async def _forward(self, loop, executor: ThreadPoolExecutor, ev: Frame, backlog: deque
+                       ) -> tuple[DataMessage, Tensors]:
+        """Run one Forward, then let the device finish it. Frames that arrive meanwhile join ``backlog``; when the
+        first prune of this request among them discards every node of the forward, the forward stops at its next
+        layer (stage.py) and an emulated device at its next emulated layer boundary."""
         msg = ev.msg
         start = time.time()
         t0 = time.perf_counter()
@@ -165,17 +164,8 @@ class StageWorker:
         compute_s = time.perf_counter() - t0
         result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
         rows = len(msg.parents) if result is None else result.computed_rows
-        if stop.is_set() or watch.discarded:  # nothing to learn about the device's speed from a cut forward
-            hold = max(0.0, self.clock.extra_wait(rows, compute_s, record=False))
-        else:
-            hold = max(0.0, self.clock.extra_wait(rows, compute_s))
-        if hold > 0:
-            emulated = compute_s + hold  # the whole forward on the emulated device, one layer at a time
-            layer = emulated / max(1, len(self.core.shard.blocks))
-            if watch.discarded or await self._watch(None, t0 + emulated, watch):
-                elapsed = time.perf_counter() - t0  # the emulated device stops at its next layer boundary
-                cut = min(emulated, math.ceil(elapsed / layer - 1e-9) * layer)
-                await asyncio.sleep(max(0.0, t0 + cut - time.perf_counter()))
+        await self.device.finish(rows, compute_s, t0, len(self.core.shard.blocks), watch.discarded,
+                                 lambda deadline: self._watch(None, deadline, watch))
         if result is not None and (stop.is_set() or watch.discarded):
             result = result.model_copy(update={"dead": list(range(len(msg.parents)))})
             self.counters["cut"] = self.counters.get("cut", 0) + 1
@@ -226,8 +216,8 @@ class StageWorker:
             state = self.core.requests.get(rid)
             if state is None:
                 continue
-            err = StageError(request_id=rid, seq=state.next_seq, stage=self.core.index,
-                             message=f"{LINK_LOST}stage {self.core.index} lost its link from {ev.peer}: {ev.reason}")
+            err = StageError(request_id=rid, seq=state.next_seq, stage=self.core.index, reason="link_lost",
+                             message=f"stage {self.core.index} lost its link from {ev.peer}: {ev.reason}")
             self._out.put_nowait(self.core.handle(err, {}))
         if lost:
             log.warning("%s: link from %s down (%s); failed %d request(s)", self.name, ev.peer, ev.reason, len(lost))
@@ -260,7 +250,7 @@ class StageWorker:
             "running": self.running,
             "open_requests": len(self.core.requests),
             "queued": self.inbox.qsize(),
-            "emulation": self.compute.describe(),
+            "emulation": self.device.describe(),
             **self.core.counters,
             **c,
             "successor": None if self.successor is None else self.successor.peer,

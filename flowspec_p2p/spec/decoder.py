@@ -24,12 +24,12 @@ from .. import env
 from ..errors import ConfigError
 from ..model.generate import PREFILL_CHUNK, GenStats, check_context
 from ..model.kv_cache import KVCache
-from ..model.sampling import SamplingParams, choose, target_probs
+from ..model.sampling import SamplingParams, choose
 from ..model.shard import Shard
 from .drafter import Drafter, HeadDrafter, TreeShape
 from .head import DraftBundle, find_draft
 from .ngram import LookupDrafter
-from .verify import LazyRows, Verdict, verify_greedy, verify_sampling
+from .verify import LazyRows, verify_tree
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,8 @@ class SpecDecoder:
                 pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
                 f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
                 # 3. verify; keep the accepted path's K/V
-                verdict = self._verify(tree, f, params, gen, stop_ids)
+                rows = LazyRows(len(tree), lambda i, f=f: model.logits(f[i]))  # LM head only where the walk goes
+                verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids)
                 cache.keep(verdict.accepted)
                 cache.commit(len(verdict.accepted))
                 out = verdict.emitted(tree)[:remaining]
@@ -163,12 +164,3 @@ class SpecDecoder:
                 tree_nodes=round(nodes / decode_steps, 2) if decode_steps else 0.0,
                 tree=self.shape.model_dump(),
             )
-
-    def _verify(self, tree, f: torch.Tensor, params: SamplingParams, gen, stop_ids) -> Verdict:
-        """f: [n, hidden] target features of the tree. LM-head rows are computed only where the walk goes."""
-        head = self.model.logits
-        if params.greedy:
-            return verify_greedy(tree, LazyRows(len(tree), lambda i: head(f[i])), stop_ids=stop_ids)
-        probs = LazyRows(len(tree), lambda i: target_probs(head(f[i]), params))
-        uniforms = torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64)
-        return verify_sampling(tree, probs, uniforms, stop_ids=stop_ids)

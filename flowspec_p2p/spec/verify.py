@@ -30,6 +30,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..model.sampling import SamplingParams, target_probs
 from .tree import DraftTree
 
 
@@ -142,6 +143,17 @@ def verify_sampling(
         nxt = tree.child_with_token(node, y)
         assert nxt is None or nxt >= end, "a rejected child cannot be sampled from the residual"
         return Verdict(accepted, y, nxt)
+
+
+def verify_tree(tree: DraftTree, logits: Rows, params: SamplingParams, gen: torch.Generator | None, *,
+                verified_end: int | None = None, stop_ids: frozenset[int] = frozenset()) -> Verdict:
+    """Verify ``tree`` as ``params`` say: the greedy walk (temperature 0), else exact rejection sampling with
+    ``len(tree) + 1`` uniforms from ``gen``. logits: target logits rows (usually ``LazyRows``)."""
+    if params.greedy:
+        return verify_greedy(tree, logits, verified_end=verified_end, stop_ids=stop_ids)
+    probs = LazyRows(len(logits), lambda i: target_probs(logits[i], params))
+    uniforms = torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64)
+    return verify_sampling(tree, probs, uniforms, verified_end=verified_end, stop_ids=stop_ids)
 
 
 def _row(row: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -5,10 +5,11 @@ import pytest
 from aiohttp import web
 
 from flowspec_p2p.api.app import create_app
+from flowspec_p2p.decoding.ar import AR
 from flowspec_p2p.decoding.chunk import CHUNK
-from flowspec_p2p.decoding.context import AR
-from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
+from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.spec.drafter import OracleDrafter
 
 from ..ring_fixtures import F64, ByteTokenizer, tiny_parts

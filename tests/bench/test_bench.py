@@ -323,17 +323,22 @@ def test_bad_bench_options_fail_with_the_reason_before_any_agent_starts(tmp_path
 # ------------------------------------------------------------------------------ leader and API hooks
 
 
-async def test_leader_compute_is_slowed_down_like_a_stage():
-    from concurrent.futures import ThreadPoolExecutor
-
-    from flowspec_p2p.decoding.context import ModeContext
-    from flowspec_p2p.decoding.leader import LeaderSettings, _decode_window
+def _emulated_context(**kw):
+    from flowspec_p2p.decoding.context import LeaderParts, ModeContext, ThreadCompute
+    from flowspec_p2p.decoding.settings import LeaderSettings
     from flowspec_p2p.model.generate import GenStats
     from flowspec_p2p.model.sampling import SamplingParams
+    from flowspec_p2p.pipeline.emulation import EmulatedCompute
 
-    leader = SimpleNamespace(head=None, drafter=None, settings=LeaderSettings(slowdown=3.0, slowdown_basis="measured"),
-                             executor=ThreadPoolExecutor(1))
-    ctx = ModeContext(leader, None, "r", [1], SamplingParams(), 4, frozenset(), GenStats("x"))
+    compute = EmulatedCompute(ThreadCompute(), **kw)
+    parts = LeaderParts(head=None, drafter=None, settings=LeaderSettings(), compute=compute)
+    return ModeContext(parts, None, "r", [1], SamplingParams(), 4, frozenset(), GenStats("x")), compute
+
+
+async def test_leader_compute_is_slowed_down_like_a_stage():
+    from flowspec_p2p.decoding.leader import _decode_window
+
+    ctx, compute = _emulated_context(slowdown=3.0, basis="measured")
     t0 = time.perf_counter()
     assert await ctx.compute(time.sleep, 0.05) is None
     assert time.perf_counter() - t0 >= 0.15 - 0.01  # 0.05 s of compute + 2 x 0.05 s emulated wait
@@ -344,18 +349,11 @@ async def test_leader_compute_is_slowed_down_like_a_stage():
     e = ctx.stats.extra
     assert e["decode_finished_at"] - e["decode_started_at"] == pytest.approx(0.1)
     assert 0.0 < e["leader_busy_s"] <= 0.1
-    leader.executor.shutdown()
+    compute.close()
 
 
 async def test_leader_slowdown_counts_the_cpu_time_it_used_not_host_contention(monkeypatch):
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch
-
-    from flowspec_p2p.decoding.context import ModeContext
-    from flowspec_p2p.decoding.leader import LeaderSettings
-    from flowspec_p2p.model.generate import GenStats
-    from flowspec_p2p.model.sampling import SamplingParams
 
     def spin(seconds: float) -> None:  # compute: uses the CPU the whole time
         c0 = time.thread_time()
@@ -363,23 +361,22 @@ async def test_leader_slowdown_counts_the_cpu_time_it_used_not_host_contention(m
             pass
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    leader = SimpleNamespace(head=None, drafter=None, settings=LeaderSettings(slowdown=3.0),
-                             executor=ThreadPoolExecutor(1))
-    ctx = ModeContext(leader, None, "r", [1], SamplingParams(), 4, frozenset(), GenStats("x"))
+    ctx, compute = _emulated_context(slowdown=3.0)
     await ctx.compute(spin, 0.05)
     await ctx.compute(time.sleep, 0.05)  # descheduled, as when other devices hold the host's cores: no CPU used
     (a, b), (c, d) = ctx.busy
     assert b - a >= 3 * 0.05 - 0.01
     assert d - c < 0.05 + 0.04  # not 3 x 0.05: waiting for a core is the host's contention, not the device's work
-    leader.executor.shutdown()
+    compute.close()
 
 
 async def test_api_returns_token_ids_decode_window_and_leader_timeline_on_request(tiny_llama):
     from flowspec_p2p.api.app import create_app
+    from flowspec_p2p.decoding.ar import AR
     from flowspec_p2p.decoding.chunk import CHUNK
-    from flowspec_p2p.decoding.context import AR
-    from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+    from flowspec_p2p.decoding.leader import Leader
     from flowspec_p2p.decoding.loopback import LoopbackRing
+    from flowspec_p2p.decoding.settings import LeaderSettings
     from flowspec_p2p.spec.drafter import OracleDrafter
 
     from ..ring_fixtures import F64, ByteTokenizer, tiny_parts

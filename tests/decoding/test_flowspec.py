@@ -8,12 +8,14 @@ import math
 import pytest
 import torch
 
-from flowspec_p2p.decoding.context import AR
-from flowspec_p2p.decoding.flowspec import FlowSpecConfig, FlowSpecGrowth, flowspec_spec
-from flowspec_p2p.decoding.flowstate import Calibration, FlowState, StageCost, WalkClock, best_segment, linear_cost
-from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.decoding.ar import AR
+from flowspec_p2p.decoding.flowspec import FlowSpecConfig, FlowSpecGrowth, make_flowspec
+from flowspec_p2p.decoding.flowstate import Calibration, FlowState, StageCost, best_segment, linear_cost
+from flowspec_p2p.decoding.flowstats import FlowStats, WalkClock
+from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
-from flowspec_p2p.decoding.pipedec import PipeDecConfig, pipedec_spec
+from flowspec_p2p.decoding.pipedec import PipeDecConfig, make_pipedec
+from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.shard import Shard
@@ -98,7 +100,7 @@ CONFIGS = {
 async def test_greedy_flowspec_equals_single_device_autoregressive(parts, four_stages, drafter_kind, n_stages,
                                                                    config):
     stages = parts.stages if n_stages == 3 else four_stages
-    leader = Leader(parts.head, None, drafter=drafter_for(drafter_kind, parts), modes=[AR, flowspec_spec(
+    leader = Leader(parts.head, None, drafter=drafter_for(drafter_kind, parts), modes=[AR, make_flowspec(
         CONFIGS[config])], settings=LeaderSettings(max_context=200, prefill_chunk=4, step_timeout_s=20.0))
     totals = {"continues": 0, "restarts": 0, "walks": 0}
     pipeline, cores = sync_pipeline(stages, leader, F64)
@@ -145,7 +147,7 @@ async def recorded_run(parts, events: list, config: FlowSpecConfig, n: int = 24)
     """One greedy request for PROMPTS[0] through the synchronous 3-stage ring, the partial drafter logging each
     drafted level into ``events``. -> (tokens, stats)"""
     leader = Leader(parts.head, None, drafter=RecordingDrafter(drafter_for("partial", parts), events),
-                    modes=[flowspec_spec(config)], settings=LeaderSettings(max_context=200, prefill_chunk=4))
+                    modes=[make_flowspec(config)], settings=LeaderSettings(max_context=200, prefill_chunk=4))
     pipeline, _ = sync_pipeline(parts.stages, leader, F64)
     async with asyncio.TaskGroup() as tg:
         demux = tg.create_task(leader.run())
@@ -204,7 +206,7 @@ async def test_a_returned_live_segment_stops_the_draft_for_its_walk(parts):
 @pytest.mark.parametrize("hops", ["memory", "ws"])
 async def test_flowspec_over_the_async_ring_equals_single_device(parts, hops):
     """The same through real stage workers (threads, queues, and websockets on port 0)."""
-    leader = Leader(parts.head, None, drafter=drafter_for("partial", parts), modes=[flowspec_spec(CONFIGS["wide"])],
+    leader = Leader(parts.head, None, drafter=drafter_for("partial", parts), modes=[make_flowspec(CONFIGS["wide"])],
                     settings=LeaderSettings(max_context=200, prefill_chunk=4, step_timeout_s=20.0))
     async with LoopbackRing(parts.stages, leader, hops=hops, wire_dtype=F64) as ring:
         out, stats = await run(leader, PROMPTS[0], 40)
@@ -217,7 +219,7 @@ async def test_flowspec_over_the_async_ring_equals_single_device(parts, hops):
 
 
 async def test_stop_token_and_budget_end_the_reply_exactly(parts):
-    leader = Leader(parts.head, None, drafter=OracleDrafter(parts.whole), modes=[flowspec_spec()],
+    leader = Leader(parts.head, None, drafter=OracleDrafter(parts.whole), modes=[make_flowspec()],
                     settings=LeaderSettings(max_context=200, prefill_chunk=4))
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
         for prompt in PROMPTS:
@@ -236,7 +238,7 @@ async def test_greedy_pipedec_equals_single_device_autoregressive(parts, four_st
     """PipeDec (one tree level per pipeline step) shares FlowSpec's machinery and is lossless too."""
     stages = parts.stages if n_stages == 3 else four_stages
     leader = Leader(parts.head, None, drafter=drafter_for(drafter_kind, parts),
-                    modes=[pipedec_spec(PipeDecConfig(width=width, max_depth=6))],
+                    modes=[make_pipedec(PipeDecConfig(width=width, max_depth=6))],
                     settings=LeaderSettings(max_context=200, prefill_chunk=4, step_timeout_s=20.0))
     pipeline, cores = sync_pipeline(stages, leader, F64)
     async with asyncio.TaskGroup() as tg:
@@ -344,13 +346,15 @@ def test_expansion_depth_follows_the_measured_hit_rate():
 def test_a_walk_is_a_continue_to_a_sent_child_a_continue_to_an_unsent_one_or_a_restart():
     tree = DraftTree.from_lists([5, 6, 7], [-1, 0, 0], scores=[0.0, -0.5, -1.0])
     for child, token, outcome in ((1, 6, "continue"), (2, 7, "continue_unsent"), (None, 9, "restart")):
-        state = FlowState(tree=tree, committed=10)
+        state, stats = FlowState(tree=tree, committed=10), FlowStats()
         state.next_segment(2)  # root and node 1 went out; node 2 did not
         state.feats = [torch.zeros(4)]
+        stats.walked()
         state.apply(Verdict([0], token, child))
+        stats.applied(state.outcome)
         assert state.outcome == outcome
         assert state.tree.token_list[0] == token
-        assert (state.counters["continues"], state.counters["continues_unsent"], state.counters["restarts"]) == (
+        assert (stats.counters["continues"], stats.counters["continues_unsent"], stats.counters["restarts"]) == (
             int(outcome != "restart"), int(outcome == "continue_unsent"), int(outcome == "restart"))
     clock = WalkClock()
     for t, outcome in ((0.0, "continue"), (0.1, "restart"), (0.4, "continue"), (0.45, None)):  # the last ends

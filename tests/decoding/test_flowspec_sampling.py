@@ -10,8 +10,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from flowspec_p2p.decoding.flowspec import FlowSpecConfig, flowspec_spec
-from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.decoding.flowspec import FlowSpecConfig, make_flowspec
+from flowspec_p2p.decoding.leader import Leader
+from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams, target_probs
 from flowspec_p2p.model.shard import Shard
@@ -59,7 +60,7 @@ async def test_flowspec_sampling_matches_the_target_distribution(toy):
     dh.block.reset_parameters(0.5)  # a wrong but deterministic draft: trees of 2-3 siblings per node
     cfg = FlowSpecConfig(init=TreeShape(total_tokens=9, depth=3, top_k=3, order="score"),
                          expand=TreeShape(total_tokens=6, depth=3, top_k=3, order="score"), segment_cap=1)
-    leader = Leader(head, None, drafter=HeadDrafter(dh, head), modes=[flowspec_spec(cfg)],
+    leader = Leader(head, None, drafter=HeadDrafter(dh, head), modes=[make_flowspec(cfg)],
                     settings=LeaderSettings(max_context=32, prefill_chunk=8))
     counts = np.zeros(VOCAB**3)
     split_walks = 0

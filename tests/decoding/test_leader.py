@@ -6,10 +6,12 @@ import threading
 import pytest
 import torch
 
-from flowspec_p2p.decoding.chunk import CHUNK, chunk_spec
-from flowspec_p2p.decoding.context import AR, Pipeline
-from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.decoding.ar import AR
+from flowspec_p2p.decoding.chunk import CHUNK, make_chunk
+from flowspec_p2p.decoding.context import Pipeline
+from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
+from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.errors import Busy, InvalidRequest, NotReady, PeerGone, StageFailed
 from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams
@@ -102,7 +104,7 @@ async def test_greedy_chunk_pp_equals_single_device(parts, random_head, drafter_
 
 async def test_chunk_pp_with_more_segments_than_nodes_and_a_stop_token(parts):
     leader = Leader(parts.head, None, drafter=OracleDrafter(parts.whole), settings=LeaderSettings(max_context=160),
-                    modes=[AR, chunk_spec(TreeShape(total_tokens=3, depth=2, top_k=2), segments=8)])
+                    modes=[AR, make_chunk(TreeShape(total_tokens=3, depth=2, top_k=2), segments=8)])
     prompt = [5, 6, 7, 8, 9, 10, 11]
     ref = parts.reference(prompt, 40, stop_ids=frozenset({2}))
     assert ref[-1] == 2, "the tiny model should emit EOS within 40 tokens for this prompt"
@@ -219,10 +221,10 @@ async def test_replanning_fails_the_request_in_flight_and_later_requests_use_the
 
 
 def resume_modes(parts, random_head):
-    from flowspec_p2p.decoding.flowspec import flowspec_spec
-    from flowspec_p2p.decoding.pipedec import pipedec_spec
+    from flowspec_p2p.decoding.flowspec import make_flowspec
+    from flowspec_p2p.decoding.pipedec import make_pipedec
 
-    return [AR, CHUNK, pipedec_spec(), flowspec_spec()], HeadDrafter(random_head, parts.head)
+    return [AR, CHUNK, make_pipedec(), make_flowspec()], HeadDrafter(random_head, parts.head)
 
 
 @pytest.mark.parametrize("mode", ["ar", "chunk", "pipedec", "flowspec"])

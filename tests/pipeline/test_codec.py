@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from flowspec_p2p.errors import ProtocolError
 from flowspec_p2p.model.dtypes import DTYPE_NAMES
 from flowspec_p2p.pipeline import codec
-from flowspec_p2p.pipeline.messages import PROTOCOL_VERSION, Forward, Prune, Release, Reset, StageError
+from flowspec_p2p.pipeline.messages import PROTOCOL_VERSION, Forward, Prune, Release, StageError
 
 
 def forward(m=4, **kw):
@@ -48,7 +48,7 @@ def test_float_dtype_casts_activations_but_not_tokens():
 
 @pytest.mark.parametrize("msg", [
     Prune(request_id="a", seq=3, accept=2, keep=[0, 1, 5]),
-    Reset(request_id="a", seq=4, length=17),
+    StageError(request_id="a", seq=4, stage=2, message="lost", reason="link_lost"),
     Release(request_id="a", seq=5),
     StageError(request_id="a", seq=6, stage=2, message="KV cache full ✗"),
 ])

@@ -7,7 +7,7 @@ import torch
 
 from flowspec_p2p.model.shard import Shard
 from flowspec_p2p.model.weights import open_source
-from flowspec_p2p.pipeline.messages import Forward, Prune, Release, Reset, StageError
+from flowspec_p2p.pipeline.messages import Forward, Prune, Release, StageError
 from flowspec_p2p.pipeline.stage import StageCore, ancestor_mask
 from flowspec_p2p.types import LayerRange
 
@@ -163,7 +163,6 @@ def test_protocol_violations_become_stage_errors_and_drop_the_request(pipeline):
         (Forward(request_id="bad", seq=1, first=0, parents=[-1], positions=[1]), {"tokens": torch.tensor([999])}),
         (Forward(request_id="bad", seq=1, first=0, parents=[3], positions=[1]), {"tokens": torch.tensor([3])}),
         (Prune(request_id="bad", seq=1, accept=0, keep=[2, 1]), None),
-        (Reset(request_id="bad", seq=1, length=9), None),
     ]
     for msg, tensors in cases:
         out, _ = run(stages, msg, tensors)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from flowspec_p2p.pipeline import worker as worker_mod
-from flowspec_p2p.pipeline.emulation import ComputeEmulation
+from flowspec_p2p.pipeline.emulation import ComputeEmulation, EmulatedDevice
 from flowspec_p2p.pipeline.messages import Forward, Prune, Release, StageError
 from flowspec_p2p.pipeline.stage import StageCore
-from flowspec_p2p.pipeline.transport import LINK_LOST, Frame, LinkDown, QueueSender
+from flowspec_p2p.pipeline.transport import Frame, LinkDown, QueueSender
 from flowspec_p2p.pipeline.worker import StageWorker
 
 from ..ring_fixtures import F64, tiny_parts
@@ -72,7 +72,7 @@ async def test_messages_are_applied_in_order_and_passed_on(shard):
 
 
 async def test_compute_slowdown_stretches_each_forward_and_is_recorded_in_the_timeline(shard):
-    async with Running(shard, compute=ComputeEmulation(slowdown=4.0, basis="measured")) as r:
+    async with Running(shard, device=EmulatedDevice(ComputeEmulation(slowdown=4.0, basis="measured"))) as r:
         for seq in range(3):
             r.put(fwd("a", seq, 4, start=4 * seq), hidden(4))
         for _ in range(3):
@@ -92,7 +92,7 @@ async def test_compute_slowdown_stretches_each_forward_and_is_recorded_in_the_ti
 
 
 async def test_device_time_is_the_slowdown_times_the_fastest_forward_of_that_size(shard):
-    async with Running(shard, compute=ComputeEmulation(slowdown=4.0)) as r:
+    async with Running(shard, device=EmulatedDevice(ComputeEmulation(slowdown=4.0))) as r:
         for seq in range(4):
             r.put(fwd("a", seq, 4, start=4 * seq), hidden(4))
         for _ in range(4):
@@ -139,7 +139,7 @@ async def test_a_lost_inbound_link_fails_only_the_requests_that_came_through_it(
         assert isinstance(err, StageError)
         assert err.request_id == "a"
         assert err.seq == 1
-        assert err.message.startswith(LINK_LOST)
+        assert err.reason == "link_lost"
         assert "code 1006" in err.message
         assert set(r.worker.core.requests) == {"b"}
         r.put(fwd("b", 1, 1, start=3), hidden(1), link=2)  # the other request goes on
@@ -170,7 +170,7 @@ async def test_a_prune_that_discards_a_whole_forward_cuts_it_at_the_next_emulate
     goes on with every row dead, after about half its emulated time (the prune comes during the first of the
     stage's two layers). A prune that keeps one of its nodes cuts nothing."""
     slow = 200.0
-    async with Running(shard, compute=ComputeEmulation(slowdown=slow, basis="measured")) as r:
+    async with Running(shard, device=EmulatedDevice(ComputeEmulation(slowdown=slow, basis="measured"))) as r:
         r.put(fwd("a", 0, 3), hidden(3))
         await r.get()
         for seq, keep in ((1, []), (3, [1])):  # discards both nodes / keeps node 1

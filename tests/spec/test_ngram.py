@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from flowspec_p2p.decoding.flowspec import FlowSpecConfig, flowspec_spec
-from flowspec_p2p.decoding.leader import Leader, LeaderSettings
+from flowspec_p2p.decoding.flowspec import FlowSpecConfig, make_flowspec
+from flowspec_p2p.decoding.leader import Leader
+from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.spec.decoder import SpecDecoder
@@ -95,7 +96,7 @@ def test_speculation_with_lookup_equals_autoregressive_decoding(tiny_llama, shap
 async def test_flowspec_with_lookup_equals_single_device(tiny_llama):
     parts = tiny_parts(tiny_llama)
     drafter = LookupDrafter(HeadDrafter(random_head(parts.whole), parts.head))
-    leader = Leader(parts.head, None, drafter=drafter, modes=[flowspec_spec(FlowSpecConfig(segment_cap=3))],
+    leader = Leader(parts.head, None, drafter=drafter, modes=[make_flowspec(FlowSpecConfig(segment_cap=3))],
                     settings=LeaderSettings(max_context=200, prefill_chunk=8))
     pipeline, _ = sync_pipeline(parts.stages, leader, F64)
     async with asyncio.TaskGroup() as tg:
