@@ -34,8 +34,8 @@ import aiohttp
 import torch
 from aiohttp import web
 
+from .api.app import create_app
 from .cluster.control import (
-    AUTH_HEADER,
     CONTROL_PATH,
     INFO_PATH,
     MAX_CONTROL_BYTES,
@@ -44,27 +44,36 @@ from .cluster.control import (
     auth_tag,
     decode,
     encode,
-    sign,
-    verify,
 )
 from .cluster.coordinator import Coordinator
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
 from .cluster.member import MemberControl
+from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind, checking, signing
 from .cluster.planner import describe_model
 from .cluster.profile import DeviceProfile, measure
 from .cluster.stage_host import StageHost, TapQueue
+from .cluster.weight_server import WeightServer
 from .config import AgentConfig, split_host_port
-from .errors import ConfigError, FlowSpecError, PeerGone, ProtocolError
+from .decoding.context import DecodingMode, ThreadCompute
+from .decoding.flowspec import FlowSpecConfig
+from .decoding.leader import Leader
+from .decoding.registry import builtin_modes
+from .decoding.settings import LeaderSettings
+from .errors import ConfigError, FlowSpecError, ProtocolError
 from .model.dtypes import TORCH_DTYPES
-from .model.shard import packing_enabled
+from .model.shard import Shard, packing_enabled
+from .model.tokenizer import Tokenizer
+from .model.weights import model_fingerprint, open_source
+from .pipeline.codec import wire_dtype
 from .pipeline.emulation import ComputeEmulation, EmulatedCompute, LinkEmulation, device_for
 from .pipeline.ring_server import RingServer
 from .pipeline.transport import LinkDown
+from .spec.decoder import load_drafter
+from .spec.drafter import Drafter
 from .types import LayerRange
 
 log = logging.getLogger(__name__)
 
-CONTROL_TIMEOUT_S = 3.0
 BYE_TIMEOUT_S = 1.5
 SHUTDOWN_TIMEOUT_S = 2.0  # open HTTP handlers (ring links, streamed responses) get this long to end
 STATE_FILE = "agent.json"
@@ -74,7 +83,7 @@ class _Stopped(Exception):
     """Raised inside the TaskGroup to end it after stop()."""
 
 
-class Agent:
+class Agent(Net):
     def __init__(self, cfg: AgentConfig, *, profile: DeviceProfile | None = None, tokenizer=None):
         """``profile`` replaces the start-up measurement and ``tokenizer`` the model's own (tests)."""
         self.cfg = cfg
@@ -88,6 +97,7 @@ class Agent:
         self.source = None  # this device's own model copy, if any
         self.model_fp = ""
         self.session: aiohttp.ClientSession | None = None
+        self.client: ControlClient | None = None
         self.ring: RingServer | None = None
         self.stage_host: StageHost | None = None
         self.leader = None  # leader.Leader, on the leader
@@ -117,12 +127,11 @@ class Agent:
             if bad:
                 raise ConfigError(f"cannot bind {', '.join(bad)}: pass --interface with an address of this host")
             if cfg.model is not None or cfg.leader:
-                from .model.weights import open_source
-
                 self.source = await asyncio.to_thread(open_source, cfg.model)
             profile = self._profile or await asyncio.to_thread(self._measure)
-            async with aiohttp.ClientSession(middlewares=(self._sign,)) as session:
+            async with aiohttp.ClientSession(middlewares=(signing(self.secret),)) as session:
                 self.session = session
+                self.client = ControlClient(session, self.secret)
                 await self._serve(addresses, profile)
 
     def _measure(self) -> DeviceProfile:
@@ -133,27 +142,28 @@ class Agent:
                        latency_ms=o.latency_ms if o.latency_ms is not None else cfg.emulation.link_latency_ms,
                        slowdown=cfg.emulation.slowdown)
 
-    async def _serve(self, addresses: list[str], profile: DeviceProfile) -> None:
-        cfg = self.cfg
-        app = web.Application(middlewares=[self._auth], client_max_size=MAX_CONTROL_BYTES)
-        self.ring = RingServer(self.id, cfg.cluster)
+    def _agent_app(self) -> web.Application:
+        """The agent server: control plane, ring links, (on the leader) the weight server."""
+        app = web.Application(middlewares=[checking(self.secret)], client_max_size=MAX_CONTROL_BYTES)
+        self.ring = RingServer(self.id, self.cfg.cluster)
         self.ring.install(app)
         app.router.add_get(INFO_PATH, self._http_info)
         app.router.add_get(TIMELINE_PATH, self._http_timeline)
         app.router.add_post(CONTROL_PATH, self._http_control)
-        if cfg.leader:
-            from .cluster.weight_server import WeightServer
-
+        if self.cfg.leader:
             self.weights = WeightServer(self.source)
             self.weights.install(app)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        return app
+
+    async def _serve(self, addresses: list[str], profile: DeviceProfile) -> None:
+        cfg = self.cfg
+        runner = web.AppRunner(self._agent_app(), handle_signals=False, access_log=None,
+                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         api_runner = None
         try:
-            port = await _bind(runner, addresses if cfg.interfaces else ["0.0.0.0"], cfg.port)
+            port = await bind(runner, addresses if cfg.interfaces else ["0.0.0.0"], cfg.port)
             if self.source is not None:
-                from .model.weights import model_fingerprint
-
                 self.model_fp = await asyncio.to_thread(model_fingerprint, self.source)
             self.info = PeerInfo(id=self.id, name=cfg.name or socket.gethostname(), cluster=cfg.cluster,
                                  role="leader" if cfg.leader else "member", host=addresses[0], port=port,
@@ -175,26 +185,7 @@ class Agent:
             log.info("agent %s (%s) of cluster %r at %s, %.1f GFLOP/s, %.0f MB offered%s", self.id, self.info.role,
                      cfg.cluster, self.info.url, profile.gflops, profile.memory_bytes / 2**20,
                      f", API at {self.api_url}" if self.api_url else "")
-            try:
-                async with asyncio.TaskGroup() as tg:
-                    self._tg = tg
-                    tg.create_task(discovery.run(), name="discovery")
-                    tg.create_task(self._discovery_events(), name="discovery-events")
-                    tg.create_task(self.stage_host.run(), name="stage-host")
-                    if cfg.leader:
-                        tg.create_task(self.leader.run(), name="leader-demux")
-                        tg.create_task(self.coordinator.run(), name="coordinator")
-                    else:
-                        tg.create_task(self.member.run(), name="member")
-                    tg.create_task(self._until_stopped(), name="stop")
-                    self.started.set()
-            except BaseExceptionGroup as eg:
-                _, rest = eg.split(_Stopped)
-                if rest is not None:
-                    first = rest.exceptions[0]
-                    while isinstance(first, BaseExceptionGroup):
-                        first = first.exceptions[0]
-                    raise first from None
+            await self._run_roles(discovery)
         finally:
             self._tg = None
             if self.leader is not None:
@@ -206,14 +197,30 @@ class Agent:
                 (self.cfg.state_path / STATE_FILE).unlink()
             log.info("agent %s stopped", self.id)
 
-    async def _start_leader(self) -> web.AppRunner:
-        from .api.app import create_app
-        from .decoding.context import ThreadCompute
-        from .decoding.leader import Leader
-        from .decoding.settings import LeaderSettings
-        from .model.shard import Shard
-        from .model.tokenizer import Tokenizer
+    async def _run_roles(self, discovery: Discovery) -> None:
+        """Discovery, the stage host and the agent's role in one TaskGroup, until stop() (or the first error)."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                tg.create_task(discovery.run(), name="discovery")
+                tg.create_task(self._discovery_events(), name="discovery-events")
+                tg.create_task(self.stage_host.run(), name="stage-host")
+                if self.cfg.leader:
+                    tg.create_task(self.leader.run(), name="leader-demux")
+                    tg.create_task(self.coordinator.run(), name="coordinator")
+                else:
+                    tg.create_task(self.member.run(), name="member")
+                tg.create_task(self._until_stopped(), name="stop")
+                self.started.set()
+        except BaseExceptionGroup as eg:
+            _, rest = eg.split(_Stopped)
+            if rest is not None:
+                first = rest.exceptions[0]
+                while isinstance(first, BaseExceptionGroup):
+                    first = first.exceptions[0]
+                raise first from None
 
+    async def _start_leader(self) -> web.AppRunner:
         cfg, src = self.cfg, self.source
         dtype = TORCH_DTYPES[cfg.dtype]
         head = await asyncio.to_thread(
@@ -230,8 +237,6 @@ class Agent:
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
         self.stage_host.leader_inbox = self.leader.inbox
-        from .pipeline.codec import wire_dtype
-
         base = getattr(drafter, "base", drafter)  # LookupDrafter wraps the head drafter
         extra = base.extra_bytes(packing_enabled(dtype)) if hasattr(base, "extra_bytes") else 0
         model = describe_model(src, context=cfg.planning.context, fingerprint=self.model_fp,
@@ -244,7 +249,7 @@ class Agent:
                             access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await api.setup()
         try:
-            port = await _bind(api, [cfg.api_host], cfg.api_port)
+            port = await bind(api, [cfg.api_host], cfg.api_port)
         except ConfigError:
             await api.cleanup()
             raise
@@ -287,22 +292,6 @@ class Agent:
 
     # ============================================================================================== HTTP
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler):
-        if self.secret is not None:
-            body = await request.read() if request.method == "POST" else b""
-            try:
-                verify(self.secret, request.headers.get(AUTH_HEADER), request.method, request.raw_path, body)
-            except ProtocolError as e:
-                log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, e)
-                raise web.HTTPUnauthorized(text=str(e)) from None
-        return await handler(request)
-
-    async def _sign(self, req: aiohttp.ClientRequest, handler):
-        if self.secret is not None and AUTH_HEADER not in req.headers:
-            req.headers[AUTH_HEADER] = sign(self.secret, req.method, req.url.raw_path_qs)
-        return await handler(req)
-
     async def _http_info(self, request: web.Request) -> web.Response:
         return web.Response(text=self.info.model_dump_json(), content_type="application/json")
 
@@ -331,33 +320,12 @@ class Agent:
         return web.Response(body=encode(reply), content_type="application/json")
 
     async def post(self, url: str, msg) -> object:
-        """POST a control message to the agent at ``url`` (signed); -> its reply. Raises PeerGone/ProtocolError."""
-        body = encode(msg)
-        headers = {"Content-Type": "application/json"}
-        if self.secret is not None:
-            headers[AUTH_HEADER] = sign(self.secret, "POST", CONTROL_PATH, body)
-        try:
-            async with self.session.post(url + CONTROL_PATH, data=body, headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)) as r:
-                data = await r.read()
-                if r.status == 401:
-                    raise ProtocolError(f"{url} refused our signature: {data.decode(errors='replace')}")
-                if r.status != 200:
-                    raise PeerGone(f"{url} answered {r.status}: {data[:200].decode(errors='replace')}")
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            raise PeerGone(f"{url} unreachable: {e or type(e).__name__}") from e
-        return decode(data)
+        """Net: POST a control message (signed) -> the reply. Raises PeerGone/ProtocolError."""
+        return await self.client.post(url, msg)
 
     async def fetch_info(self, host: str, port: int, timeout_s: float = CONTROL_TIMEOUT_S) -> PeerInfo | None:
-        """GET /control/info of an agent; None when it does not answer (or not with a valid signature)."""
-        url = f"http://{host}:{port}{INFO_PATH}"
-        try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status != 200:
-                    return None
-                return PeerInfo.model_validate_json(await r.read())
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-            return None
+        """Net: GET /control/info of an agent; None when it does not answer (or not with a valid signature)."""
+        return await self.client.fetch_info(host, port, timeout_s)
 
     # ========================================================================================= discovery
 
@@ -381,31 +349,21 @@ class Agent:
 
 # ============================================================================================== helpers
 
-def _modes(flowspec: dict | None = None) -> list:
-    """The decoding modes this build offers (the leader picks what its drafter allows); ``flowspec``: FlowSpecConfig
-    fields that differ from the defaults (AgentConfig.flowspec)."""
-    from .decoding.flowspec import FlowSpecConfig
-    from .decoding.registry import builtin_modes
-
-    return builtin_modes(FlowSpecConfig.model_validate(flowspec) if flowspec else None)
+def _modes(flowspec: FlowSpecConfig) -> list[DecodingMode]:
+    """The decoding modes this build offers (the leader picks what its drafter allows), FlowSpec with ``flowspec``
+    (AgentConfig.flowspec)."""
+    return builtin_modes(None if flowspec == FlowSpecConfig() else flowspec)
 
 
-def _drafter(model_fp: str, head, stem: Path | None = None):
+def _drafter(model_fp: str, head: Shard, stem: Path | None = None) -> Drafter | None:
     """The leader's drafter: the head at ``stem``, else the one installed for ``model_fp``, else None."""
-    from .spec.drafter import HeadDrafter
-    from .spec.head import DraftBundle, find_draft
-
-    stem = stem or find_draft(model_fp)
-    if stem is None:
-        log.info("no draft head for model %s: speculative modes are off", model_fp[:12])
+    try:
+        drafter, _ = load_drafter(head, model_fp, stem)
+    except ConfigError as e:
+        log.info("%s: speculative modes are off", e)
         return None
-    bundle = DraftBundle.load(stem, dtype=head.dtype)
-    if bundle.meta.get("target_fingerprint") != model_fp:
-        log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
-    log.info("draft head %s (+ prompt-lookup candidates)", stem.name)
-    from .spec.ngram import LookupDrafter
-
-    return LookupDrafter(HeadDrafter(bundle.head, head, bundle.draft_vocab))
+    log.info("draft head for %s (+ prompt-lookup candidates)", model_fp[:12])
+    return drafter
 
 
 def _agent_id(state: Path) -> str:
@@ -434,16 +392,3 @@ def _locked(state: Path):
         yield
     finally:
         fh.close()
-
-
-async def _bind(runner: web.AppRunner, hosts: list[str], port: int) -> int:
-    """Start a TCP site on each host, all on one port (the first site picks it when ``port`` is 0)."""
-    for host in hosts:
-        site = web.TCPSite(runner, host, port)
-        try:
-            await site.start()
-        except OSError as e:
-            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        if port == 0:
-            port = runner.addresses[-1][1]
-    return port

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from .decoding.flowspec import FlowSpecConfig
 from .env import SECRET, STATE_DIR, environ
 from .errors import ConfigError
 from .types import FrozenModel
@@ -58,16 +59,12 @@ class PlanningConfig(FrozenModel):
 
 
 def _valid_flowspec(v: dict[str, Any]) -> dict[str, Any]:
-    from .decoding.flowspec import (
-        FlowSpecConfig,  # here, not at import: flowspec.py imports the leader's modules and torch
-    )
-
     FlowSpecConfig.model_validate(v)  # a ValidationError names the field
     return v
 
 
-# FlowSpecConfig fields that differ from the defaults (AgentConfig.flowspec, bench.BenchConfig.flowspec), checked as
-# a FlowSpecConfig when read, before any agent uses them
+# FlowSpecConfig fields that differ from the defaults, to pass to agents as --flowspec-config (the local cluster's
+# and the bench's options), checked as a FlowSpecConfig when read, before any agent starts
 FlowSpecOverrides = Annotated[dict[str, Any], AfterValidator(_valid_flowspec)]
 
 
@@ -94,7 +91,7 @@ class AgentConfig(FrozenModel):
     decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None
     # (leader) FlowSpec settings that differ from the tuned defaults: flowspec.FlowSpecConfig fields, e.g.
     # {"segment_cap": 1} (a [flowspec] table in a profile, or --flowspec-config JSON); for A/Bs and other hardware
-    flowspec: FlowSpecOverrides = Field(default_factory=dict)
+    flowspec: FlowSpecConfig = FlowSpecConfig()
     secret: SecretStr | None = None
     emulation: Emulation = Emulation()
     profile: ProfileOverrides = ProfileOverrides()

@@ -7,6 +7,7 @@ import pytest
 
 from flowspec_p2p.agent import Agent
 from flowspec_p2p.config import load
+from flowspec_p2p.decoding.flowspec import FlowSpecConfig
 from flowspec_p2p.errors import ConfigError
 
 from .agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, until
@@ -82,7 +83,7 @@ def test_config_layers_profile_flags_and_environment(tmp_path):
     assert load(None, {"decoding": "ar"}, env={}).decoding == "ar"
     with pytest.raises(ConfigError, match="decoding"):
         load(None, {"decoding": "fastest"}, env={})
-    assert load(None, {"flowspec": {"segment_cap": 1}}, env={}).flowspec == {"segment_cap": 1}
+    assert load(None, {"flowspec": {"segment_cap": 1}}, env={}).flowspec == FlowSpecConfig(segment_cap=1)
     with pytest.raises(ConfigError, match=r"flowspec\.in_flight"):
         load(None, {"flowspec": {"in_flight": 0}}, env={})
 
@@ -96,14 +97,14 @@ def test_the_leader_runs_flowspec_with_the_configured_settings_and_the_others_as
 
     args = build_parser().parse_args(["agent", "--leader", "--flowspec-config", '{"segment_cap": 1, "in_flight": 8}'])
     cfg = config_from_args(args)
-    assert cfg.flowspec == {"segment_cap": 1, "in_flight": 8}
+    assert cfg.flowspec == FlowSpecConfig(segment_cap=1, in_flight=8)
     modes = {m.name: m for m in _modes(cfg.flowspec)}
     shipped = {m.name: m for m in builtin_modes()}
     assert modes.keys() == shipped.keys()
     tuned = modes["flowspec"].run.keywords["config"]
     assert (tuned.segment_cap, tuned.in_flight, tuned.min_value) == (1, 8, FlowSpecConfig().min_value)
     assert all(modes[n] is shipped[n] for n in shipped if n != "flowspec")
-    assert {m.name: m for m in _modes({})}["flowspec"] is shipped["flowspec"]
+    assert {m.name: m for m in _modes(FlowSpecConfig())}["flowspec"] is shipped["flowspec"]
     with pytest.raises(ConfigError, match="not JSON"):
         config_from_args(build_parser().parse_args(["agent", "--flowspec-config", "{segment_cap: 1}"]))
 

@@ -17,11 +17,11 @@ did not change keep their shard, and moved ranges share the blocks they already 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ..config import AgentConfig
 from ..errors import ConfigError, FlowSpecError, PeerGone, PlanInfeasible, ProtocolError
@@ -45,6 +45,7 @@ from .control import (
     Welcome,
 )
 from .membership import Heard, Joined, Left, Membership, Planned, Tick
+from .net import Net
 from .planner import ModelSpec, Plan, PlanOptions, diff, plan, render
 from .stage_host import StageHost, connect_with_retry, ws_url
 
@@ -58,13 +59,6 @@ LOAD_TIMEOUT_S = 300.0  # phase 1: a member that has not loaded its range by the
 ACTIVATE_TIMEOUT_S = 30.0  # phase 2: a member that has not opened its links by then is left out
 DRAIN_TIMEOUT_S = 20.0  # a join lets the request in flight finish for at most this long before switching
 
-
-class Net(Protocol):
-    """What the coordinator needs of its agent's network layer."""
-
-    async def post(self, url: str, msg) -> object: ...
-    async def fetch_info(self, host: str, port: int, timeout_s: float) -> PeerInfo | None: ...
-    def spawn(self, coro: Awaitable, name: str | None = None) -> None: ...
 
 
 @dataclass
@@ -325,9 +319,9 @@ class Coordinator:
 
     async def _activate(self, t: Transition) -> None:
         if self.broken is None:  # the old pipeline still serves: let the request in flight finish
-            deadline = time.monotonic() + DRAIN_TIMEOUT_S
-            while self.leader.snapshot()["in_flight"] and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                    await self.leader.idle.wait()
         if self.transition is not t:
             return
         await self.leader.set_pipeline(None)

@@ -15,23 +15,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
-from typing import Protocol
 
 from ..errors import PeerGone, ProtocolError
 from ..pipeline.transport import LinkDown
 from . import membership as membership_mod
 from .control import Ack, Activate, Bye, Heartbeat, Hello, PeerInfo, PlanUpdate, Refused, StageStatus
+from .net import Net
 from .stage_host import StageHost
 
 log = logging.getLogger(__name__)
 
 SEARCH_WAKE_S = 1.0  # without a leader, look at the candidates at least this often
 
-
-class Net(Protocol):
-    async def post(self, url: str, msg) -> object: ...
-    def spawn(self, coro: Awaitable, name: str | None = None) -> None: ...
 
 
 class MemberControl:

@@ -38,6 +38,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 from ..errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone
 from ..model.generate import GenStats, check_context
@@ -82,6 +83,26 @@ def _fold(stats: GenStats, prior: GenStats, cur: GenStats, attempt: int) -> None
     stats.new_tokens, stats.steps = total.new_tokens, total.steps
     stats.prefill_s, stats.decode_s = total.prefill_s, total.decode_s
     stats.extra = {**cur.extra, **({"resumed": attempt} if attempt else {})}
+
+
+@dataclass
+class _Job:
+    """One request across its attempts: what it asked for, what it committed, the stats of the attempts so far."""
+
+    spec: DecodingMode
+    prompt: list[int]
+    params: SamplingParams
+    budget: int  # new tokens at most
+    stops: frozenset[int]
+    stats: GenStats  # the caller's: summed over the attempts
+    timeline: list[tuple[float, float]] | None
+    committed: list[int] = field(default_factory=list)
+    prior: GenStats = field(default_factory=lambda: GenStats(mode=""))  # the attempts before the current one
+    current: GenStats = field(default_factory=lambda: GenStats(mode=""))
+
+    def complete(self) -> bool:
+        """Every token was decided (the budget is used up, or a stop token came)."""
+        return bool(self.committed) and (len(self.committed) >= self.budget or self.committed[-1] in self.stops)
 
 
 class Leader:
@@ -226,68 +247,80 @@ class Leader:
         stats.prompt_tokens = len(prompt)
         stop_ids = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer is not None else stop_ids
         self.counters["requests"] += 1
-        stops = frozenset(stop_ids or ())
+        job = _Job(spec, list(prompt), params, budget, frozenset(stop_ids or ()), stats, timeline)
         await self._take_turn()
         try:
-            committed: list[int] = []
-            prior = GenStats(mode=spec.name)  # the attempts before this one (a resumed request has several)
             pipeline = await self._wait_ready()
             for attempt in itertools.count():
-                cur = GenStats(mode=spec.name)
-                rid = uuid.uuid4().hex[:16]
-                ctx = ModeContext(self.parts, pipeline, rid, [*prompt, *committed], _attempt_params(params, attempt),
-                                  budget - len(committed), stops, cur)
-                self._active[rid] = ctx
-                self.idle.clear()
-                outcome: str | None = "failed"
-                broken: PeerGone | None = None
                 try:
-                    if ctx.max_new_tokens > 0:
-                        async with contextlib.aclosing(spec.run(ctx)) as chunks:
-                            async for chunk in chunks:
-                                committed += chunk
-                                yield chunk
-                    outcome = "completed"
-                except PeerGone as e:
-                    if committed and (len(committed) >= budget or committed[-1] in stops):
-                        outcome = "completed"  # every token was decided before the break
-                    elif attempt >= self.settings.resume_attempts:
-                        raise
-                    else:
-                        broken, outcome = e, None  # counted once the next pipeline comes, or not
-                except (GeneratorExit, asyncio.CancelledError):
-                    outcome = "cancelled"  # the caller closed the stream early (client gone, stop string)
-                    raise
-                finally:
-                    del self._active[rid]
-                    if not self._active:
-                        self.idle.set()
-                    if outcome is not None:
-                        self.counters[outcome] += 1
-                    _decode_window(cur, ctx.busy)
-                    _fold(stats, prior, cur, attempt)
-                    if timeline is not None:
-                        timeline.extend(ctx.busy)
-                    self.last_stats = stats.as_dict()
-                    if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
-                        with contextlib.suppress(FlowSpecError):
-                            await pipeline.sender.send(Release(request_id=rid, seq=ctx.seq))
-                if broken is None:
+                    async with contextlib.aclosing(self._attempt(job, pipeline, attempt)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
                     return
-                log.warning("request: %s; resuming after %d token(s) on the next pipeline", broken, len(committed))
-                try:
-                    nxt = await self._wait_replaced(pipeline)
-                except (GeneratorExit, asyncio.CancelledError):
-                    self.counters["cancelled"] += 1  # the caller left while the request waited for a pipeline
-                    raise
-                if nxt is None:
-                    self.counters["failed"] += 1
-                    raise broken
-                self.counters["resumed"] += 1
-                prior = _sum(prior, cur)
-                pipeline = nxt
+                except PeerGone as broken:
+                    if attempt >= self.settings.resume_attempts:
+                        raise
+                    log.warning("request: %s; resuming after %d token(s) on the next pipeline", broken,
+                                len(job.committed))
+                    pipeline = await self._next_pipeline(pipeline, broken)
+                    job.prior = _sum(job.prior, job.current)
         finally:
             self._turn.release()
+
+    async def _attempt(self, job: _Job, pipeline: Pipeline, attempt: int) -> AsyncIterator[list[int]]:
+        """One attempt of ``job`` on ``pipeline``, from the tokens it committed so far. Raises PeerGone when the
+        pipeline broke before the reply was complete (the caller decides whether to resume)."""
+        job.current = cur = GenStats(mode=job.spec.name)
+        rid = uuid.uuid4().hex[:16]
+        ctx = ModeContext(self.parts, pipeline, rid, [*job.prompt, *job.committed],
+                          _attempt_params(job.params, attempt), job.budget - len(job.committed), job.stops, cur)
+        self._active[rid] = ctx
+        self.idle.clear()
+        outcome: str | None = "failed"
+        try:
+            if ctx.max_new_tokens > 0:
+                async with contextlib.aclosing(job.spec.run(ctx)) as chunks:
+                    async for chunk in chunks:
+                        job.committed += chunk
+                        yield chunk
+            outcome = "completed"
+        except PeerGone:
+            if job.complete():
+                outcome = "completed"  # every token was decided before the break
+                return
+            if attempt < self.settings.resume_attempts:
+                outcome = None  # counted once the next pipeline comes, or not
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "cancelled"  # the caller closed the stream early (client gone, stop string)
+            raise
+        finally:
+            del self._active[rid]
+            if not self._active:
+                self.idle.set()
+            if outcome is not None:
+                self.counters[outcome] += 1
+            _decode_window(cur, ctx.busy)
+            _fold(job.stats, job.prior, cur, attempt)
+            if job.timeline is not None:
+                job.timeline.extend(ctx.busy)
+            self.last_stats = job.stats.as_dict()
+            if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
+                with contextlib.suppress(FlowSpecError):
+                    await pipeline.sender.send(Release(request_id=rid, seq=ctx.seq))
+
+    async def _next_pipeline(self, old: Pipeline, broken: PeerGone) -> Pipeline:
+        """The pipeline a broken request resumes on; re-raises ``broken`` when none comes in time."""
+        try:
+            nxt = await self._wait_replaced(old)
+        except (GeneratorExit, asyncio.CancelledError):
+            self.counters["cancelled"] += 1  # the caller left while the request waited for a pipeline
+            raise
+        if nxt is None:
+            self.counters["failed"] += 1
+            raise broken
+        self.counters["resumed"] += 1
+        return nxt
 
     async def _take_turn(self) -> None:
         if self._turn.locked() and self._waiting >= self.settings.max_waiting:
