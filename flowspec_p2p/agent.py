@@ -42,8 +42,8 @@ from .cluster.control import (
     TIMELINE_PATH,
     PeerInfo,
     auth_tag,
-    decode,
-    encode,
+    decode_message,
+    encode_message,
 )
 from .cluster.coordinator import Coordinator
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
@@ -314,10 +314,10 @@ class Agent(Net):
         if role is None or not self.started.is_set():
             raise web.HTTPServiceUnavailable(text="the agent is starting")
         try:
-            reply = await role.handle(decode(await request.read()))
+            reply = await role.handle(decode_message(await request.read()))
         except ProtocolError as e:
             raise web.HTTPBadRequest(text=str(e)) from None
-        return web.Response(body=encode(reply), content_type="application/json")
+        return web.Response(body=encode_message(reply), content_type="application/json")
 
     async def post(self, url: str, msg) -> object:
         """Net: POST a control message (signed) -> the reply. Raises PeerGone/ProtocolError."""

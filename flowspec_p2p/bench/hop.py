@@ -35,7 +35,7 @@ from ..pipeline import codec
 from ..pipeline.emulation import ComputeEmulation, LinkEmulation
 from ..pipeline.messages import PROTOCOL_VERSION, Forward
 from ..pipeline.ring_server import RingServer
-from ..pipeline.transport import RING_PATH, Hello, Link
+from ..pipeline.transport import RING_PATH, Link, RingHello
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ async def bench_hop(tokens: int = 16, hidden: int = 576, dtype: str = "float16",
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
     link = await Link.connect(f"ws://127.0.0.1:{port}{RING_PATH}",
-                              Hello(protocol=PROTOCOL_VERSION, cluster="bench", epoch=0, sender="sender"))
+                              RingHello(protocol=PROTOCOL_VERSION, cluster="bench", epoch=0, sender="sender"))
     act = torch.randn(tokens, hidden).to(codec.wire_dtype(dtype))  # [m, hidden] as a stage sends it
     msg = Forward(request_id="bench", seq=0, first=0, parents=[-1, *range(tokens - 1)],
                   positions=list(range(100, 100 + tokens)))

@@ -39,7 +39,6 @@ from pathlib import Path
 
 BASELINES = ("chunk", "ar")  # speedups are reported against these
 MODE_ORDER = ("ar", "chunk", "pipedec", "flowspec")  # table order; unknown modes follow, by name
-METRIC_KEYS = ("tokens_per_s", "e2e_tokens_per_s", "tau", "tokens_per_round", "utilization")
 # mode-specific stats extras summed over requests (diagnostics: where the work went)
 EXTRA_SUMS = ("draft_s", "verify_s", "segments", "nodes_sent", "nodes_returned", "nodes_dead", "walks", "continues",
               "continues_unsent", "restarts", "trip_s", "trips", "continue_gap_s", "continue_gaps",

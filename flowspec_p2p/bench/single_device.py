@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..model.generate import ARDecoder, GenStats, generate_ids
+from ..model.generate import ARDecoder, GenStats, generate_ids, prefill_features
 from ..model.sampling import SamplingParams
 from ..model.shard import Shard
-from ..spec.decoder import SpecDecoder, prefill_features
+from ..spec.decoder import SpecDecoder
 from ..spec.drafter import TreeDrafter, TreeShape
 from ..spec.tree import DraftTree
 from ..specbench import Question

@@ -195,11 +195,11 @@ ControlMessage = Annotated[
 _ADAPTER: TypeAdapter = TypeAdapter(ControlMessage)
 
 
-def encode(msg: _Msg) -> bytes:
+def encode_message(msg: _Msg) -> bytes:
     return msg.model_dump_json().encode()
 
 
-def decode(data: bytes | str) -> _Msg:
+def decode_message(data: bytes | str) -> _Msg:
     """Parse one control message; raise ProtocolError on anything malformed or of another protocol version."""
     if len(data) > MAX_CONTROL_BYTES:
         raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
@@ -226,7 +226,7 @@ def sign(secret: bytes, method: str, path: str, body: bytes = b"", now: float | 
     return f"{ts}:{_mac(secret, method, path, ts, body)}"
 
 
-def verify(secret: bytes, header: str | None, method: str, path: str, body: bytes = b"",
+def check_signature(secret: bytes, header: str | None, method: str, path: str, body: bytes = b"",
            now: float | None = None) -> None:
     """Raise ProtocolError unless ``header`` is a fresh, valid signature of this request."""
     if not header or ":" not in header:

@@ -28,8 +28,7 @@ from ..errors import ConfigError, FlowSpecError, PeerGone, PlanInfeasible, Proto
 from ..model.arch import ModelConfig
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer
-from ..pipeline.transport import Hello as RingHello
-from ..pipeline.transport import LinkDown
+from ..pipeline.transport import LinkDown, RingHello
 from . import membership as membership_mod
 from .control import (
     Ack,
@@ -46,7 +45,7 @@ from .control import (
 )
 from .membership import Heard, Joined, Left, Membership, Planned, Tick
 from .net import Net
-from .planner import ModelSpec, Plan, PlanOptions, diff, plan, render
+from .planner import ModelSizes, Plan, PlanOptions, diff, plan, render
 from .stage_host import StageHost, connect_with_retry, ws_url
 
 log = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ class Transition:
 
 class Coordinator:
     def __init__(self, cfg: AgentConfig, info: PeerInfo, *, net: Net, leader, weights, stage_host: StageHost,
-                 ring: RingServer, session, model: ModelSpec, model_config: ModelConfig,
+                 ring: RingServer, session, model: ModelSizes, model_config: ModelConfig,
                  wire_dtype: Callable[[str], object]):
         self.cfg = cfg
         self.info = info

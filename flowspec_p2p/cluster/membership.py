@@ -130,11 +130,6 @@ def needs_replan(state: Membership, now: float) -> bool:
     return state.changed_at is not None and now - state.changed_at >= REPLAN_DEBOUNCE_S
 
 
-def expired(state: Membership, now: float) -> list[str]:
-    """Members whose heartbeats stopped (what the next Tick will drop)."""
-    return sorted(k for k, m in state.members.items() if now - m.last_seen > HEARTBEAT_TIMEOUT_S)
-
-
 def device(info: PeerInfo, *, leader: bool = False) -> Device:
     p = info.profile
     return Device(id=info.id, memory_bytes=p.memory_bytes, gflops=p.gflops, link_mbps=p.link_mbps,

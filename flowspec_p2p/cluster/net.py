@@ -11,7 +11,16 @@ import aiohttp
 from aiohttp import web
 
 from ..errors import ConfigError, PeerGone, ProtocolError
-from .control import AUTH_HEADER, CONTROL_PATH, INFO_PATH, PeerInfo, decode, encode, sign, verify
+from .control import (
+    AUTH_HEADER,
+    CONTROL_PATH,
+    INFO_PATH,
+    PeerInfo,
+    check_signature,
+    decode_message,
+    encode_message,
+    sign,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +51,7 @@ class ControlClient:
         self.secret = secret
 
     async def post(self, url: str, msg) -> object:
-        body = encode(msg)
+        body = encode_message(msg)
         headers = {"Content-Type": "application/json"}
         if self.secret is not None:
             headers[AUTH_HEADER] = sign(self.secret, "POST", CONTROL_PATH, body)
@@ -56,7 +65,7 @@ class ControlClient:
                     raise PeerGone(f"{url} answered {r.status}: {data[:200].decode(errors='replace')}")
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise PeerGone(f"{url} unreachable: {e or type(e).__name__}") from e
-        return decode(data)
+        return decode_message(data)
 
     async def fetch_info(self, host: str, port: int, timeout_s: float = CONTROL_TIMEOUT_S) -> PeerInfo | None:
         url = f"http://{host}:{port}{INFO_PATH}"
@@ -88,7 +97,7 @@ def checking(secret: bytes | None):
         if secret is not None:
             body = await request.read() if request.method == "POST" else b""
             try:
-                verify(secret, request.headers.get(AUTH_HEADER), request.method, request.raw_path, body)
+                check_signature(secret, request.headers.get(AUTH_HEADER), request.method, request.raw_path, body)
             except ProtocolError as e:
                 log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, e)
                 raise web.HTTPUnauthorized(text=str(e)) from None

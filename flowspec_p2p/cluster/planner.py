@@ -55,7 +55,7 @@ class Device(FrozenModel):
     leader: bool = False
 
 
-class ModelSpec(FrozenModel):
+class ModelSizes(FrozenModel):
     """What the planner knows of a model: sizes in the *runtime* dtype, FLOPs per token."""
 
     name: str
@@ -116,9 +116,6 @@ class Plan(FrozenModel):
     def stage_of(self, agent_id: str) -> Stage | None:
         return next((s for s in self.stages if s.agent_id == agent_id), None)
 
-    def index_of(self, agent_id: str) -> int | None:
-        return next((i for i, s in enumerate(self.stages) if s.agent_id == agent_id), None)
-
     @property
     def agents(self) -> tuple[str, ...]:
         return tuple(s.agent_id for s in self.stages)
@@ -149,8 +146,8 @@ class Change(FrozenModel):
 
 def describe_model(source, *, context: int, name: str | None = None, fingerprint: str = "",
                    draft_params: int | None = None, dtype_bytes: int = 4, packed: bool = False,
-                   draft_extra_bytes: int = 0) -> ModelSpec:
-    """A ModelSpec from an open weight source's config (runtime sizes are parameters x ``dtype_bytes``).
+                   draft_extra_bytes: int = 0) -> ModelSizes:
+    """A ModelSizes from an open weight source's config (runtime sizes are parameters x ``dtype_bytes``).
     ``packed``: stages keep a second, packed copy of their layers for tree forwards (shard.py), so a
     layer (and the draft head's block, and the LM head) takes twice its bytes. ``draft_extra_bytes``: what the
     leader's drafter holds beyond its head (HeadDrafter.extra_bytes: its reduced LM-head copy)."""
@@ -159,7 +156,7 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
     layer = cfg.layer_params()
     if draft_params is None:  # EAGLE-1 head: fc 2H->H + one decoder block without the input norm
         draft_params = 2 * h * h + layer - h
-    return ModelSpec(
+    return ModelSizes(
         name=name or (getattr(source, "path", None) and source.path.name) or cfg.arch,
         fingerprint=fingerprint,
         num_layers=cfg.num_layers,
@@ -186,7 +183,7 @@ def describe_model(source, *, context: int, name: str | None = None, fingerprint
 class _Costs:
     """Per-device cost functions for one (model, options). All times in seconds."""
 
-    def __init__(self, model: ModelSpec, opts: PlanOptions):
+    def __init__(self, model: ModelSizes, opts: PlanOptions):
         self.m = model
         self.t = opts.tokens_per_step
         self.kv_per_layer = model.kv_bytes_per_token * model.context * opts.kv_requests
@@ -354,7 +351,7 @@ def _subsets(devices: Sequence[Device], leader: Device, opts: PlanOptions):
                     yield combo
 
 
-def plan(devices: Sequence[Device], model: ModelSpec, options: PlanOptions | None = None) -> Plan:
+def plan(devices: Sequence[Device], model: ModelSizes, options: PlanOptions | None = None) -> Plan:
     """Choose the stages. Deterministic: the same devices (in any order), model and options give the same plan."""
     opts = options or PlanOptions()
     devices = sorted(devices, key=lambda d: d.id)
@@ -394,7 +391,7 @@ def plan(devices: Sequence[Device], model: ModelSpec, options: PlanOptions | Non
     return _build(c, model, opts, best, leader, devices, best_with)
 
 
-def _build(c: _Costs, model: ModelSpec, opts: PlanOptions, best: _Candidate, leader: Device,
+def _build(c: _Costs, model: ModelSizes, opts: PlanOptions, best: _Candidate, leader: Device,
            devices: Sequence[Device], best_with: dict[str, float]) -> Plan:
     stages = []
     start = 0

@@ -37,7 +37,7 @@ from ..pipeline.emulation import Device, LinkEmulation
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer
 from ..pipeline.stage import StageCore
-from ..pipeline.transport import CLOSE_SHUTDOWN, RING_PATH, Hello, Link, LinkDown, QueueSender, Sender
+from ..pipeline.transport import CLOSE_SHUTDOWN, RING_PATH, Link, LinkDown, QueueSender, RingHello, Sender
 from ..pipeline.worker import StageWorker
 from .control import PlanUpdate, RingNode, StageStatus
 from .weight_server import fetch_range, stage_fingerprint
@@ -249,7 +249,7 @@ class StageHost:
         if target == self.agent_id:  # the leader is the only stage: straight back into its own inbox
             assert self.leader_inbox is not None
             return QueueSender(self.leader_inbox, target)
-        hello = Hello(protocol=PROTOCOL_VERSION, cluster=self.cluster, epoch=u.epoch, sender=self.agent_id)
+        hello = RingHello(protocol=PROTOCOL_VERSION, cluster=self.cluster, epoch=u.epoch, sender=self.agent_id)
         return await connect_with_retry(ws_url(nxt.url), hello, self.session, events, self.link, wire)
 
     async def release(self) -> None:
@@ -284,7 +284,7 @@ class StageHost:
         return {"epoch": a.epoch, **a.worker.snapshot()}
 
 
-async def connect_with_retry(url: str, hello: Hello, session: aiohttp.ClientSession, events: asyncio.Queue | None,
+async def connect_with_retry(url: str, hello: RingHello, session: aiohttp.ClientSession, events: asyncio.Queue | None,
                              link: LinkEmulation, wire: torch.dtype) -> Link:
     """Open a ring link, retrying while the successor has not switched to ``hello.epoch`` yet."""
     deadline = time.monotonic() + LINK_CONNECT_TIMEOUT_S

@@ -21,7 +21,7 @@ from ..pipeline.emulation import NO_COMPUTE_EMULATION, NO_LINK_EMULATION, Comput
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer
 from ..pipeline.stage import StageCore
-from ..pipeline.transport import RING_PATH, Hello, Link, QueueSender, Sender
+from ..pipeline.transport import RING_PATH, Link, QueueSender, RingHello, Sender
 from ..pipeline.worker import StageWorker
 from .context import Pipeline
 from .leader import Leader
@@ -75,7 +75,7 @@ class LoopbackRing:
         inbox = self.servers[index].inbox
         if self.hops == "memory":
             return QueueSender(inbox, self.servers[index].agent_id, roundtrip=True)
-        hello = Hello(protocol=PROTOCOL_VERSION, cluster=self.cluster, epoch=self.epoch, sender=sender_id)
+        hello = RingHello(protocol=PROTOCOL_VERSION, cluster=self.cluster, epoch=self.epoch, sender=sender_id)
         return await Link.connect(self.urls[index], hello, events=events, emulation=self.link)
 
     async def __aenter__(self) -> LoopbackRing:

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from ..errors import ContextOverflow
+from .kv_cache import KVCache
 from .sampling import SamplingParams, choose
 from .shard import Shard
 from .tokenizer import Detokenizer, Tokenizer
@@ -69,14 +70,12 @@ def check_context(prompt_len: int, max_new_tokens: int, limit: int) -> int:
     return max(0, min(max_new_tokens, limit - prompt_len))
 
 
-def prefill(model: Shard, cache, prompt: Sequence[int]) -> torch.Tensor:
-    """Run the prompt through ``model`` in chunks; return the features of its last token. -> [hidden]"""
+def prefill_features(model: Shard, cache: KVCache, prompt: Sequence[int]) -> torch.Tensor:
+    """Run the prompt through ``model`` in chunks (K/V appended to ``cache``); -> the features of every prompt
+    token [n, hidden]."""
     ids = torch.tensor([list(prompt)], dtype=torch.long)  # [1, n]
-    out = None
-    for a in range(0, ids.shape[1], PREFILL_CHUNK):
-        out = model(ids[:, a : a + PREFILL_CHUNK], cache)
-    assert out is not None
-    return out[0, -1]
+    outs = [model(ids[:, a : a + PREFILL_CHUNK], cache)[0] for a in range(0, ids.shape[1], PREFILL_CHUNK)]
+    return torch.cat(outs)
 
 
 class ARDecoder:
@@ -99,7 +98,7 @@ class ARDecoder:
         gen = None if params.greedy else params.generator()
         cache = self.model.new_cache(len(prompt) + budget)
         t0 = time.perf_counter()
-        feat = prefill(self.model, cache, prompt)
+        feat = prefill_features(self.model, cache, prompt)[-1]
         token = choose(self.model.logits(feat), params, gen)
         stats.prefill_s = time.perf_counter() - t0
         stats.steps, stats.new_tokens = 1, 1

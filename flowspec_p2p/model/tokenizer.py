@@ -75,9 +75,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def token_text(self, token_id: int) -> str:
-        return self.hf.convert_ids_to_tokens(int(token_id))
-
 
 @dataclass
 class Detokenizer:

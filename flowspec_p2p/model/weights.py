@@ -24,7 +24,6 @@ import math
 import mmap
 import re
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -445,11 +444,6 @@ def open_source(path: str | Path | None = None) -> GGUFSource | SafetensorsSourc
 # ------------------------------------------------------------------------------------ materialising
 
 
-def load_tensors(source: WeightSource, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Materialise exactly ``names`` in ``dtype``. Missing tensors raise WeightsError."""
-    return {n: source.load(n).to(dtype) for n in names}
-
-
 def tensor_digest(source: WeightSource, name: str) -> str:
     return hashlib.sha256(source.raw_bytes(name)).hexdigest()
 
@@ -471,7 +465,3 @@ def model_fingerprint(source: WeightSource) -> str:
     """Fingerprint of the whole checkpoint (every tensor we use). Identifies a target for draft heads."""
     full = LayerRange(start=0, end=source.config.num_layers)
     return range_fingerprint(source, full, embed=True, head=True)
-
-
-def tensor_nbytes(source: WeightSource, name: str) -> int:
-    return len(source.raw_bytes(name))

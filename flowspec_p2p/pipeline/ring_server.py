@@ -28,10 +28,10 @@ from .transport import (
     HEARTBEAT_S,
     RING_PATH,
     Frame,
-    Hello,
     LinkCounters,
     LinkDown,
-    Welcome,
+    RingHello,
+    RingWelcome,
     next_link_id,
 )
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Inbound:
     ws: web.WebSocketResponse
-    hello: Hello
+    hello: RingHello
     id: int = field(default_factory=next_link_id)
     counters: LinkCounters = field(default_factory=LinkCounters)
 
@@ -52,7 +52,7 @@ class RingServer:
     ``LinkDown`` when the link ends. ``install(app)`` adds the route and closes the links on shutdown."""
 
     def __init__(self, agent_id: str, cluster: str, *, epoch: int = 0, inbox: asyncio.Queue | None = None,
-                 allowed: Callable[[Hello], bool] | None = None, max_frame_bytes: int = codec.MAX_FRAME_BYTES):
+                 allowed: Callable[[RingHello], bool] | None = None, max_frame_bytes: int = codec.MAX_FRAME_BYTES):
         self.agent_id = agent_id
         self.cluster = cluster
         self.epoch = epoch
@@ -82,7 +82,7 @@ class RingServer:
         for link in list(self.links.values()):
             await link.ws.close(code=CLOSE_SHUTDOWN, message=b"agent stopping")
 
-    def _refusal(self, hello: Hello) -> tuple[int, str] | None:
+    def _refusal(self, hello: RingHello) -> tuple[int, str] | None:
         if hello.protocol != PROTOCOL_VERSION:
             return CLOSE_REFUSED, f"protocol {hello.protocol} != {PROTOCOL_VERSION}"
         if hello.cluster != self.cluster:
@@ -103,7 +103,7 @@ class RingServer:
             first = await ws.receive(timeout=HANDSHAKE_TIMEOUT_S)
             if first.type != aiohttp.WSMsgType.TEXT:
                 raise ProtocolError(f"expected a hello, got {first.type.name}")
-            hello = Hello.model_validate_json(first.data)
+            hello = RingHello.model_validate_json(first.data)
         except (ProtocolError, ValidationError, TimeoutError) as e:
             self.refused += 1
             log.warning("ring: refused a link from %s: bad hello (%s)", peer, str(e).splitlines()[0])
@@ -117,7 +117,7 @@ class RingServer:
             return ws
         inbox = self.inbox
         assert inbox is not None
-        await ws.send_str(Welcome(protocol=PROTOCOL_VERSION, epoch=self.epoch, receiver=self.agent_id)
+        await ws.send_str(RingWelcome(protocol=PROTOCOL_VERSION, epoch=self.epoch, receiver=self.agent_id)
                           .model_dump_json())
         link = _Inbound(ws, hello)
         self.links[id(ws)] = link

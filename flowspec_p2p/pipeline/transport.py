@@ -6,8 +6,8 @@ Every agent's aiohttp app serves ``GET /ring`` (``ring_server.RingServer``): an 
 predecessor. Each agent opens one *outbound* ``Link`` to its successor. A link is one-way: data frames only flow
 from the dialler to the server, so the FIFO order of a websocket is the order of the ring.
 
-Handshake: the dialler sends a ``Hello`` (protocol version, cluster name, plan epoch, sender id) as the first
-text frame; the server answers a ``Welcome`` or closes with a reason (close codes below). A link from another
+Handshake: the dialler sends a ``RingHello`` (protocol version, cluster name, plan epoch, sender id) as the first
+text frame; the server answers a ``RingWelcome`` or closes with a reason (close codes below). A link from another
 cluster, another protocol version, or a stale or unknown plan epoch is refused; when the control plane moves to
 a new epoch (``ring_server.RingServer.set_epoch``) the server closes its inbound links of older epochs.
 
@@ -54,7 +54,7 @@ CLOSE_SHUTDOWN = 4503  # the agent is stopping
 
 
 
-class Hello(FrozenModel):
+class RingHello(FrozenModel):
     """First frame of a link, dialler -> server."""
 
     protocol: int
@@ -63,8 +63,8 @@ class Hello(FrozenModel):
     sender: str = Field(min_length=1, max_length=128)
 
 
-class Welcome(FrozenModel):
-    """The server's answer to an accepted Hello."""
+class RingWelcome(FrozenModel):
+    """The server's answer to an accepted RingHello."""
 
     protocol: int
     epoch: int
@@ -156,7 +156,7 @@ class Link:
     async def connect(
         cls,
         url: str,
-        hello: Hello,
+        hello: RingHello,
         *,
         session: aiohttp.ClientSession | None = None,
         events: asyncio.Queue | None = None,
@@ -179,7 +179,7 @@ class Link:
                     raise ProtocolError(f"{url} refused the link (code {reply.data}): {reply.extra}")
                 if reply.type != aiohttp.WSMsgType.TEXT:
                     raise PeerGone(f"{url} answered the hello with {reply.type.name}")
-                welcome = Welcome.model_validate_json(reply.data)
+                welcome = RingWelcome.model_validate_json(reply.data)
             except BaseException:
                 await ws.close()
                 raise

@@ -15,15 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from .. import env
 from ..errors import ConfigError
-from ..model.generate import PREFILL_CHUNK, GenStats, check_context
-from ..model.kv_cache import KVCache
+from ..model.generate import GenStats, check_context, prefill_features
 from ..model.sampling import SamplingParams, choose
 from ..model.shard import Shard
 from .drafter import Drafter, HeadDrafter, TreeShape
@@ -78,13 +77,6 @@ def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | Non
     if bundle.meta.get("target_fingerprint") != target_fingerprint:
         log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
     return LookupDrafter(HeadDrafter(bundle.head, target, bundle.draft_vocab)), bundle.meta
-
-
-def prefill_features(model: Shard, cache: KVCache, prompt: Sequence[int]) -> torch.Tensor:
-    """Run the prompt in chunks; return the features of every prompt token. -> [n, hidden]"""
-    ids = torch.tensor([list(prompt)], dtype=torch.long)  # [1, n]
-    outs = [model(ids[:, a : a + PREFILL_CHUNK], cache)[0] for a in range(0, ids.shape[1], PREFILL_CHUNK)]
-    return torch.cat(outs)
 
 
 class SpecDecoder:

@@ -16,8 +16,9 @@ Glossary (tree words as in tree.py):
     expansion      FlowSpec: after a partial acceptance, feed the newly committed tokens, draft from the new root
                    one level at a time (``draft_levels``) and merge each level into the pruned tree (flowspec.py).
 
-Three drafters plug into the same loop: ``HeadDrafter`` (a trained or random ``draft.DraftHead``) and
+Two drafters plug into the same loop: ``HeadDrafter`` (a trained or random ``head.DraftHead``) and
 ``OracleDrafter`` (the target itself: greedy drafts are always accepted; for tests and upper bounds).
+``ngram.LookupDrafter`` wraps either with prompt-lookup candidates.
 """
 
 from __future__ import annotations

@@ -9,17 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowspec_p2p.cluster import planner
-from flowspec_p2p.cluster.planner import Device, ModelSpec, PlanOptions, diff, plan, render
+from flowspec_p2p.cluster.planner import Device, ModelSizes, PlanOptions, diff, plan, render
 from flowspec_p2p.errors import PlanInfeasible
 
 MB = 1024 * 1024
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
 
-def smol(context: int = 2048, layers: int = 30) -> ModelSpec:
+def smol(context: int = 2048, layers: int = 30) -> ModelSizes:
     """SmolLM2-135M's sizes (float32 at run time)."""
     layer = 3_540_096
-    return ModelSpec(name="smol", num_layers=layers, layer_bytes=(layer * 4,) * layers, embed_bytes=49152 * 576 * 4,
+    return ModelSizes(name="smol", num_layers=layers, layer_bytes=(layer * 4,) * layers, embed_bytes=49152 * 576 * 4,
                      head_bytes=(49152 * 576 + 576) * 4, norm_bytes=576 * 4, draft_bytes=4_203_072 * 4,
                      kv_bytes_per_token=1536,
                      hidden_size=576, vocab_size=49152, context=context, layer_flops=2.0 * layer,
@@ -138,7 +138,7 @@ def test_search_is_bounded_beyond_the_exhaustive_limit(monkeypatch):
 def test_golden_plans_are_unchanged(path):
     golden = json.loads(path.read_text())
     devices = [Device.model_validate(d) for d in golden["devices"]]
-    model = ModelSpec.model_validate(golden["model"])
+    model = ModelSizes.model_validate(golden["model"])
     opts = PlanOptions.model_validate(golden["options"])
     assert plan(devices, model, opts).model_dump(mode="json") == golden["plan"]
     assert render(plan(devices, model, opts), devices) == golden["rendering"]

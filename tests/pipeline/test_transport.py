@@ -19,10 +19,10 @@ from flowspec_p2p.pipeline.transport import (
     CLOSE_REFUSED,
     CLOSE_STALE_EPOCH,
     Frame,
-    Hello,
     Link,
     LinkDown,
     QueueSender,
+    RingHello,
 )
 
 
@@ -54,7 +54,7 @@ class Agent:
 
 
 def hello(**kw):
-    return Hello(**{"protocol": PROTOCOL_VERSION, "cluster": "home", "epoch": 3, "sender": "a1", **kw})
+    return RingHello(**{"protocol": PROTOCOL_VERSION, "cluster": "home", "epoch": 3, "sender": "a1", **kw})
 
 
 def prune(seq):

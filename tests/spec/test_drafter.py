@@ -11,11 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from flowspec_p2p.env import PACKED_WEIGHTS
-from flowspec_p2p.model.generate import ARDecoder, generate_ids
+from flowspec_p2p.model.generate import ARDecoder, generate_ids, prefill_features
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.shard import Shard, packing_enabled
 from flowspec_p2p.model.weights import open_source
-from flowspec_p2p.spec.decoder import prefill_features
 from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.spec.head import DraftHead
 from flowspec_p2p.types import LayerRange
