@@ -40,6 +40,7 @@ from .cluster.control import (
     INFO_PATH,
     MAX_CONTROL_BYTES,
     TIMELINE_PATH,
+    ControlMessage,
     PeerInfo,
     auth_tag,
     decode_message,
@@ -49,7 +50,7 @@ from .cluster.coordinator import Coordinator
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
 from .cluster.member import MemberControl
 from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind, checking, signing
-from .cluster.planner import describe_model
+from .cluster.plans import describe_model
 from .cluster.profile import DeviceProfile, measure
 from .cluster.stage_host import StageHost, TapQueue
 from .cluster.weight_server import WeightServer
@@ -319,7 +320,7 @@ class Agent(Net):
             raise web.HTTPBadRequest(text=str(e)) from None
         return web.Response(body=encode_message(reply), content_type="application/json")
 
-    async def post(self, url: str, msg) -> object:
+    async def post(self, url: str, msg: ControlMessage) -> ControlMessage:
         """Net: POST a control message (signed) -> the reply. Raises PeerGone/ProtocolError."""
         return await self.client.post(url, msg)
 

@@ -20,14 +20,14 @@ from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_va
 from .decoding.flowspec import FlowSpecConfig
 from .env import SECRET, STATE_DIR, environ
 from .errors import ConfigError
-from .types import FrozenModel
+from .types import Settings
 
 DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")
 DEFAULT_API_PORT = 8000
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 
 
-class Emulation(FrozenModel):
+class Emulation(Settings):
     """Emulated edge device (issue 4 item 9); off by default. The data path applies it (emulation.py)."""
 
     link_mbps: float | None = Field(default=None, gt=0)
@@ -39,7 +39,7 @@ class Emulation(FrozenModel):
         return self.link_mbps is not None or self.link_latency_ms > 0 or self.slowdown > 1.0
 
 
-class ProfileOverrides(FrozenModel):
+class ProfileOverrides(Settings):
     """Values that replace measurements (the ``[profile]`` table of an agent profile): for planning previews,
     for a device that should offer less than it has, and for emulated clusters on one host."""
 
@@ -49,7 +49,7 @@ class ProfileOverrides(FrozenModel):
     latency_ms: float | None = Field(default=None, ge=0)
 
 
-class PlanningConfig(FrozenModel):
+class PlanningConfig(Settings):
     """How the leader plans (ignored on members)."""
 
     context: int = Field(default=2048, ge=16)  # KV capacity per request on every stage
@@ -68,7 +68,7 @@ def _valid_flowspec(v: dict[str, Any]) -> dict[str, Any]:
 FlowSpecOverrides = Annotated[dict[str, Any], AfterValidator(_valid_flowspec)]
 
 
-class AgentConfig(FrozenModel):
+class AgentConfig(Settings):
     cluster: str = "default"
     name: str = ""  # a human label shown in /cluster; defaults to the host name
     leader: bool = False

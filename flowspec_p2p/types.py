@@ -1,4 +1,4 @@
-"""Shared vocabulary: identifiers and layer ranges."""
+"""Shared vocabulary: identifiers, layer ranges, and the two model bases (strict messages, lax settings)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,18 @@ RequestId = NewType("RequestId", str)
 
 
 class FrozenModel(BaseModel):
-    """Base for value objects: immutable, no unknown fields."""
+    """Base for messages and value objects: immutable, no unknown fields, strict types (a peer's message must say
+    exactly what it means: no string for a number, no float for an int). JSON input (``model_validate_json``) maps
+    arrays onto tuples."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class Settings(FrozenModel):
+    """Base for configuration a user writes (flags, TOML profiles, JSON options): immutable and closed like a
+    FrozenModel, but values convert as a user would expect (a path from a string, a tuple from a list)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
 
 class LayerRange(FrozenModel):

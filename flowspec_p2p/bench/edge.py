@@ -37,7 +37,7 @@ from pydantic import Field
 from ..config import FlowSpecOverrides
 from ..errors import ConfigError, FlowSpecError
 from ..specbench import EVAL_START, PAPER_ORDER, Question, default_dir, load_questions
-from ..types import FrozenModel
+from ..types import Settings
 from . import report
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ RESUME_KEYS = ("stages", "link_mbps", "link_latency_ms", "slowdown", "leader_slo
                "compute_basis", "flowspec_config", "turns")
 
 
-class BenchConfig(FrozenModel):
+class BenchConfig(Settings):
     stages: int = Field(4, ge=1)
     link_mbps: float | None = Field(100.0, gt=0)
     link_latency_ms: float = Field(2.0, ge=0)

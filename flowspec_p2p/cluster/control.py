@@ -33,8 +33,8 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from ..errors import ProtocolError
 from ..model.arch import ModelConfig
-from ..types import FrozenModel, LayerRange
-from .planner import Plan
+from ..types import FrozenModel, LayerRange, PeerId
+from .plans import Plan
 from .profile import DeviceProfile
 
 CONTROL_VERSION = 1
@@ -56,7 +56,7 @@ Role = Literal["leader", "member"]
 class PeerInfo(_Msg):
     """Who an agent is and what it offers: advertised over mDNS, sent in Hello, listed by ``GET /cluster``."""
 
-    id: str = Field(min_length=1, max_length=64)
+    id: PeerId = Field(min_length=1, max_length=64)
     name: str = ""
     cluster: str
     role: Role
@@ -100,7 +100,7 @@ StageState = Literal["idle", "loading", "loaded", "ready", "failed"]
 class Heartbeat(_Msg):
     kind: Literal["heartbeat"] = "heartbeat"
     v: int = CONTROL_VERSION
-    agent_id: str
+    agent_id: PeerId
     epoch: int  # the plan epoch the agent runs (-1: none yet)
     state: StageState
     counters: dict[str, float] = Field(default_factory=dict)
@@ -117,7 +117,7 @@ class Ack(_Msg):
 class RingNode(_Msg):
     """One stage of a plan with the address its ``/ring`` and ``/control`` are served at."""
 
-    agent_id: str
+    agent_id: PeerId
     host: str
     port: int
     layers: LayerRange
@@ -145,16 +145,16 @@ class PlanUpdate(_Msg):
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every shard
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
 
-    def node(self, agent_id: str) -> RingNode | None:
+    def node(self, agent_id: PeerId) -> RingNode | None:
         return next((n for n in self.ring if n.agent_id == agent_id), None)
 
-    def successor(self, agent_id: str) -> RingNode | PeerInfo:
+    def successor(self, agent_id: PeerId) -> RingNode | PeerInfo:
         """Where a stage sends its output: the next stage, or the leader after the last one."""
         ids = [n.agent_id for n in self.ring]
         i = ids.index(agent_id)
         return self.ring[i + 1] if i + 1 < len(self.ring) else self.leader
 
-    def predecessor_id(self, agent_id: str) -> str:
+    def predecessor_id(self, agent_id: PeerId) -> str:
         ids = [n.agent_id for n in self.ring]
         if agent_id == self.leader.id and agent_id not in ids:
             return ids[-1]
@@ -173,7 +173,7 @@ class Activate(_Msg):
 class StageStatus(_Msg):
     kind: Literal["status"] = "status"
     v: int = CONTROL_VERSION
-    agent_id: str
+    agent_id: PeerId
     epoch: int
     state: StageState
     detail: str = ""
@@ -185,7 +185,7 @@ class StageStatus(_Msg):
 class Bye(_Msg):
     kind: Literal["bye"] = "bye"
     v: int = CONTROL_VERSION
-    agent_id: str
+    agent_id: PeerId
     reason: str = "stopping"
 
 

@@ -34,6 +34,7 @@ from .control import (
     Ack,
     Activate,
     Bye,
+    ControlMessage,
     Heartbeat,
     Hello,
     PeerInfo,
@@ -45,7 +46,8 @@ from .control import (
 )
 from .membership import Heard, Joined, Left, Membership, Planned, Tick
 from .net import Net
-from .planner import ModelSizes, Plan, PlanOptions, diff, plan, render
+from .planner import plan
+from .plans import ModelSizes, Plan, PlanOptions, diff, render
 from .stage_host import StageHost, connect_with_retry, ws_url
 
 log = logging.getLogger(__name__)
@@ -127,7 +129,7 @@ class Coordinator:
         self.net.spawn(self.leader.set_pipeline(None), name="unset-pipeline")
         log.warning("pipeline broken: %s; re-planning", why)
 
-    async def handle(self, msg):
+    async def handle(self, msg: ControlMessage) -> ControlMessage:
         """A control message to the leader -> the reply."""
         now = time.monotonic()
         if isinstance(msg, Hello):

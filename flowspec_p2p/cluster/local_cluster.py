@@ -40,7 +40,7 @@ from pydantic import Field
 from ..config import FlowSpecOverrides
 from ..env import SECRET
 from ..errors import FlowSpecError
-from ..types import FrozenModel
+from ..types import Settings
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ STOP_TIMEOUT_S = 10.0
 HTTP_TIMEOUT_S = 5.0
 
 
-class ClusterOptions(FrozenModel):
+class ClusterOptions(Settings):
     cluster: str | None = None  # default: a fresh "local-<hex>" name, so clusters on one host never mix
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=0, ge=0, le=65535)  # 0 = any free port (see LocalCluster.api_url)

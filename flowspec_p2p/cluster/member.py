@@ -19,7 +19,7 @@ import time
 from ..errors import PeerGone, ProtocolError
 from ..pipeline.transport import LinkDown
 from . import membership as membership_mod
-from .control import Ack, Activate, Bye, Heartbeat, Hello, PeerInfo, PlanUpdate, Refused, StageStatus
+from .control import Ack, Activate, Bye, ControlMessage, Heartbeat, Hello, PeerInfo, PlanUpdate, Refused, StageStatus
 from .net import Net
 from .stage_host import StageHost
 
@@ -59,7 +59,7 @@ class MemberControl:
             self.suspects.add(ev.peer)  # told to the leader with the next heartbeat, sent at once
             self._wake.set()
 
-    async def handle(self, msg):
+    async def handle(self, msg: ControlMessage) -> ControlMessage:
         """A control message to this member -> the reply."""
         if isinstance(msg, Hello):  # a leader that learned of us through a static peer
             if msg.peer.role == "leader" and msg.peer.cluster == self.info.cluster:

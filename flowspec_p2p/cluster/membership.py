@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from ..types import PeerId
 from .control import PeerInfo, StageState
-from .planner import Device
+from .plans import Device
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 3.5  # must exceed 3 * HEARTBEAT_INTERVAL_S
@@ -54,7 +55,7 @@ class Joined:
 
 @dataclass(frozen=True)
 class Heard:
-    agent_id: str
+    agent_id: PeerId
     at: float
     epoch: int = -1
     state: StageState | None = None
@@ -62,7 +63,7 @@ class Heard:
 
 @dataclass(frozen=True)
 class Left:
-    agent_id: str
+    agent_id: PeerId
     at: float
     reason: Literal["bye", "mdns", "timeout", "link", "refused"] | str = "bye"
 

@@ -15,6 +15,7 @@ from .control import (
     AUTH_HEADER,
     CONTROL_PATH,
     INFO_PATH,
+    ControlMessage,
     PeerInfo,
     check_signature,
     decode_message,
@@ -30,7 +31,7 @@ CONTROL_TIMEOUT_S = 3.0
 class Net:
     """What the coordinator and a member need of their agent's network layer (the agent implements it)."""
 
-    async def post(self, url: str, msg) -> object:
+    async def post(self, url: str, msg: ControlMessage) -> ControlMessage:
         """POST a control message to the agent at ``url`` -> its reply. Raises PeerGone or ProtocolError."""
         raise NotImplementedError
 
@@ -50,7 +51,7 @@ class ControlClient:
         self.session = session
         self.secret = secret
 
-    async def post(self, url: str, msg) -> object:
+    async def post(self, url: str, msg: ControlMessage) -> ControlMessage:
         body = encode_message(msg)
         headers = {"Content-Type": "application/json"}
         if self.secret is not None:

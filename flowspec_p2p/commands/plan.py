@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from .. import config as config_mod
-from ..cluster.planner import Device, PlanOptions, describe_model, plan, render
+from ..cluster.planner import plan
+from ..cluster.plans import Device, PlanOptions, describe_model, render
 from ..cluster.profile import measure
 from ..errors import ConfigError
 from ..model.shard import packing_enabled

@@ -56,7 +56,7 @@ from ..pipeline.messages import Forward
 from ..spec.drafter import TreeShape
 from ..spec.tree import DraftTree
 from ..spec.verify import LazyRows, Verdict, verify_tree
-from ..types import FrozenModel
+from ..types import Settings
 from .context import DecodingMode, ModeContext, prefill
 from .flowstate import Calibration, FlowState, StageCost, best_segment, segment_value
 from .flowstats import FlowStats
@@ -64,7 +64,7 @@ from .flowstats import FlowStats
 log = logging.getLogger(__name__)
 
 
-class FlowSpecConfig(FrozenModel):
+class FlowSpecConfig(Settings):
     """Tree budgets and segment sizing. Defaults tuned for a CPU pipeline (small trees, short segments)."""
 
     # Drafting cost grows with depth x top_k (one draft-head forward per level), not with total_tokens: the

@@ -24,13 +24,13 @@ from ..pipeline.messages import Forward
 from ..spec.drafter import TreeShape
 from ..spec.tree import DraftTree
 from ..spec.verify import Verdict
-from ..types import FrozenModel
+from ..types import Settings
 from .context import DecodingMode, ModeContext
 from .flowspec import Send, tree_pipeline
 from .flowstate import FlowState
 
 
-class PipeDecConfig(FrozenModel):
+class PipeDecConfig(Settings):
     width: int = Field(4, ge=1)  # nodes per level (the reference's 16 suits GPUs; a CPU stage pays per node)
     max_depth: int = Field(10, ge=1)  # levels below the root at most
     in_flight: int | None = Field(None, ge=1)  # default: compute stages + 1

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..types import FrozenModel
+from ..types import Settings
 
 
-class LeaderSettings(FrozenModel):
+class LeaderSettings(Settings):
     mode_preference: tuple[str, ...] = ("flowspec", "chunk", "ar")  # default mode: the first one available
     default_mode: str | None = None  # overrides mode_preference
     max_context: int = Field(2048, ge=2)  # prompt + new tokens; the stages' KV capacity must be at least this

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..types import FrozenModel
+from ..types import Settings
 
 
-class SamplingParams(FrozenModel):
+class SamplingParams(Settings):
     temperature: float = Field(0.0, ge=0.0, le=100.0)  # 0 = greedy
     top_k: int = Field(0, ge=0)  # 0 = off
     top_p: float = Field(1.0, gt=0.0, le=1.0)

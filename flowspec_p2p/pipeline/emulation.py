@@ -41,12 +41,12 @@ from typing import Any, Literal, Protocol, TypeVar
 import torch
 from pydantic import Field
 
-from ..types import FrozenModel
+from ..types import Settings
 
 log = logging.getLogger(__name__)
 
 
-class LinkEmulation(FrozenModel):
+class LinkEmulation(Settings):
     """A link's emulated bandwidth (Mbit/s; None = unlimited) and one-way latency (ms)."""
 
     bandwidth_mbps: float | None = Field(None, gt=0)
@@ -74,7 +74,7 @@ def cpu_time_wait(slowdown: float, wall_s: float, cpu_s: float) -> float:
     return slowdown * cpu_s - wall_s if slowdown > 1.0 else 0.0
 
 
-class ComputeEmulation(FrozenModel):
+class ComputeEmulation(Settings):
     """Compute slowdown s >= 1 (see the module docstring for the two bases)."""
 
     slowdown: float = Field(1.0, ge=1.0, le=1000.0)

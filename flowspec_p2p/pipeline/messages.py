@@ -27,7 +27,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from ..types import FrozenModel
+from ..types import FrozenModel, RequestId
 
 PROTOCOL_VERSION = 1
 MAX_STAGES = 256  # stage_s entries a Forward may carry
@@ -45,7 +45,7 @@ class Forward(FrozenModel):
     """Run ``len(parents)`` new nodes through the stage. They take tree indices ``first, first + 1, ...``."""
 
     kind: Literal["forward"] = "forward"
-    request_id: str
+    request_id: RequestId
     seq: int = Field(ge=0)
     first: int = Field(ge=0)  # tree index of the first node; must equal the stage's pending count
     parents: list[int]  # per node: parent tree index (< own index), or -1 (hangs off the committed prefix)
@@ -71,7 +71,7 @@ class Prune(FrozenModel):
     re-indexed 0, 1, ... in order; the parent of a node whose parent became committed becomes -1."""
 
     kind: Literal["prune"] = "prune"
-    request_id: str
+    request_id: RequestId
     seq: int = Field(ge=0)
     accept: int = Field(ge=0)
     keep: list[int]
@@ -81,7 +81,7 @@ class Release(FrozenModel):
     """The request is over: free its state on every stage."""
 
     kind: Literal["release"] = "release"
-    request_id: str
+    request_id: RequestId
     seq: int = Field(ge=0)
 
 
@@ -89,7 +89,7 @@ class StageError(FrozenModel):
     """A stage could not apply a message of this request; passed on to the leader, which fails the request."""
 
     kind: Literal["error"] = "error"
-    request_id: str
+    request_id: RequestId
     seq: int = Field(ge=0)
     stage: int
     message: str

@@ -32,12 +32,12 @@ from pydantic import Field
 
 from ..model.kv_cache import KVCache
 from ..model.shard import PackedWeights, Shard, project
-from ..types import FrozenModel
+from ..types import Settings
 from .head import DraftHead
 from .tree import DraftTree
 
 
-class TreeShape(FrozenModel):
+class TreeShape(Settings):
     """EAGLE-2 tree budget. total_tokens counts the root (EAGLE's ``total_token``)."""
 
     total_tokens: int = Field(12, ge=1)

@@ -17,12 +17,12 @@ from collections.abc import Iterator, Sequence
 import torch
 from pydantic import Field
 
-from ..types import FrozenModel
+from ..types import Settings
 from .drafter import Drafter, TreeShape
 from .tree import DraftTree
 
 
-class LookupConfig(FrozenModel):
+class LookupConfig(Settings):
     max_ngram: int = Field(4, ge=1)  # longest context suffix matched
     min_ngram: int = Field(1, ge=1)  # shortest
     length: int = Field(6, ge=1)  # candidate tokens proposed per tree (capped by the tree's depth)

@@ -27,7 +27,7 @@ from pydantic import Field
 from tqdm import tqdm
 
 from ..model.load import load_model
-from ..types import FrozenModel
+from ..types import Settings
 from .batchgen import BatchGenerator, Finished, Request
 from .prompts import Prompt, build_pool, load_pool, save_pool, sharegpt_candidates, sharegpt_path
 from .store import FeatureStore
@@ -35,7 +35,7 @@ from .store import FeatureStore
 log = logging.getLogger(__name__)
 
 
-class DataConfig(FrozenModel):
+class DataConfig(Settings):
     run_dir: Path
     model: str | None = None  # GGUF file or HF folder; None = the packaged default
     prompts: int = Field(20000, ge=1)  # how much of the pool to answer

@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..model.shard import Shard
 from ..model.weights import open_source
 from ..spec.head import DraftHead
-from ..types import FrozenModel, LayerRange
+from ..types import LayerRange, Settings
 from .corpus import (
     HELDOUT_PER_MILLE,
     Corpus,
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 SELF_VOCAB_WEIGHT = 0.75  # share of self-distilled answers (vs teacher-forced ones) in the draft-vocab counts
 
 
-class FitConfig(FrozenModel):
+class FitConfig(Settings):
     run_dir: Path
     model: str | None = None
     steps: int = Field(2000, ge=1)  # optimiser steps (a total: a resumed fit stops there too)

@@ -250,7 +250,7 @@ def test_gguf_header_parse_agrees_with_gguf_reader(tmp_path, tiny_llama):
 def test_dequantize_is_bit_identical_to_gguf_py(qtype, monkeypatch):
     import gguf
 
-    from flowspec_p2p.model import weights
+    from flowspec_p2p.model import gguf_file as weights
 
     monkeypatch.setattr(weights, "DEQUANT_CHUNK_BLOCKS", 5)  # 12 blocks: several chunks and a partial one
 
