@@ -33,159 +33,25 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
 from ..decoding.leader import Leader
 from ..errors import (
-    Busy,
-    ConfigError,
-    ContextOverflow,
     FlowSpecError,
-    InvalidRequest,
-    NotReady,
-    PeerGone,
-    StageFailed,
 )
 from ..model.generate import GenStats
-from ..model.sampling import SamplingParams
 from ..model.tokenizer import Detokenizer
+from .schemas import DEFAULT_MAX_TOKENS, ApiError, Body, ChatRequest, CompletionRequest, api_error, validation_error
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
-DEFAULT_MAX_TOKENS = 256
-MAX_STOP_STRINGS = 4
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 ClusterView = Callable[[], dict | Awaitable[dict]]
 LEADER = web.AppKey("leader", Leader)
 CLUSTER_VIEW = web.AppKey("cluster_view", object)
-
-
-# ------------------------------------------------------------------------------------------------ requests
-
-
-class _Body(BaseModel):
-    """Fields shared by both endpoints. Unknown OpenAI fields are ignored; known ones are type-checked strictly."""
-
-    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = Field(1, ge=1, le=1)
-    decoding: str | None = Field(None, min_length=1, max_length=32)
-    return_token_ids: bool = False  # stats carry "token_ids": the generated ids (benchmarks compare modes by them)
-    return_leader_timeline: bool = False  # stats carry "leader_intervals": the leader's compute [start, end] pairs
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
-        return stops
-
-    def stop_strings(self) -> list[str]:
-        return list(self.stop or [])
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
-
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
-
-
-class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
-
-    type: Literal["text"]
-    text: str
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_TextPart]
-
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
-
-
-class ChatRequest(_Body):
-    messages: list[_Message] = Field(min_length=1)
-
-
-class CompletionRequest(_Body):
-    prompt: str | list[int] | list[str]
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return v[0]
-        return v
-
-
-# ------------------------------------------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.retry_after = retry_after
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> web.Response:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
-
-
-def _api_error(e: BaseException, retry_after: int, prompt_param: str = "messages") -> ApiError:
-    """``prompt_param``: the request field that holds the prompt (``messages`` or ``prompt``)."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, ContextOverflow):
-        return ApiError(400, str(e), "invalid_request_error", prompt_param, "context_length_exceeded")
-    if isinstance(e, InvalidRequest | ConfigError):
-        return ApiError(400, str(e), "invalid_request_error", "decoding" if "mode" in str(e) else None)
-    if isinstance(e, Busy):
-        return ApiError(503, str(e), "server_busy", code="busy", retry_after=retry_after)
-    if isinstance(e, NotReady | PeerGone):
-        return ApiError(503, str(e), "cluster_unavailable", code="peer_gone" if isinstance(e, PeerGone) else
-                        "not_ready", retry_after=retry_after)
-    if isinstance(e, StageFailed):
-        return ApiError(500, str(e), "stage_failed")
-    if isinstance(e, FlowSpecError):
-        return ApiError(500, str(e), "server_error")
-    log.exception("unexpected error in a request", exc_info=e)
-    return ApiError(500, f"internal error: {type(e).__name__}", "server_error")
-
-
-def _validation_error(e: ValidationError) -> ApiError:
-    first = e.errors()[0]
-    if first["type"] == "json_invalid":
-        return ApiError(400, f"malformed JSON: {first['msg']}", "invalid_request_error")
-    where = ".".join(str(x) for x in first["loc"])
-    return ApiError(400, f"{where or 'body'}: {first['msg']}", "invalid_request_error", where or None)
 
 
 # ------------------------------------------------------------------------------------------------ serving
@@ -194,7 +60,7 @@ def _validation_error(e: ValidationError) -> ApiError:
 class _Job:
     """One validated request: prompt ids, generation arguments, and the text layer over the leader's chunks."""
 
-    def __init__(self, leader: Leader, body: _Body, prompt: list[int], kind: str):
+    def __init__(self, leader: Leader, body: Body, prompt: list[int], kind: str):
         self.leader, self.body, self.prompt, self.kind = leader, body, prompt, kind
         settings = leader.settings
         max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, settings.max_context)
@@ -270,12 +136,12 @@ class _Job:
                 "choices": [choice], "usage": self.usage(), "stats": self.stats_dict()}
 
 
-async def _parse(request: web.Request, model: type[_Body]) -> _Body:
+async def _parse(request: web.Request, model: type[Body]) -> Body:
     raw = await request.read()
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e) from None
 
 
 def _mode_named(leader: Leader, model: str | None) -> str | None:
@@ -284,7 +150,7 @@ def _mode_named(leader: Leader, model: str | None) -> str | None:
     return model if model in leader.modes else None
 
 
-def _prompt_ids(leader: Leader, body: _Body) -> tuple[list[int], str]:
+def _prompt_ids(leader: Leader, body: Body) -> tuple[list[int], str]:
     tok = leader.tokenizer
     if isinstance(body, ChatRequest):
         return tok.chat([m.as_dict() for m in body.messages]), "chat"
@@ -299,7 +165,7 @@ def _prompt_ids(leader: Leader, body: _Body) -> tuple[list[int], str]:
     return list(body.prompt), "text"
 
 
-async def _complete(request: web.Request, model: type[_Body]) -> web.StreamResponse:
+async def _complete(request: web.Request, model: type[Body]) -> web.StreamResponse:
     leader = request.app[LEADER]
     retry = leader.settings.retry_after_s
     param = "messages" if model is ChatRequest else "prompt"
@@ -308,7 +174,7 @@ async def _complete(request: web.Request, model: type[_Body]) -> web.StreamRespo
         prompt, kind = _prompt_ids(leader, body)
         job = _Job(leader, body, prompt, kind)
     except (ApiError, FlowSpecError) as e:
-        return _api_error(e, retry, param).response()
+        return api_error(e, retry, param).response()
     if body.stream:
         return await _stream(request, job, retry, param)
     parts: list[str] = []
@@ -317,7 +183,7 @@ async def _complete(request: web.Request, model: type[_Body]) -> web.StreamRespo
             async for text in deltas:
                 parts.append(text)
     except Exception as e:
-        return _api_error(e, retry, param).response()
+        return api_error(e, retry, param).response()
     return web.json_response(job.full("".join(parts)))
 
 
@@ -327,7 +193,7 @@ async def _stream(request: web.Request, job: _Job, retry: int, param: str) -> we
         first = await anext(deltas, None)  # errors before any output still get a proper status code
     except Exception as e:
         await deltas.aclose()
-        return _api_error(e, retry, param).response()
+        return api_error(e, retry, param).response()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
 
@@ -350,7 +216,7 @@ async def _stream(request: web.Request, job: _Job, retry: int, param: str) -> we
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as e:
-        err = _api_error(e, retry, param)
+        err = api_error(e, retry, param)
         with contextlib.suppress(ConnectionResetError):
             await send(err.body())
     finally:

@@ -52,7 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.single_device import TUNE_START, tune, tune_markdown, write_outputs
+    from ..bench.single_device import write_outputs
+    from ..bench.tune import TUNE_START, tune, tune_markdown
     from ..model.load import load_model
     from ..spec.decoder import load_drafter, tuning_path
     from ..specbench import DATASETS, load_questions

@@ -257,7 +257,7 @@ def test_default_model_with_the_shipped_head_matches_autoregressive_greedy(reque
 
 def test_teacher_forced_tau_equals_the_decoders_tau(tiny_llama):
     """One nested pool per position predicts, for every shape, exactly the steps SpecDecoder takes (T=0)."""
-    from flowspec_p2p.bench.single_device import simulate_tau, teacher_forced_lengths
+    from flowspec_p2p.bench.tune import simulate_tau, teacher_forced_lengths
 
     target = tiny_target(tiny_llama)
     head = trained_head(tiny_llama)
@@ -271,7 +271,7 @@ def test_teacher_forced_tau_equals_the_decoders_tau(tiny_llama):
 
 
 def test_tune_ranks_candidate_trees_on_a_tiny_model(tiny_llama):
-    from flowspec_p2p.bench import single_device as bench_spec
+    from flowspec_p2p.bench import tune as bench_spec
 
     target = tiny_target(tiny_llama)
     drafter = HeadDrafter(trained_head(tiny_llama), target)
