@@ -6,7 +6,7 @@
         GET  /ring                                                  data plane (ring_server.RingServer)
         GET  /weights/...                                           the leader's weight server
     StageHost: this agent's pipeline stage (weights, worker, links) for the plan epoch in force
-    leader only: the Leader (decoding modes) and its OpenAI-compatible API (api.py) on --api-host/--api-port
+    leader only: the Leader (decoding modes) and its OpenAI-compatible API (api/app.py) on --api-host/--api-port
 
 Roles. The leader (``--leader``) plans (coordinator.py), serves weights and the API; every other agent is a
 member (member.py) that joins the oldest leader of its cluster, heartbeats to it and hosts whatever stage the plan

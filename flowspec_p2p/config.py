@@ -28,7 +28,7 @@ CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 
 
 class Emulation(Settings):
-    """Emulated edge device (issue 4 item 9); off by default. The data path applies it (emulation.py)."""
+    """An emulated edge device, for benchmarks on one host; off by default (pipeline/emulation.py)."""
 
     link_mbps: float | None = Field(default=None, gt=0)
     link_latency_ms: float = Field(default=0.0, ge=0)
@@ -90,7 +90,7 @@ class AgentConfig(Settings):
     # flowspec, chunk, ar (flowspec whenever a draft head is installed)
     decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None
     # (leader) FlowSpec settings that differ from the tuned defaults: flowspec.FlowSpecConfig fields, e.g.
-    # {"segment_cap": 1} (a [flowspec] table in a profile, or --flowspec-config JSON); for A/Bs and other hardware
+    # {"segment_cap": 1} (a [flowspec] table in a profile, or --flowspec-config JSON); for other hardware
     flowspec: FlowSpecConfig = FlowSpecConfig()
     secret: SecretStr | None = None
     emulation: Emulation = Emulation()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# How the draft head shipped in flowspec_p2p/assets/ was trained, on this project's 2-core CPU (no GPU).
+# How the draft head shipped in flowspec_p2p/spec/assets/ was trained, on this project's 2-core CPU (no GPU).
 # Every step is resumable: rerun the script (or one step) and it continues where it stopped. Each data step was
 # stopped by hand when its time ran out (SIGTERM saves the finished conversations); the counts it reached are
 # in the comments and in the exported head's JSON ("data", "training").
@@ -41,7 +41,7 @@ ln -sfn ../main/features "$TRAIN/self/features"
 [ -f "$TRAIN/big-ckpt-600-v12k.pt" ] || cp "$TRAIN/big/ckpt/last.pt" "$TRAIN/big-ckpt-600-v12k.pt"
 flowspec draft fit --run self --also-features "$TRAIN/main2/features" --no-fixed --init-from "$TRAIN/big-ckpt-600-v12k.pt" \
   --draft-vocab 12288 --steps 300 --tokens-per-step 2048 --lr 5e-4 --warmup 10 --threads 2
-# 7. held-out evaluation and export (copy the two files into flowspec_p2p/assets/ to ship them)
+# 7. held-out evaluation and export (copy the two files into flowspec_p2p/spec/assets/ to ship them)
 flowspec draft eval --run self --also-features "$TRAIN/main2/features" --no-fixed
 flowspec draft export --run self --also-features "$TRAIN/main2/features" --no-fixed --name smollm2-135m-instruct-eagle
 # Tried and not shipped (stop 14): the same fine-tune over a 24,576-token draft vocabulary. Held-out coverage 97.1%

@@ -1,5 +1,5 @@
 """``flowspec bench``'s PNG charts (matplotlib, Agg backend): per-stage timelines of one request under each mode,
-and speedup bars per dataset. Inputs are the records and results of bench_report.py; nothing here measures."""
+and speedup bars per dataset. Inputs are the records and results of report.py; nothing here measures."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model core, measured against transformers (issue 2, items 2, 5 and 6): ``flowspec bench-core``.
+"""The model core, measured against transformers: ``flowspec bench-core``.
 
     speed      decode ms/token at batch 1 and prefill tokens/s: ours (``ARDecoder``) and transformers' ``generate``
                on the same GGUF, same threads, prompts and lengths, run side by side (alternating which goes first),

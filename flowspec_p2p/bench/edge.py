@@ -1,15 +1,15 @@
-"""``flowspec bench``: every decoding mode side by side on an emulated edge cluster (issue 5 item 5; the paper's
-evaluation, flowspec-algorithm.md §8).
+"""``flowspec bench``: every decoding mode side by side on an emulated edge cluster (the paper's evaluation,
+flowspec-algorithm.md §8).
 
-    start N stage agents + 1 leader as processes on loopback (local_cluster.py), the leader holding the draft head,
-    embedding and LM head and no layers (the paper's 1 draft + N verification devices), every device emulated:
+    start N stage agents + 1 leader as processes on loopback (cluster/local_cluster.py), the leader holding the
+    draft head, embedding and LM head and no layers (the paper's 1 draft + N verification devices), every device emulated:
     links of --link-mbps / --link-latency-ms, compute --slowdown times slower (stages and the leader's own compute)
       -> for each temperature, each Spec-Bench prompt (lines [30, 30 + K) of each set), each mode (rotated per
          prompt, so drift and warm caches hit every mode alike): one conversation, seed fixed per prompt: an API
          request per user turn (up to --turns; MT-bench has two, run as a conversation as in the paper), each
          later turn after the mode's own earlier replies
       -> one JSON line per finished (prompt, turn, mode, T) in <out>/records.jsonl (``--resume`` skips those)
-      -> results.json / results.md (bench_report.py) and PNG charts (charts.py)
+      -> results.json / results.md (report.py) and PNG charts (charts.py)
 
 Default slowdown (``default_slowdown``): every emulated device (N stages + the leader) computes on one torch thread
 and, slowed down s times, computes at most 1/s of the time; s = ceil(2 (N + 1) / cores) keeps the expected number
@@ -154,7 +154,7 @@ def request_body(p: Question, mode: str, t: float, max_tokens: int, timeline: bo
 
 def make_record(p: Question, mode: str, t: float, resp: dict, client_s: float, stage_timelines: list[list[dict]],
                 keep_timeline: bool, turn: int = 0) -> dict:
-    """A finished request -> its record (see bench_report's glossary). ``stage_timelines``: per stage (in ring
+    """A finished request -> its record (see report.py's glossary). ``stage_timelines``: per stage (in ring
     order) the worker's busy intervals (dicts with start, end, compute_s)."""
     stats = dict(resp["stats"])
     token_ids = stats.pop("token_ids", [])

@@ -4,7 +4,7 @@ results.md (no I/O but ``write_reports``, no cluster, no torch).
 Glossary (flowspec-algorithm.md §8.1):
 
     record        one finished request: (dataset, line, turn, mode, temperature) with the leader's stats, the decode
-                  window and each stage's busy seconds within it (``bench.py`` writes one JSON line per record); a
+                  window and each stage's busy seconds within it (``edge.py`` writes one JSON line per record); a
                   later turn of a conversation is a request of its own, after the mode's earlier replies
     decode window [decode_started_at, decode_finished_at] in time.time(): from the first token (prefill done) to
                   the last, as the leader's mode measures ``decode_s``

@@ -1,6 +1,6 @@
 """The tree-size tuner for single-device speculative decoding (``flowspec tune-tree``).
 
-Glossary (speculative-decoding-notes §1.3, §4.4; issue 3 items 5-6):
+Glossary (speculative-decoding-notes §1.3, §4.4):
 
     forward curve     median time of one target forward of an n-node tree after a fixed context (plus one
                       LM-head row, as a decoding step needs), divided by the one-token forward. On a CPU this

@@ -5,7 +5,7 @@ out), ``GET /control/info`` (its ``PeerInfo``, for static peers) and ``GET /cont
 intervals, for charts). The data plane (transport.py) is separate.
 
     member -> leader   Hello        "I am here, this is what I offer"     -> Welcome | Refused
-    member -> leader   Heartbeat    every HEARTBEAT_INTERVAL_S (cluster.py), with its stage state -> Ack
+    member -> leader   Heartbeat    every HEARTBEAT_INTERVAL_S (membership.py), with its stage state -> Ack
     leader -> member   PlanUpdate   phase 1: the new plan and the ring's addresses; load your range -> Ack
     member -> leader   StageStatus  "loaded" (or "failed") for that epoch                         -> Ack
     leader -> member   Activate     phase 2: switch to the epoch (ring links, worker)               -> Ack

@@ -1,7 +1,7 @@
 """The leader's control plane: membership, planning, and the two-phase switch from one plan epoch to the next.
 
     HTTP (Hello, Heartbeat, StageStatus, Bye), mDNS removals, broken ring links, timer ticks
-        --> cluster.apply (membership)  --debounced-->  planner.plan  --a new layout-->  Transition
+        --> membership.apply  --debounced-->  planner.plan  --a new layout-->  Transition
     Transition, phase 1 "prepare":  PlanUpdate to every member; each stage loads its range ("loaded") while the
                                     old pipeline, if intact, keeps serving
                phase 2 "activate":  the request in flight may finish (DRAIN_TIMEOUT_S); the leader retires the

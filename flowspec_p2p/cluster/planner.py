@@ -4,7 +4,7 @@ No asyncio, no I/O; the data it works on and produces (devices, model sizes, the
 Anchors: Petals ``server/block_selection.py`` (pure re-balancer), exo 1.x ``master/placement.py`` (plan +
 transition diff).
 
-Glossary (used the same way in cluster.py, agent.py and the rendering below):
+Glossary (used the same way in membership.py, plans.py and agent.py):
 
     stage        a device holding a contiguous, half-open range of decoder layers ``[start, end)``. Stage 1 also
                  holds the token embedding (it receives token ids), the last stage the final norm

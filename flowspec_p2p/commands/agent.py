@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "draft head is installed, else ar). On one host whose agents share few cores, ar can be faster")
     p.add_argument("--flowspec-config", default=None, metavar="JSON",
                    help="(leader) FlowSpec settings that differ from the defaults, as JSON of FlowSpecConfig fields, "
-                   "e.g. '{\"segment_cap\": 1, \"in_flight\": 8}' (for A/Bs; see flowspec_p2p/flowspec.py)")
+                   "e.g. '{\"segment_cap\": 1, \"in_flight\": 8}' (see flowspec_p2p/decoding/flowspec.py)")
     p.add_argument("--memory-mb", type=float, default=None, help="offer this much memory instead of measuring")
     p.add_argument("--gflops", type=float, default=None, help="use this compute score instead of measuring")
     p.add_argument("--link-mbps", type=float, default=None, help="emulate this link bandwidth (Mbit/s)")

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench-core",
         help="decode/prefill speed and greedy agreement vs transformers, memory by range, load time",
         description="Measure the single-device model core side by side with transformers on the same checkpoint "
-        "(see flowspec_p2p/bench_core.py). Writes bench_core.json and bench_core.md to --out.",
+        "(see flowspec_p2p/bench/core.py). Writes bench_core.json and bench_core.md to --out.",
     )
     p.add_argument("parts", nargs="*", metavar="PART", help=f"what to measure: {', '.join(PARTS)} (default: all)")
     p.add_argument("--data", type=Path, help="folder with the Spec-Bench <set>.jsonl files (speed, agreement)")

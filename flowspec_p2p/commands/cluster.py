@@ -68,7 +68,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "this host's cores, so with fewer cores than agents ar can be faster")
     p.add_argument("--flowspec-config", default=None, metavar="JSON",
                    help="the leader's FlowSpec settings that differ from the defaults, as a JSON object of "
-                   "FlowSpecConfig fields, e.g. '{\"segment_cap\": 6}' (see flowspec_p2p/flowspec.py)")
+                   "FlowSpecConfig fields, e.g. '{\"segment_cap\": 6}' (see flowspec_p2p/decoding/flowspec.py)")
     p.add_argument("--state-dir", type=Path, default=None, help="keep agents' state and logs here (default: temp)")
 
 

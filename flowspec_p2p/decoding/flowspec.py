@@ -68,24 +68,8 @@ class FlowSpecConfig(Settings):
     """Tree budgets and segment sizing. Defaults tuned for a CPU pipeline (small trees, short segments)."""
 
     # Drafting cost grows with depth x top_k (one draft-head forward per level), not with total_tokens: the
-    # expansion keeps its whole candidate pool, and the leader sends the best-scored *new* nodes first.
-    # Measured on the default model with the shipped head, a 4-stage ring (websockets, 100 Mbit/s and 2 ms links
-    # and 5x slower devices, emulated), 3 prompts x 48 tokens, side by side: the reference-like setting (depth 6,
-    # top-k 4, 6-node segments, ring always full, re-draft after every walk) ran at 0.35x pipelined AR, fixed
-    # 2-node segments 0.5x, these adaptive defaults 0.9-1.0x. With a draft this weak (about 1 in 2 first
-    # tokens right) a full ring mostly carries nodes that die, and each delays the next root at every stage.
-    # Since stages cut a forward that a prune discards entirely (worker.py) and the leader sends each drafted
-    # level at once, wider expansions and a fuller ring pay (`flowspec bench --modes ar,flowspec --per-dataset 1
-    # --max-tokens 48 --temperature 0`, 6 prompts, each setting vs AR in its own run): expansion top-k 2 and
-    # min_value 0.3 1.22x AR; top-k 4 1.26x; top-k 4 and min_value 0.1 1.31x; top-k 6 and 0.1 1.34x; top-k 8
-    # and 0.1 1.29x; top-k 4 and 0.05 1.28x; 2 and 0 (always fill) 1.14x. Later, same command: segment_cap 1
-    # 1.34x (a continue then takes ~73 ms, not ~180, but fewer nodes fit the ring and more walks restart),
-    # segment_cap 2 1.27x, cap 1 with in_flight 8 1.32x, cap 1 with expansion top-k 3 1.25x; all within the
-    # run-to-run noise (about +-0.05), so these defaults stay. With the fewrow kernel (shard.py: a stage's 2-6 node
-    # forward costs 1.05-1.23x a one-node one, was 1.36-1.95x) the defaults gave 1.50x AR (was 1.31x), and again nothing
-    # beat them beyond the noise: segment_cap 6 1.52x, 8 1.48x; stream_levels off 1.42x (cap 8: 1.43x); in_flight 3
-    # 1.46x; min_value 0.3 1.44x (a continue ~111 ms instead of ~145: less queueing, but utilization 36% and more
-    # restarts); min_value 0.2 with cap 8 1.53x.
+    # expansion keeps its whole candidate pool, and the leader sends the best-scored *new* nodes first. The defaults
+    # won the A/Bs on an emulated 4-stage CPU ring (docs/experiments.md, "FlowSpec's segment settings").
     init: TreeShape = TreeShape(total_tokens=32, depth=6, top_k=4, order="score")
     expand: TreeShape = TreeShape(total_tokens=32, depth=4, top_k=6, order="score")
     in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
@@ -97,9 +81,7 @@ class FlowSpecConfig(Settings):
     # segment_cap nodes, and always the full expansion depth (expand_min_path is ignored).
     adaptive: bool = True
     # The prior for a stage's forward cost per extra node, relative to a one-node forward, until the stages' own
-    # timings (Forward.stage_s) measure it (StageCost), after a few segments. On this project's CPU (one thread,
-    # the default model) 2 and 4 nodes cost 1.05x and 1.15x one with the fewrow kernel (1.36x and 1.75x with oneDNN,
-    # which serves where the kernel cannot; shard.py); on a GPU it is ~0. The prior stays the cautious one.
+    # timings (Forward.stage_s) measure it (StageCost), after a few segments: a cautious CPU figure (a GPU's is ~0).
     row_cost: float = Field(0.25, ge=0.0)
     # Adaptive ring depth: a segment beyond the first live one goes out only if it is expected to be worth its
     # stage time, sum(p) / cost(k) >= min_value. A node that dies in flight still delays every

@@ -1,6 +1,6 @@
 """The leader: head of the pipeline, owner of requests, host of the decoding modes.
 
-    client -> api.py -> Leader.generate -> mode (async generator) -> ModeContext.send -> pipeline (stage 1 ...)
+    client -> api/app.py -> Leader.generate -> mode (async generator) -> ModeContext.send -> pipeline (stage 1 ...)
                                             ^                                               |
                                             +-- ModeContext.recv <- demux (Leader.run) <- inbox (stage N)
 

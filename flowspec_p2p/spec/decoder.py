@@ -32,14 +32,8 @@ from .verify import LazyRows, verify_tree
 
 log = logging.getLogger(__name__)
 
-# The default tree for SmolLM2-135M on the 2-core CPU this project was built on, from `flowspec tune-tree
-# --threads 1` (docs/figures/spec-tune, 2026-11-30: the shipped head fine-tuned on 507k self-distilled answer
-# tokens, 12k draft vocabulary; oneDNN-packed weights for tree forwards and for the draft's LM head): 2/4/6/8/16
-# nodes cost 1.31x/1.53x/1.54x/1.79x/2.42x a one-token forward (a noisy curve: 5 nodes measured 1.73x while
-# another benchmark shared the host); teacher-forced tau 2.02 with this 6-node tree (depth 4, four children per
-# expanded node, the budget keeping the best 5 drafted tokens), estimated 1.09x autoregressive. Measured with
-# bench-spec on Spec-Bench lines 30-31: tau 2.32 at T=0, 1.02x autoregressive. That margin is within this
-# machine's noise, hence `generate --mode ar` stays the default; rerun tune-tree on another device.
+# The default tree for the default model on a small CPU, as `flowspec tune-tree` picked it (docs/experiments.md,
+# "The single-device tree"); tune-tree writes a better one for this device to TUNING_FILE.
 DEFAULT_TREE = TreeShape(total_tokens=6, depth=4, top_k=4)
 TUNING_FILE = "tree_tuning.json"  # under env.cache_dir(): written by `flowspec tune-tree`, read by the CLI
 
@@ -66,7 +60,7 @@ def tuned_tree(target_fingerprint: str | None, path: Path | None = None) -> Tree
 
 def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | None = None) -> tuple[Drafter, dict]:
     """The EAGLE head at ``draft`` (a stem, .json or .safetensors), or the shipped/cached head trained for this
-    target (``draft.find_draft``), with prompt-lookup candidates merged in (ngram.py). -> (drafter, metadata)"""
+    target (``head.find_draft``), with prompt-lookup candidates merged in (ngram.py). -> (drafter, metadata)"""
     stem = Path(draft) if draft is not None else find_draft(target_fingerprint)
     if stem is None:
         raise ConfigError(

@@ -4,8 +4,8 @@
                 sampled at T=1) and the features of every position are kept as it goes
     fixed/      teacher-forced ShareGPT (EAGLE-1's "fixed data", arXiv 2401.15077 Table 6: 3.62 vs 3.75 tau for
                 target-written data): the pool's ShareGPT prompts with their recorded ChatGPT answers, run through
-                the target in one prefill each. A prefilled token costs a fraction of a decoded one on a CPU
-                (~3.5x here), so this buys several times more (slightly off-distribution) tokens per CPU second.
+                the target in one prefill each. A prefilled token costs a fraction of a decoded one on a CPU,
+                so this buys several times more (slightly off-distribution) tokens per CPU second.
                 Marked with temperature -1; evaluation uses self-distilled greedy conversations only.
 
 Resumable: the pool is frozen in ``<run>/pool.jsonl`` on first use, and conversations already in a store are

@@ -3,7 +3,7 @@
 Loaded into every process of `flowspec bench` by scripts/draft_ceiling.sh (through PYTHONPATH) when
 FLOWSPEC_CEILING_REF names a JSON file {prompt length: the target's greedy reply token ids}, taken from an earlier
 autoregressive run of the same prompts. Each FlowSpec tree then also gets, through the prompt-lookup hook
-(ngram.py), a chain of the next FLOWSPEC_CEILING_LEN reply tokens (scored as near-certain), each right with
+(spec/ngram.py), a chain of the next FLOWSPEC_CEILING_LEN reply tokens (scored as near-certain), each right with
 probability FLOWSPEC_CEILING_Q (fixed per reply position; the first miss ends the chain with a wrong token). That
 emulates a draft whose next-token guesses are right that often, on top of the shipped head. The target still
 verifies every node, so the output stays the target's own (the bench's greedy equality check shows it).
@@ -16,8 +16,8 @@ from pathlib import Path
 if os.environ.get("FLOWSPEC_CEILING_REF"):
     import random
 
-    import flowspec_p2p.leader as _leader
-    import flowspec_p2p.ngram as _ngram
+    import flowspec_p2p.decoding.leader as _leader
+    import flowspec_p2p.spec.ngram as _ngram
 
     _REF = {int(k): v for k, v in json.loads(Path(os.environ["FLOWSPEC_CEILING_REF"]).read_text()).items()}
     _LEN = int(os.environ.get("FLOWSPEC_CEILING_LEN", "8"))

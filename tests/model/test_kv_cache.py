@@ -1,6 +1,6 @@
 """KV cache: unit tests of keep / commit / truncate / overflow, and the property test of causal-consistent pruning.
 
-Property (issue 2, item 4): after any sequence of draft-tree appends, keeps (prunes closed under ancestors) and
+Property: after any sequence of draft-tree appends, keeps (prunes closed under ancestors) and
 commits, the cache holds exactly what a fresh prefill of the committed sequence would hold, and the next
 forward gives the logits of a from-scratch run.
 """
