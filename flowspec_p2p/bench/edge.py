@@ -2,8 +2,8 @@
 flowspec-algorithm.md §8).
 
     start N stage agents + 1 leader as processes on loopback (cluster/local_cluster.py), the leader holding the
-    draft head, embedding and LM head and no layers (the paper's 1 draft + N verification devices), every device emulated:
-    links of --link-mbps / --link-latency-ms, compute --slowdown times slower (stages and the leader's own compute)
+    draft head, embedding and LM head and no layers (the paper's 1 draft + N verification devices), every device
+    emulated: links of --link-mbps / --link-latency-ms, compute --slowdown times slower (stages and the leader)
       -> for each temperature, each Spec-Bench prompt (lines [30, 30 + K) of each set), each mode (rotated per
          prompt, so drift and warm caches hit every mode alike): one conversation, seed fixed per prompt: an API
          request per user turn (up to --turns; MT-bench has two, run as a conversation as in the paper), each
