@@ -62,6 +62,7 @@ from .decoding.registry import builtin_modes
 from .decoding.settings import LeaderSettings
 from .errors import ConfigError, FlowSpecError, ProtocolError
 from .model.dtypes import TORCH_DTYPES
+from .model.load import load_shard, set_threads
 from .model.shard import Shard, packing_enabled
 from .model.tokenizer import Tokenizer
 from .model.weights import model_fingerprint, open_source
@@ -121,8 +122,7 @@ class Agent(Net):
         state.mkdir(parents=True, exist_ok=True)
         with _locked(state):
             self.id = _agent_id(state)
-            if cfg.threads:
-                torch.set_num_threads(cfg.threads)
+            set_threads(cfg.threads)
             addresses = resolve_interfaces(cfg.interfaces) if cfg.interfaces else default_addresses()
             bad = [a for a in addresses if not bindable(a)]
             if bad:
@@ -224,8 +224,8 @@ class Agent(Net):
     async def _start_leader(self) -> web.AppRunner:
         cfg, src = self.cfg, self.source
         dtype = TORCH_DTYPES[cfg.dtype]
-        head = await asyncio.to_thread(
-            lambda: Shard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True, dtype=dtype).eval())
+        head = await asyncio.to_thread(load_shard, src, LayerRange(start=0, end=0), embed=True, head=True,
+                                       dtype=dtype)
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.load, src.path, src.config.eos_token_ids)
         settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
                                   default_mode=cfg.decoding)

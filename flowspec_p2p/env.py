@@ -6,7 +6,9 @@
     FLOWSPEC_SECRET          the cluster's shared secret (preferred over --secret, which other users see in ``ps``)
     FLOWSPEC_SPEC_BENCH      the folder of the six Spec-Bench ``<set>.jsonl`` files (default: ../shared/data/spec-bench
                              beside the repository checkout)
-    FLOWSPEC_PACKED_WEIGHTS  few-row matmul backend: 1 (default: the best available), fewrow, onednn, 0 (none)
+    FLOWSPEC_ENGINE          the model engine: auto (default: native where it runs, else torch), native, torch
+    FLOWSPEC_PACKED_WEIGHTS  the torch engine's few-row matmul backend: 1 (default: the best available), fewrow,
+                             onednn, 0 (none)
     CC                       the C compiler the native kernels are built with (default ``cc``)
 
 Everything else gets these values from here, or as arguments.
@@ -23,6 +25,8 @@ STATE_DIR = "FLOWSPEC_STATE_DIR"
 SECRET = "FLOWSPEC_SECRET"
 SPEC_BENCH = "FLOWSPEC_SPEC_BENCH"
 PACKED_WEIGHTS = "FLOWSPEC_PACKED_WEIGHTS"
+ENGINE = "FLOWSPEC_ENGINE"
+ENGINES = ("auto", "native", "torch")
 
 
 def environ() -> Mapping[str, str]:
@@ -54,6 +58,12 @@ def spec_bench_dir() -> Path:
 def packed_weights() -> str:
     """FLOWSPEC_PACKED_WEIGHTS: which few-row matmul backend to use (see model/shard.py)."""
     return os.environ.get(PACKED_WEIGHTS, "1")
+
+
+def engine() -> str:
+    """FLOWSPEC_ENGINE: auto, native or torch (anything else is auto)."""
+    value = os.environ.get(ENGINE, "auto")
+    return value if value in ENGINES else "auto"
 
 
 def compiler() -> str:

@@ -134,7 +134,7 @@ class WeightSource(Protocol):
     def raw_info(self, name: str) -> dict: ...
 
 
-def _unpermute_rows(w, n_head: int):
+def unpermute_rows(w, n_head: int):
     """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half layout). numpy or torch."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -186,14 +186,22 @@ class GGUFSource:
         raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)  # [nbytes] view
         return _unpermute_for(self.config, name, dequantize(raw, t.qtype, t.shape))
 
+    def release(self, name: str) -> None:
+        """Drop ``name``'s file pages from this process's memory (after packing it; read again if used)."""
+        t = self._tensor(name)
+        page = mmap.PAGESIZE
+        start = t.offset // page * page
+        end = -(-(t.offset + t.nbytes) // page) * page
+        self._mm.madvise(mmap.MADV_DONTNEED, start, min(end, len(self._mm)) - start)
+
 
 def _unpermute_for(cfg: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
     """llama.cpp stores llama/mistral q/k rows interleaved for its rotary kernel; put them back."""
     if cfg.arch in ("llama", "mistral"):
         if name.endswith("q_proj.weight"):
-            return _unpermute_rows(w, cfg.num_heads)
+            return unpermute_rows(w, cfg.num_heads)
         if name.endswith("k_proj.weight"):
-            return _unpermute_rows(w, cfg.num_kv_heads)
+            return unpermute_rows(w, cfg.num_kv_heads)
     return w
 
 
