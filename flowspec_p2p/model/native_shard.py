@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .. import env
 from ..errors import ContextOverflow, ForwardStopped, UnsupportedModel
 from ..types import LayerRange
 from . import native
@@ -51,7 +50,6 @@ QUANTIZE = ("Q8_0",)
 @functools.cache
 def available() -> bool:
     """Whether the native engine runs here (built, loaded, self-tested; the reason is logged once if not)."""
-    native._lib.CACHE_DIR = env.cache_dir() / "native"
     return native.library() is not None
 
 

@@ -17,8 +17,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ... import env
+
 CSRC = Path(__file__).with_name("csrc")
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "flowspec_p2p" / "native"
+def default_cache_dir() -> Path:
+    """Where the library is built: the package's cache folder (env.py), ``native/``."""
+    return env.cache_dir() / "native"
 BUILD_TIMEOUT_S = 300
 
 COMMON_FLAGS = ("-O3", "-std=c11", "-fPIC", "-pthread", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-math-errno",
@@ -53,8 +57,8 @@ def units_for(arch: str) -> tuple[Unit, ...]:
 
 
 def find_compiler(compiler: str | None = None) -> str:
-    """The C compiler to use: the argument, else $CC, else cc. Raises FileNotFoundError."""
-    name = compiler or os.environ.get("CC") or "cc"
+    """The C compiler to use: the argument, else $CC (env.py), else cc. Raises FileNotFoundError."""
+    name = compiler or env.compiler()
     path = shutil.which(name)
     if path is None:
         raise FileNotFoundError(f"no C compiler {name!r} on PATH")
@@ -88,9 +92,9 @@ def compile_objects(cc: str, units: tuple[Unit, ...], out_dir: Path, extra: tupl
 
 
 def build(cache_dir: Path | None = None, compiler: str | None = None) -> Path:
-    """Builds the library into cache_dir (default DEFAULT_CACHE_DIR) unless already there -> its path.
+    """Builds the library into cache_dir (default: default_cache_dir()) unless already there -> its path.
     Raises OSError (no compiler, unwritable directory) or subprocess.SubprocessError (the build failed)."""
-    directory = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cc = find_compiler(compiler)
     units = units_for(platform.machine())
     path = directory / f"libfsnative-{_digest(cc, units)}.so"

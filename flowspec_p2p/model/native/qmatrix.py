@@ -120,11 +120,10 @@ class WeightArena:
     def __init__(self, nbytes: int) -> None:
         if nbytes < 0:
             raise ValueError(f"WeightArena: negative size {nbytes}")
-        pad = HUGE_PAGE if nbytes >= HUGE_PAGE else ALIGN
-        self._buf = torch.empty(nbytes + pad, dtype=torch.uint8)  # [nbytes + pad], not yet touched
-        start = -self._buf.data_ptr() % pad
+        self._buf = torch.empty(nbytes + ALIGN, dtype=torch.uint8)  # [nbytes + 64], not yet touched
+        start = -self._buf.data_ptr() % ALIGN
         self._base = self._buf[start:start + nbytes]
-        if nbytes >= HUGE_PAGE:
+        if nbytes >= 2 * HUGE_PAGE:  # the 2 MiB-aligned interior; no padding, so no memory overhead
             _lib.require().fs_advise_hugepages(self._base.data_ptr(), nbytes)
         self._used = 0
 

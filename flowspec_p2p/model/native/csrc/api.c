@@ -14,7 +14,14 @@ static pthread_mutex_t api_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t isa_once = PTHREAD_ONCE_INIT;
 static const fs_isa_impl *isa_best, *isa_now;
 
-void fs_lock(void) { pthread_mutex_lock(&api_mu); }
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void unlock_in_child(void) { pthread_mutex_init(&api_mu, NULL); } /* its holder did not fork along */
+static void register_atfork(void) { pthread_atfork(NULL, NULL, unlock_in_child); }
+
+void fs_lock(void) {
+    pthread_once(&atfork_once, register_atfork);
+    pthread_mutex_lock(&api_mu);
+}
 void fs_unlock(void) { pthread_mutex_unlock(&api_mu); }
 
 static const fs_isa_impl *const ALL[] = {

@@ -4,7 +4,10 @@
  * without VNNI). A tile of up to FS_TILE activation rows shares every unpacked weight vector; the float part per
  * row and block is the fixed sequence of fs_internal.h, so any tile size gives the same bits.
  *
- * Registers for a full tile: FS_TILE float accumulators + FS_TILE int dots + 8 weight vectors (a half block). */
+ * Registers for a full tile: FS_TILE float accumulators + FS_TILE int dots + 4 weight vectors (one chunk). zmm
+ * vpdpwssd needs ~16 independent chains to reach its throughput here, so small tiles split each row's dot into
+ * 2-4 int partial sums (exact: any split of an int sum gives the same int). Measured limits, 8-row tile, data in
+ * L1: the dpwssd + broadcast stream alone 24 ns per panel-block, + unpack and float part 32 ns (NOTES.md). */
 #include <immintrin.h>
 
 #include "fs_internal.h"
@@ -99,10 +102,6 @@ FS_INLINE void unpack(const int T, const blk *k, int c, __m512i *w) {
             w[t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(k->q + 32 * (4 * c + t))));
         return;
     }
-#ifdef FS_EXP_NOUNPACK
-    for (int t = 0; t < 4; t++) w[t] = LD(k->q + 64 * c);
-    return;
-#endif
     nibbles(k->q + 64 * c, T == FS_Q4_0, w);
     if (T == FS_Q5_0 || T == FS_Q5_1 || T == FS_Q5_K) { /* bit 4 of pair j from bit j of the high word */
         const __m512i m = _mm512_set1_epi16(0x10), H = LD(k->h);
@@ -141,9 +140,7 @@ FS_INLINE void prefetch(const int T, const uint8_t *pw, int64_t b) {
 }
 
 /* int partial sums per activation row: enough independent vpdpwssd chains (~16) to hide its latency */
-#ifndef NPART
-#define NPART(R) ((R) <= 2 ? 4 : (R) <= 8 ? 2 : 1)
-#endif
+#define NPART(R) ((R) <= 2 ? 4 : (R) <= 4 ? 2 : 1)
 
 /* acc[i] += float part of one block (or 16-column half, Q6_K) for rows i < R */
 FS_INLINE void block_float(const int T, const int R, __m512i (*dot)[4], const int np, __m512 dw, __m512 mw,
@@ -188,10 +185,6 @@ FS_INLINE void tile_quant(const int T, const int R, const uint8_t *pw, int64_t n
             if (T == FS_Q6_K && c % 2 == 1) /* a 16-column half done: its own scale, no offset */
                 block_float(T, R, dot, np < 2 ? np : 2, c == 1 ? k.dw0 : k.dw1, k.mw, d, dv, acc);
         }
-#ifdef FS_EXP_NOFLOAT
-        for (int i = 0; i < R; i++) for (int p = 0; p < np; p++) acc[i] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(acc[i]), dot[i][p]));
-        continue;
-#endif
         if (T != FS_Q6_K) block_float(T, R, dot, np, k.dw0, k.mw, d, dv, acc);
     }
 #pragma GCC unroll 16

@@ -94,8 +94,8 @@ static void avx512_rmsnorm_row(const float *x, const float *w, int64_t dim, floa
     const __m512 r = _mm512_set1_ps(1.0f / sqrtf(tree1(acc) / (float)dim + eps));
     for (int64_t i = 0; i < dim; i += 16) {
         const __mmask16 m = first(dim - i);
-        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), r), _mm512_maskz_loadu_ps(m, w + i));
-        _mm512_mask_storeu_ps(out + i, m, v);
+        const __m512 xr = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), r);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(xr, _mm512_maskz_loadu_ps(m, w + i)));
     }
 }
 

@@ -133,7 +133,19 @@ static void stop_workers(void) {
     P.n = 1;
 }
 
+/* In a forked child only the forking thread exists: run jobs on it alone. */
+static void after_fork_in_child(void) {
+    P.n = 1;
+    pthread_mutex_init(&P.mu, NULL);
+    pthread_cond_init(&P.cv, NULL);
+    atomic_store(&P.sleepers, 0);
+}
+
+static void fs_pool_register_atfork(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
 int fs_pool_resize(int n_threads) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, fs_pool_register_atfork);
     if (n_threads < 1) n_threads = 1;
     if (n_threads > FS_MAX_THREADS) n_threads = FS_MAX_THREADS;
     if (n_threads == P.n) return P.n;
