@@ -163,7 +163,9 @@ FS_INLINE void values16(const int NQ, const int GB, const float *vc, int64_t s0,
 
 /* Rows [r0, r1) x the q heads of kv head kvh, pair p = (r - r0) * group + g. Pass 1: each 16-slot block of K
  * serves every pair (scores, running max); pass 2: each block of V (weights, denominator lanes, output). State
- * per pair in scratch: max[16], denominator lanes[16], output[hd]. */
+ * per pair in scratch: max[16], denominator lanes[16], output[hd]. The denominator lanes follow the visible
+ * keys' count, not their slots (as fs_op_attend1): a block's visible weights are compressed and rotated onto the
+ * lanes after the ones already used, so a row's result does not depend on where its keys sit in the cache. */
 FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, int64_t r1, int thread) {
     const int GB = NQ <= 4 ? 4 : 2; /* pairs per V pass: GB * NQ accumulators */
     const int hd = 16 * NQ, G = at->group, np = (int)(r1 - r0) * G;
@@ -177,6 +179,7 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
         for (int c = 0; c < NQ; c++) _mm512_storeu_ps(state + p * ps + 32 + 16 * c, _mm512_setzero_ps());
     }
     int any[FS_ATT_ROWS] = {0};
+    int used[FS_ATT_ROWS] = {0}; /* visible slots so far per row, mod 16: the next denominator lane */
     for (int64_t s0 = 0; s0 < end; s0 += 16) {
         const int count = (int)(end - s0 < 16 ? end - s0 : 16);
         for (int64_t r = r0; r < r1; r++) {
@@ -203,6 +206,12 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
         for (int64_t r = r0; r < r1; r++) {
             const __mmask16 m = visible(at, r, s0, count);
             if (!m) continue;
+            const int off = used[r - r0], k = __builtin_popcount(m);
+            used[r - r0] = (off + k) % 16;
+            /* lanes off, off + 1, ... (mod 16) get the block's k visible weights, in order */
+            const __m512i rot = _mm512_and_si512(_mm512_sub_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(off)), _mm512_set1_epi32(15));
+            const __mmask16 lanes = (__mmask16)((((1u << k) - 1) << off | ((1u << k) - 1) >> (16 - off)) & 0xFFFF);
             for (int g0 = 0; g0 < G; g0 += GB) {
                 float w[4 * 16], *st[4];
                 const int gb = G - g0 < GB ? G - g0 : GB;
@@ -213,7 +222,9 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
                         m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + p * at->ld_scores + s0),
                                                _mm512_loadu_ps(st[g]))));
                     _mm512_storeu_ps(w + 16 * g, pv);
-                    _mm512_storeu_ps(st[g] + 16, _mm512_add_ps(_mm512_loadu_ps(st[g] + 16), pv));
+                    const __m512 lanes_pv = _mm512_permutexvar_ps(rot, _mm512_maskz_compress_ps(m, pv));
+                    const __m512 den = _mm512_loadu_ps(st[g] + 16);
+                    _mm512_storeu_ps(st[g] + 16, _mm512_mask_add_ps(den, lanes, den, lanes_pv));
                 }
                 switch (gb) {
                 case 1: values16(NQ, 1, vc, s0, m, w, st); break;

@@ -97,8 +97,10 @@ FS_OP void fs_op_rmsnorm_row(const float *x, const float *w, int64_t dim, float 
 }
 
 /* Attention output of new row r, q head h: softmax over the visible slots. Scores: fs_dot * scale; the
- * denominator: lane (slot mod 16) sums its slots' weights in slot order, then fs_reduce16; the output: per
- * element, fma over the visible slots in slot order, then / denominator. sc: scratch [start + n]. */
+ * denominator: the k-th visible slot's weight goes to lane k mod 16 (lanes summed in visible order), then
+ * fs_reduce16; the output: per element, fma over the visible slots in slot order, then / denominator. Every
+ * step depends only on the visible keys in their order, not on the slots they sit in: a draft-tree node whose
+ * ancestors sit at pending slots gets exactly the result it would get decoded alone. sc: scratch [start + n]. */
 FS_OP void fs_op_attend1(const fs_attn *at, int64_t r, int h, float *sc) {
     const int hd = at->hd;
     const int64_t total = at->start + at->n, limit = at->mask ? total : at->start + r + 1;
@@ -119,11 +121,13 @@ FS_OP void fs_op_attend1(const fs_attn *at, int64_t r, int h, float *sc) {
     for (int i = 0; i < hd; i++) out[i] = 0.0f;
     if (!any) return;
     float l[FS_LANES] = {0};
+    int64_t k = 0; /* visible slots so far */
     for (int64_t s = 0; s < limit; s++) {
         if (vis && !vis[s]) continue;
         const float p = fs_exp(sc[s] - mx);
         const float *v = vc + s * hd;
-        l[s % FS_LANES] = l[s % FS_LANES] + p;
+        l[k % FS_LANES] = l[k % FS_LANES] + p;
+        k++;
         for (int i = 0; i < hd; i++) out[i] = fmaf(p, v[i], out[i]);
     }
     const float denom = fs_reduce16(l);
