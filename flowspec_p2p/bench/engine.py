@@ -146,7 +146,9 @@ def _rotated(items: Sequence, r: int) -> list:
 
 
 def measure(cfg: EngineBenchConfig, ours: Ours) -> dict:
-    """Every part of ``cfg.parts``, interleaved (module doc) -> {"samples": [...], "memory": [...]}"""
+    """Every part of ``cfg.parts``, interleaved (module doc) -> {"samples": [...], "memory": [...], "load": the
+    host's 1-minute load average at the start and the end (other work on the host shows here)}"""
+    load_start = os.getloadavg()[0]
     exe = cfg.llama_bench
     depth = len(ours.prompt_ids)
     sides = [*ours.decoders, *(["llama.cpp"] if exe else [])]
@@ -173,7 +175,8 @@ def measure(cfg: EngineBenchConfig, ours: Ours) -> dict:
                             s = {"tokens_per_s": llamacpp.decode_tokens_per_s(tests), "decoded": cfg.tokens}
                         else:
                             s = decode_sample(ours.decoders[side], ours.prompt_ids, cfg.tokens)
-                        samples.append({"part": "decode", "engine": side, "threads": t, "repeat": r, **s})
+                        samples.append({"part": "decode", "engine": side, "threads": t, "repeat": r, **s,
+                                        "load1": os.getloadavg()[0]})
                         bar.update()
                 if "rows" in cfg.parts:
                     for side in _rotated(["ours", "llama.cpp"] if exe else ["ours"], r):
@@ -192,7 +195,7 @@ def measure(cfg: EngineBenchConfig, ours: Ours) -> dict:
             bar.set_postfix_str(f"peak RSS: {job.name}, {job.threads} thread(s)")
             memory.append(job.run())
             bar.update()
-    return {"samples": samples, "memory": memory}
+    return {"samples": samples, "memory": memory, "load": {"start": load_start, "end": os.getloadavg()[0]}}
 
 
 # ------------------------------------------------------------------------------------------------- memory

@@ -78,6 +78,10 @@ def memory_summary(memory: Sequence[dict], file_mb: float) -> dict:
     return {"baseline_mb": base, "file_mb": file_mb, "rows": rows}
 
 
+def decode_loads(res: dict) -> list[float]:
+    return [x["load1"] for x in res.get("samples", []) if x["part"] == "decode" and "load1" in x]
+
+
 def summarize(setup: dict, measured: dict) -> dict:
     return {"setup": setup, "summary": {"decode": decode_summary(measured["samples"]),
                                         "rows": rows_summary(measured["samples"]),
@@ -164,6 +168,11 @@ def markdown(res: dict) -> str:
            "llama.cpp: " + (f"`{s['llama_bench']}` (build {s.get('llama_build', '?')}), tg-{s['tokens']} and pp-n at "
                             f"depth {s['prompt_tokens']} (the prompt's length)." if has_llama else
                             "no llama-bench binary was given or found on PATH: ours alone."), ""]
+    if load := res.get("load"):
+        during = _f(_median(decode_loads(res)), ".1f")
+        out[-1:-1] = [f"Host load (1-minute average, {s.get('cpus', '?')} CPUs, other work included): "
+                      f"{load['start']:.1f} at the start, {load['end']:.1f} at the end, {during} median over the "
+                      "decode runs."]
     if summ["decode"]:
         out += ["## Decode tokens/s (prefill excluded)", "", *_decode_md(summ["decode"], has_llama), "",
                 "Ratios are medians of the ratios within each repeat.", ""]

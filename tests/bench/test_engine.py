@@ -166,8 +166,10 @@ def test_markdown_has_the_tables_and_the_targets(tmp_path):
     setup = {"command": "flowspec bench-engine", "model_name": "m.gguf", "file_mb": 100.0, "engine": "native",
              "prompt_label": "--prompt", "prompt_tokens": 20, "tokens": 128, "tree": None, "repeats": 1,
              "llama_bench": "/x/llama-bench", "llama_build": "v", "num_layers": 30, "tree_fanout": 4}
-    res = rep.summarize(setup, {"samples": samples, "memory": mem})
+    samples[0]["load1"] = 1.5
+    res = rep.summarize(setup, {"samples": samples, "memory": mem, "load": {"start": 1.0, "end": 2.0}})
     md = rep.markdown(res)
+    assert "1.0 at the start, 2.0 at the end, 1.5 median over the decode runs" in md
     assert "| 1 | 120.0 | 60.0 | **2.00×** |" in md
     assert "| 8 | 12.50 (1.25×) |" in md
     assert "decode, 1 thread(s): ours-ar ÷ llama.cpp 2.00× (target ≥ 1.0×): met" in md
