@@ -1,0 +1,182 @@
+"""The client half of scripts/rpc_compare.sh (a measurement, not part of the product): the same greedy chat against our
+cluster's API (ar, flowspec) and llama-server (over its RPC servers), interleaved, medians; each server's own decode
+timing; then each side's total RSS over its processes (/proc: VmRSS now, VmHWM the peak). Standard library only.
+
+    python scripts/rpc_compare.py --ours URL --ours-pid PID --llama URL --llama-pids PID,PID,PID --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+PROMPT = "Write a story about a robot who learns to paint."
+MAX_TOKENS = 128
+SIDES = ("ours-ar", "ours-flowspec", "llama.cpp-rpc")
+
+
+def post(url: str, body: dict, timeout_s: float = 600.0) -> tuple[dict, float]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        out = json.loads(r.read())
+    return out, time.perf_counter() - t0
+
+
+def chat(side: str, urls: dict[str, str]) -> dict:
+    """One request -> {decode_tokens_per_s (the server's own figure), tokens, wall_s, text}."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": False}
+    if side.startswith("ours-"):
+        out, wall = post(urls["ours"] + "/v1/chat/completions", {**body, "decoding": side.removeprefix("ours-")})
+        tps = out["stats"]["decode_tokens_per_s"]
+    else:
+        out, wall = post(urls["llama"] + "/v1/chat/completions", {**body, "seed": 0, "cache_prompt": False})
+        tps = out["timings"]["predicted_per_second"]
+    return {"decode_tokens_per_s": tps, "tokens": out["usage"]["completion_tokens"], "wall_s": wall,
+            "text": out["choices"][0]["message"]["content"]}
+
+
+def wait_ready(url: str, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=10) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{url} not ready after {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc/*/stat's parent ids)."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c, pp in parent.items() if pp == p]
+    return out
+
+
+def memory(pids: list[int]) -> dict:
+    """Per process: name, VmRSS and VmHWM in MB; the sums."""
+    procs = []
+    for pid in pids:
+        try:
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if ":" in line)
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        if "VmRSS" not in status:
+            continue
+        kb = {k: int(status[k].split()[0]) for k in ("VmRSS", "VmHWM")}
+        procs.append({"pid": pid, "cmd": cmd[:160], "rss_mb": kb["VmRSS"] / 1024, "peak_mb": kb["VmHWM"] / 1024})
+    return {"processes": procs, "rss_mb": sum(p["rss_mb"] for p in procs),
+            "peak_mb": sum(p["peak_mb"] for p in procs)}
+
+
+def common_prefix(a: str, b: str) -> int:
+    """Characters ``a`` and ``b`` share from the start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def summarize(samples: list[dict]) -> dict:
+    by = {s: [x for x in samples if x["side"] == s] for s in SIDES}
+    med = {s: statistics.median(x["decode_tokens_per_s"] for x in v) for s, v in by.items() if v}
+    paired = {}
+    for s in ("ours-ar", "ours-flowspec"):
+        ratios = [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a in by[s] for b in by["llama.cpp-rpc"]
+                  if a["run"] == b["run"]]
+        paired[s] = statistics.median(ratios) if ratios else None
+    return {"decode_tokens_per_s": med, "vs_llama": paired,
+            "tokens": {s: sorted({x["tokens"] for x in v}) for s, v in by.items()},
+            "wall_s": {s: statistics.median(x["wall_s"] for x in v) for s, v in by.items() if v}}
+
+
+def markdown(res: dict) -> str:
+    s, m = res["summary"], res["memory"]
+    lines = ["# The product against llama.cpp's RPC pipeline, one host", "", f"`{res['setup']['command']}`", "",
+             f"Prompt {PROMPT!r}, chat template, greedy (T=0), max_tokens {MAX_TOKENS}; {res['setup']['runs']} "
+             f"interleaved runs, medians; {res['setup']['cpus']} CPUs shared by all processes of both sides (our "
+             f"agents: {res['setup'].get('threads_per_agent', '?')} thread(s) each, `cluster up`'s default; "
+             "llama.cpp's: 1 each).", "",
+             "| side | processes | decode tokens/s (server's own timing) | ÷ llama.cpp RPC | tokens | total RSS MB | "
+             "sum of peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for side in SIDES:
+        mem = m["ours"] if side.startswith("ours") else m["llama"]
+        ratio = s["vs_llama"].get(side)
+        lines.append(f"| {side} | {len(mem['processes'])} | {s['decode_tokens_per_s'].get(side, float('nan')):.1f} "
+                     f"| {'–' if ratio is None else f'{ratio:.2f}×'} | {','.join(map(str, s['tokens'][side]))} | "
+                     f"{mem['rss_mb']:.0f} | {mem['peak_mb']:.0f} |")
+    lines += ["", "RSS is read after the runs (/proc VmRSS; the peak: VmHWM); ours counts the `cluster up` launcher "
+              "and its three agents, llama.cpp's its two ggml-rpc-servers and llama-server. Ratios are medians of "
+              "the ratios within each run.", "",
+              f"Greedy text equal to llama.cpp's: ar {res['text_equal']['ours-ar']}, flowspec "
+              f"{res['text_equal']['ours-flowspec']} (first run; the engines round differently: the first "
+              f"{res['common_prefix_chars']['ours-ar']} of llama.cpp's "
+              f"{res['common_prefix_chars']['llama_text_chars']} characters agree with ar's). Our flowspec text "
+              f"equal to our ar text in every run: {res['flowspec_equals_ar']}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ours", required=True, help="our leader's API URL")
+    p.add_argument("--ours-pid", type=int, required=True, help="the `flowspec cluster up` process")
+    p.add_argument("--llama", required=True, help="llama-server's URL")
+    p.add_argument("--llama-pids", required=True, help="llama-server's and the rpc servers' pids, comma-separated")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--command", default="bash scripts/rpc_compare.sh LLAMA_BIN")
+    p.add_argument("--setup", default="{}", help="JSON merged into the setup record")
+    args = p.parse_args()
+    urls = {"ours": args.ours, "llama": args.llama}
+    for url in urls.values():
+        wait_ready(url)
+    for side in SIDES:  # warm-up: first-request costs (pages, scratch buffers) on every side
+        chat(side, urls)
+    samples = []
+    for run in range(args.runs):
+        k = run % len(SIDES)
+        for side in SIDES[k:] + SIDES[:k]:
+            samples.append({"run": run, "side": side, **chat(side, urls)})
+            sys.stderr.write(f"run {run + 1}/{args.runs} {side}: {samples[-1]['decode_tokens_per_s']:.1f} tok/s\n")
+    first = {s["side"]: s["text"] for s in samples if s["run"] == 0}
+    ref = first["llama.cpp-rpc"]
+    same = {s: common_prefix(first[s], ref) for s in ("ours-ar", "ours-flowspec")}
+    res = {"setup": {"command": args.command, "runs": args.runs, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                     "cpus": len(os.sched_getaffinity(0)), **json.loads(args.setup)},
+           "summary": summarize(samples),
+           "memory": {"ours": memory(descendants(args.ours_pid)),
+                      "llama": memory([int(x) for x in args.llama_pids.split(",")])},
+           "text_equal": {s: first[s] == ref for s in ("ours-ar", "ours-flowspec")},
+           "common_prefix_chars": {**same, "llama_text_chars": len(ref)},
+           "flowspec_equals_ar": all(a["text"] == f["text"] for a in samples if a["side"] == "ours-ar"
+                                     for f in samples if f["side"] == "ours-flowspec" and a["run"] == f["run"]),
+           "samples": samples}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+    (args.out / "results.md").write_text(markdown(res))
+    sys.stdout.write(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
