@@ -98,7 +98,10 @@ def decode_sample(decoder, prompt_ids: Sequence[int], tokens: int) -> dict:
     for _ in decoder(list(prompt_ids), GREEDY, tokens + 1, frozenset(), stats):
         pass
     decoded = stats.new_tokens - 1
-    return {"tokens_per_s": decoded / stats.decode_s, "tau": round(stats.tau, 4), "decoded": decoded}
+    out = {"tokens_per_s": decoded / stats.decode_s, "tau": round(stats.tau, 4), "decoded": decoded}
+    if (share := stats.extra.get("draft_share")) is not None:
+        out["draft_share"] = share  # the part of the decode time spent drafting (spec)
+    return out
 
 
 def tree_inputs(n: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,24 +23,28 @@ def _median(xs: Sequence[float]) -> float | None:
 
 
 def decode_summary(samples: Sequence[dict]) -> dict[str, dict]:
-    """{threads: {"tokens_per_s": {engine: median}, "tau": {...}, "vs_llama": {ours: median of per-repeat ours /
-    llama.cpp}, "spec_vs_ar": median of per-repeat spec / ar}}"""
+    """{threads: {"tokens_per_s": {engine: median}, "tau": {...}, "draft_share": {...}, "vs_llama": {ours: median
+    of per-repeat ours / llama.cpp}, "vs_llama_range": {ours: [min, max] of those}, "spec_vs_ar": median of
+    per-repeat spec / ar}}"""
     by: dict[int, dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     for s in samples:
         if s["part"] == "decode":
             by[s["threads"]][s["engine"]][s["repeat"]] = s
     out = {}
     for t, engines in sorted(by.items()):
-        def paired(a: str, b: str, engines=engines) -> float | None:
+        def ratios(a: str, b: str, engines=engines) -> list[float]:
             reps = engines.get(a, {}).keys() & engines.get(b, {}).keys()
-            return _median([engines[a][r]["tokens_per_s"] / engines[b][r]["tokens_per_s"] for r in sorted(reps)])
+            return [engines[a][r]["tokens_per_s"] / engines[b][r]["tokens_per_s"] for r in sorted(reps)]
 
         ours = [e for e in engines if e != LLAMA]
         out[str(t)] = {
             "tokens_per_s": {e: _median([s["tokens_per_s"] for s in v.values()]) for e, v in engines.items()},
             "tau": {e: _median([s["tau"] for s in v.values()]) for e, v in engines.items() if e != LLAMA},
-            "vs_llama": {e: paired(e, LLAMA) for e in ours} if LLAMA in engines else {},
-            "spec_vs_ar": paired("ours-spec", "ours-ar"),
+            "draft_share": {e: _median([s["draft_share"] for s in v.values() if "draft_share" in s])
+                            for e, v in engines.items() if any("draft_share" in s for s in v.values())},
+            "vs_llama": {e: _median(ratios(e, LLAMA)) for e in ours} if LLAMA in engines else {},
+            "vs_llama_range": {e: [min(r), max(r)] for e in ours if (r := ratios(e, LLAMA))},
+            "spec_vs_ar": _median(ratios("ours-spec", "ours-ar")),
             "repeats": max(len(v) for v in engines.values()),
         }
     return out
@@ -99,14 +103,21 @@ def _f(v, fmt: str = ".1f", suffix: str = "") -> str:
 def _decode_md(dec: dict, has_llama: bool) -> list[str]:
     engines = sorted({e for d in dec.values() for e in d["tokens_per_s"]}, key=lambda e: (e == LLAMA, e))
     head = "| threads | " + " | ".join(f"{e} tok/s" for e in engines) + " |"
-    head += "".join(f" {e} ÷ llama.cpp |" for e in engines if e != LLAMA and has_llama) + " spec ÷ ar | τ (spec) |"
+    head += "".join(f" {e} ÷ llama.cpp |" for e in engines if e != LLAMA and has_llama)
+    head += " spec ÷ ar | τ (spec) | drafting (spec) |"
     cols = head.count("|") - 1
     out = [head, "|" + "---:|" * cols]
     for t, d in dec.items():
         row = f"| {t} | " + " | ".join(_f(d["tokens_per_s"].get(e)) for e in engines) + " |"
         row += "".join(f" **{_f(d['vs_llama'].get(e), '.2f', '×')}** |" for e in engines if e != LLAMA and has_llama)
+        share = d.get("draft_share", {}).get("ours-spec")
         row += f" {_f(d['spec_vs_ar'], '.2f', '×')} | {_f(d['tau'].get('ours-spec'), '.2f')} |"
+        row += f" {_f(None if share is None else 100 * share, '.0f', '%')} |"
         out.append(row)
+    spread = [f"{t} thread(s): {e} {lo:.2f}–{hi:.2f}×" for t, d in dec.items()
+              for e, (lo, hi) in d.get("vs_llama_range", {}).items()]
+    if spread:
+        out += ["", "Per-repeat ratios to llama.cpp, lowest–highest: " + "; ".join(spread) + "."]
     return out
 
 

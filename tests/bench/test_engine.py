@@ -121,13 +121,16 @@ def test_decode_ratios_are_medians_of_the_ratios_paired_within_a_repeat():
     samples = [_decode("ours-ar", 1, 0, 100), _decode("llama.cpp", 1, 0, 50),  # 2.0
                _decode("ours-ar", 1, 1, 90), _decode("llama.cpp", 1, 1, 60),  # 1.5
                _decode("ours-ar", 1, 2, 200), _decode("llama.cpp", 1, 2, 40),  # 5.0 (a noisy repeat)
-               _decode("ours-spec", 1, 0, 120, 2.0), _decode("ours-spec", 1, 1, 110, 2.4)]
+               {**_decode("ours-spec", 1, 0, 120, 2.0), "draft_share": 0.2},
+               {**_decode("ours-spec", 1, 1, 110, 2.4), "draft_share": 0.4}]
     d = rep.decode_summary(samples)["1"]
     assert d["tokens_per_s"] == {"ours-ar": 100, "llama.cpp": 50, "ours-spec": 115}
     assert d["vs_llama"]["ours-ar"] == pytest.approx(2.0)
     assert d["vs_llama"]["ours-spec"] == pytest.approx((2.4 + 110 / 60) / 2)  # repeats 0 and 1 only
     assert d["spec_vs_ar"] == pytest.approx((1.2 + 110 / 90) / 2)
     assert d["tau"]["ours-spec"] == pytest.approx(2.2)
+    assert d["vs_llama_range"]["ours-ar"] == pytest.approx([1.5, 5.0])
+    assert d["draft_share"] == {"ours-spec": pytest.approx(0.3)}
     assert d["repeats"] == 3
     alone = rep.decode_summary([_decode("ours-ar", 2, 0, 10)])["2"]
     assert alone["vs_llama"] == {}
@@ -171,6 +174,7 @@ def test_markdown_has_the_tables_and_the_targets(tmp_path):
     md = rep.markdown(res)
     assert "1.0 at the start, 2.0 at the end, 1.5 median over the decode runs" in md
     assert "| 1 | 120.0 | 60.0 | **2.00×** |" in md
+    assert "Per-repeat ratios to llama.cpp, lowest–highest: 1 thread(s): ours-ar 2.00–2.00×." in md
     assert "| 8 | 12.50 (1.25×) |" in md
     assert "decode, 1 thread(s): ours-ar ÷ llama.cpp 2.00× (target ≥ 1.0×): met" in md
     assert "n = 8 rows, 1 thread(s): 1.25× one row (target ≤ 1.3×): met" in md
@@ -199,6 +203,7 @@ def test_a_decode_sample_decodes_exactly_the_asked_tokens(tiny_ours, name):
     assert s["decoded"] == 12
     assert s["tokens_per_s"] > 0
     assert s["tau"] >= 1.0
+    assert ("draft_share" in s) == (name == "ours-spec")
 
 
 def test_row_samples_time_every_size_over_the_same_context(tiny_ours):
