@@ -112,9 +112,11 @@ def summarize(samples: list[dict]) -> dict:
 
 def markdown(res: dict) -> str:
     s, m = res["summary"], res["memory"]
+    loads = [x["load1"] for x in res["samples"]]
     lines = ["# The product against llama.cpp's RPC pipeline, one host", "", f"`{res['setup']['command']}`", "",
              f"Prompt {PROMPT!r}, chat template, greedy (T=0), max_tokens {MAX_TOKENS}; {res['setup']['runs']} "
-             f"interleaved runs, medians; {res['setup']['cpus']} CPUs shared by all processes of both sides (our "
+             f"interleaved runs, medians; {res['setup']['cpus']} CPUs shared by all processes of both sides and other "
+             f"work (1-minute load average {min(loads):.1f}–{max(loads):.1f} over the runs; our "
              f"agents: {res['setup'].get('threads_per_agent', '?')} thread(s) each, `cluster up`'s default; "
              "llama.cpp's: 1 each).", "",
              "| side | processes | decode tokens/s (server's own timing) | ÷ llama.cpp RPC | tokens | total RSS MB | "
@@ -156,7 +158,7 @@ def main() -> int:
     for run in range(args.runs):
         k = run % len(SIDES)
         for side in SIDES[k:] + SIDES[:k]:
-            samples.append({"run": run, "side": side, **chat(side, urls)})
+            samples.append({"run": run, "side": side, **chat(side, urls), "load1": os.getloadavg()[0]})
             sys.stderr.write(f"run {run + 1}/{args.runs} {side}: {samples[-1]['decode_tokens_per_s']:.1f} tok/s\n")
     first = {s["side"]: s["text"] for s in samples if s["run"] == 0}
     ref = first["llama.cpp-rpc"]
