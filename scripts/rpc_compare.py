@@ -87,7 +87,7 @@ def memory(pids: list[int]) -> dict:
         if "VmRSS" not in status:
             continue
         kb = {k: int(status[k].split()[0]) for k in ("VmRSS", "VmHWM")}
-        procs.append({"pid": pid, "cmd": cmd[:160], "rss_mb": kb["VmRSS"] / 1024, "peak_mb": kb["VmHWM"] / 1024})
+        procs.append({"pid": pid, "cmd": cmd[:600], "rss_mb": kb["VmRSS"] / 1024, "peak_mb": kb["VmHWM"] / 1024})
     return {"processes": procs, "rss_mb": sum(p["rss_mb"] for p in procs),
             "peak_mb": sum(p["peak_mb"] for p in procs)}
 
@@ -110,6 +110,18 @@ def summarize(samples: list[dict]) -> dict:
             "wall_s": {s: statistics.median(x["wall_s"] for x in v) for s, v in by.items() if v}}
 
 
+def role(cmd: str) -> str:
+    """A process's part from its command line: "agent0 (leader)", "cluster up (launcher)", "ggml-rpc-server :P"."""
+    words = cmd.split()
+    if "agent" in words and "--name" in words:
+        name = words[words.index("--name") + 1]
+        return name + (" (leader)" if "--leader" in words else "")
+    if "cluster" in words and "up" in words:
+        return "cluster up (launcher)"
+    exe = Path(words[0]).name if words else "?"
+    return exe + (f" :{words[words.index('-p') + 1]}" if "-p" in words and exe.endswith("rpc-server") else "")
+
+
 def markdown(res: dict) -> str:
     s, m = res["summary"], res["memory"]
     loads = [x["load1"] for x in res["samples"]]
@@ -127,6 +139,10 @@ def markdown(res: dict) -> str:
         lines.append(f"| {side} | {len(mem['processes'])} | {s['decode_tokens_per_s'].get(side, float('nan')):.1f} "
                      f"| {'–' if ratio is None else f'{ratio:.2f}×'} | {','.join(map(str, s['tokens'][side]))} | "
                      f"{mem['rss_mb']:.0f} | {mem['peak_mb']:.0f} |")
+    lines += ["", "| process | RSS MB | peak RSS MB |", "|---|---:|---:|"]
+    for side in ("ours", "llama"):
+        for proc in m[side]["processes"]:
+            lines.append(f"| {role(proc['cmd'])} | {proc['rss_mb']:.0f} | {proc['peak_mb']:.0f} |")
     lines += ["", "RSS is read after the runs (/proc VmRSS; the peak: VmHWM); ours counts the `cluster up` launcher "
               "and its three agents, llama.cpp's its two ggml-rpc-servers and llama-server. Ratios are medians of "
               "the ratios within each run.", "",
