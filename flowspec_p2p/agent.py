@@ -63,6 +63,7 @@ from .decoding.settings import LeaderSettings
 from .errors import ConfigError, FlowSpecError, ProtocolError
 from .model.dtypes import TORCH_DTYPES
 from .model.load import load_shard, set_threads
+from .model.native_shard import NativeShard
 from .model.shard import Shard, packing_enabled
 from .model.tokenizer import Tokenizer
 from .model.weights import model_fingerprint, open_source
@@ -238,11 +239,13 @@ class Agent(Net):
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
         self.stage_host.leader_inbox = self.leader.inbox
+        native = isinstance(head, NativeShard)  # every agent's stages run the same engine as the leader's head
+        packed = packing_enabled(dtype) and not native
         base = getattr(drafter, "base", drafter)  # LookupDrafter wraps the head drafter
-        extra = base.extra_bytes(packing_enabled(dtype)) if hasattr(base, "extra_bytes") else 0
+        extra = base.extra_bytes(packed) if hasattr(base, "extra_bytes") else 0
         model = describe_model(src, context=cfg.planning.context, fingerprint=self.model_fp,
-                               dtype_bytes=torch.finfo(dtype).bits // 8, packed=packing_enabled(dtype),
-                               draft_extra_bytes=extra)
+                               dtype_bytes=torch.finfo(dtype).bits // 8, packed=packed, draft_extra_bytes=extra,
+                               stored=native)
         self.coordinator = Coordinator(cfg, self.info, net=self, leader=self.leader, weights=self.weights,
                                        stage_host=self.stage_host, ring=self.ring, session=self.session,
                                        model=model, model_config=src.config, wire_dtype=wire_dtype)

@@ -18,12 +18,10 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .decoding.flowspec import FlowSpecConfig
-from .env import SECRET, STATE_DIR, environ
+from .env import DEFAULT_API_PORT, DEFAULT_STATE_DIR, SECRET, STATE_DIR, environ
 from .errors import ConfigError
 from .types import Settings
 
-DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")
-DEFAULT_API_PORT = 8000
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 
 

@@ -25,6 +25,8 @@ STATE_DIR = "FLOWSPEC_STATE_DIR"
 SECRET = "FLOWSPEC_SECRET"
 SPEC_BENCH = "FLOWSPEC_SPEC_BENCH"
 PACKED_WEIGHTS = "FLOWSPEC_PACKED_WEIGHTS"
+DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")  # an agent's state folder when nothing says otherwise
+DEFAULT_API_PORT = 8000  # the leader's API
 ENGINE = "FLOWSPEC_ENGINE"
 ENGINES = ("auto", "native", "torch")
 

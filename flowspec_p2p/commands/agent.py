@@ -9,10 +9,13 @@ import faulthandler
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .. import config as config_mod
 from .. import env
 from . import run_async
+
+if TYPE_CHECKING:
+    from ..config import AgentConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="agent server port (default 0 = any)")
     p.add_argument("--api-host", default=None, help="leader API address (default 127.0.0.1)")
     p.add_argument("--api-port", type=int, default=None,
-                   help=f"leader API port (default {config_mod.DEFAULT_API_PORT})")
+                   help=f"leader API port (default {env.DEFAULT_API_PORT})")
     p.add_argument("--state-dir", type=Path, default=None,
                    help=f"keeps the agent id and fetched weights (default ${env.STATE_DIR} or "
-                   f"{config_mod.DEFAULT_STATE_DIR})")
+                   f"{env.DEFAULT_STATE_DIR})")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's cores)")
     p.add_argument("--secret", default=None, help=f"shared secret (prefer ${env.SECRET})")
     p.add_argument("--context", type=int, default=None, help="(leader) KV tokens per request on every stage")
@@ -73,7 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def config_from_args(args: argparse.Namespace) -> config_mod.AgentConfig:
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    from .. import config as config_mod  # here: the agent's modules stay unimported for the other commands
+
     overrides = {
         "cluster": args.cluster, "name": args.name, "leader": args.leader, "model": args.model, "draft": args.draft,
         "interfaces": args.interfaces, "peers": args.peers, "mdns": args.mdns, "port": args.port,
@@ -88,7 +93,7 @@ def config_from_args(args: argparse.Namespace) -> config_mod.AgentConfig:
     return config_mod.load(args.config, overrides)
 
 
-async def serve(cfg: config_mod.AgentConfig) -> None:
+async def serve(cfg: AgentConfig) -> None:
     """Run an agent until SIGINT/SIGTERM, then stop it cleanly."""
     from ..agent import Agent
 

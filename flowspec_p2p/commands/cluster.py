@@ -15,12 +15,12 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
-
-from ..cluster.local_cluster import ClusterOptions, LocalCluster
-from ..config import json_object
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..cluster.local_cluster import ClusterOptions, LocalCluster
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> ClusterOptions:
+    from pydantic import ValidationError  # here: the agent's modules stay unimported for the other commands
+
+    from ..cluster.local_cluster import ClusterOptions
+    from ..config import json_object
+
     try:
         return ClusterOptions(api_port=args.api_port, model=args.model, members_have_model=args.members_have_model,
                               threads=args.threads, link_mbps=args.link_mbps, link_latency_ms=args.link_latency_ms,
@@ -96,6 +101,8 @@ def _wait_for_signal() -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    from ..cluster.local_cluster import LocalCluster
+
     cluster = LocalCluster(args.n, _options(args))
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM,)}
@@ -207,6 +214,8 @@ def run_recovery(args: argparse.Namespace) -> int:
     if args.n < 2:
         log.error("recovery needs at least 2 agents")
         return 2
+    from ..cluster.local_cluster import LocalCluster
+
     cluster = LocalCluster(args.n, _options(args))
     victim = args.n - 1
     results: dict[str, list[float]] = {"graceful": [], "killed": [], "join": []}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 import time
@@ -35,6 +37,22 @@ class LoadedModel:
 
     def fingerprint(self) -> str:
         return model_fingerprint(self.source)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+def release_heap() -> None:
+    """Give the C heap's free memory back to the OS (glibc keeps freed blocks: a tokenizer's or a load's
+    temporaries would otherwise stay in the resident set)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def physical_cores() -> int:
@@ -107,8 +125,11 @@ def load_model(
     source = open_source(path)
     cfg = source.config
     rng = layers or LayerRange(start=0, end=cfg.num_layers)
-    shard = load_shard(source, rng, embed=True, head=True, dtype=dtype, engine=engine, quantize=quantize)
+    # the tokenizer first: what its loading leaves free goes back to the OS before the weights arrive
     tok = Tokenizer.load(source.path, cfg.eos_token_ids) if tokenizer else None
+    release_heap()
+    shard = load_shard(source, rng, embed=True, head=True, dtype=dtype, engine=engine, quantize=quantize)
+    release_heap()
     log.info("loaded %s (%s, %d layers, %s, %s engine) in %.1f s", source.path.name, cfg.arch, len(rng), dtype,
              "native" if isinstance(shard, NativeShard) else "torch", time.perf_counter() - t0)
     return LoadedModel(source, shard, tok)  # type: ignore[arg-type]
