@@ -71,3 +71,14 @@ def engine() -> str:
 def compiler() -> str:
     """The C compiler for the native kernels: $CC, else ``cc``."""
     return os.environ.get("CC") or "cc"
+
+
+def physical_cores() -> int:
+    """This device's physical cores that this process may run on: psutil's physical count (where installed),
+    capped by the CPU affinity (a container given 2 CPUs of a 32-core host gets 2)."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        import psutil
+    except ImportError:  # psutil is optional here: the usable CPUs are the next best guess
+        return max(1, allowed)
+    return max(1, min(psutil.cpu_count(logical=False) or allowed, allowed))

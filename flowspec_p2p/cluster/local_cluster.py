@@ -10,7 +10,7 @@ The engine behind ``flowspec cluster up`` and the benchmarks' emulated edge clus
         c.kill(2); c.wait_ready()   # a member vanishes; the cluster re-plans
 
 Agent 0 is the leader (it loads the model and serves the API); the others hold no model copy and fetch their layers
-from it. Every agent gets ``max(1, cores // n)`` torch threads unless told otherwise, the same compute score
+from it. Every agent gets ``max(1, physical cores // n)`` compute threads unless told otherwise, the same compute score
 (measured once here: agents on one host share its cores, so separate micro-benchmarks would only measure who ran
 first), its own state folder, and a fresh shared secret (strangers cannot join). Children run in their own
 session, so Ctrl-C reaches only this process, which stops them in order; on Linux they also die with it.
@@ -37,6 +37,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from .. import env
 from ..config import FlowSpecOverrides
 from ..env import SECRET
 from ..errors import FlowSpecError
@@ -56,7 +57,7 @@ class ClusterOptions(Settings):
     model: Path | None = None  # the leader's model (default: the packaged SmolLM2-135M)
     draft: Path | None = None  # the leader's draft head (default: the one installed for the model, if any)
     members_have_model: bool = False  # give members their own copy instead of fetching from the leader
-    threads: int | None = Field(default=None, ge=1)  # torch threads per agent (default: max(1, cores // n))
+    threads: int | None = Field(default=None, ge=1)  # compute threads per agent (default: max(1, physical cores // n))
     gflops: float | None = Field(default=None, gt=0)  # compute score of every agent (default: measured once)
     link_mbps: float | None = Field(default=None, gt=0)
     link_latency_ms: float | None = Field(default=None, ge=0)
@@ -126,7 +127,7 @@ class LocalCluster:
         self._own_root = o.state_root is None
         self.root = Path(o.state_root or tempfile.mkdtemp(prefix="flowspec-cluster-"))
         self.root.mkdir(parents=True, exist_ok=True)
-        self.threads = o.threads or max(1, (os.cpu_count() or 1) // n)
+        self.threads = o.threads or max(1, env.physical_cores() // n)
         self.gflops = o.gflops
         self.agents = [self._agent(i) for i in range(n)]
         self.api_url: str | None = None

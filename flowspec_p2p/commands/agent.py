@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", type=Path, default=None,
                    help=f"keeps the agent id and fetched weights (default ${env.STATE_DIR} or "
                    f"{env.DEFAULT_STATE_DIR})")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's cores)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's physical cores)")
     p.add_argument("--secret", default=None, help=f"shared secret (prefer ${env.SECRET})")
     p.add_argument("--context", type=int, default=None, help="(leader) KV tokens per request on every stage")
     p.add_argument("--stages", type=int, default=None, help="(leader) force exactly N layer-holding stages")

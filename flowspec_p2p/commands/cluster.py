@@ -54,7 +54,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="the leader's model (default: packaged SmolLM2-135M)")
     p.add_argument("--members-have-model", action="store_true",
                    help="give members their own model copy (default: they fetch their layers from the leader)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads per agent (default: cores / N)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads per agent (default: physical cores / N)")
     p.add_argument("--link-mbps", type=float, default=None, help="emulated link bandwidth per agent (Mbit/s)")
     p.add_argument("--link-latency-ms", type=float, default=None, help="emulated one-way link latency (ms)")
     p.add_argument("--slowdown", type=float, default=None, help="emulated compute slowdown per agent")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,21 +54,9 @@ def release_heap() -> None:
         libc.malloc_trim(0)
 
 
-def physical_cores() -> int:
-    """This device's physical cores (psutil where installed; else the CPUs this process may run on)."""
-    try:
-        import psutil
-    except ImportError:  # psutil is optional here: the count of usable CPUs is the next best guess
-        psutil = None
-    cores = psutil.cpu_count(logical=False) if psutil is not None else None
-    if not cores:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores or 1)
-
-
 def set_threads(n: int | None) -> int:
     """Compute threads for torch and the native engine: ``n``, or this device's physical cores. -> the count."""
-    n = n or physical_cores()
+    n = n or env.physical_cores()
     torch.set_num_threads(n)
     native_shard.set_threads(n)
     return n
