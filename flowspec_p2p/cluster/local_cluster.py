@@ -173,14 +173,19 @@ class LocalCluster:
             args.append("--insecure")
         return AgentProcess(i, i == 0, state, self.root / f"agent{i}.log", args + list(o.extra_args))
 
-    def _launch(self, a: AgentProcess) -> None:
-        args = list(a.args)
-        if self.gflops is not None:
-            args += ["--gflops", f"{self.gflops:g}"]
+    def agent_environment(self) -> dict[str, str]:
+        """This process's environment, with the cluster's key in place of any key or secret it holds."""
         env = {k: v for k, v in os.environ.items() if k not in (CLUSTER_KEY, SECRET)}
         env["PYTHONUNBUFFERED"] = "1"
         if self.key is not None:
             env[CLUSTER_KEY] = self.key.text
+        return env
+
+    def _launch(self, a: AgentProcess) -> None:
+        args = list(a.args)
+        if self.gflops is not None:
+            args += ["--gflops", f"{self.gflops:g}"]
+        env = self.agent_environment()
         with contextlib.suppress(OSError):
             (a.state_dir / "agent.json").unlink()
         with open(a.log_path, "ab") as logf:
