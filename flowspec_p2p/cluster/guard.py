@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from ..errors import ProtocolError
 from .handshake import (
-    AUTH_PREFIX,
+    AUTH_PATHS,
     CHALLENGE_PATH,
     CONFIRM_PATH,
     SESSION_HEADER,
@@ -103,7 +103,7 @@ class Guard:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        if request.path.startswith(AUTH_PREFIX):
+        if request.path in AUTH_PATHS:
             return await handler(request)
         token = request.headers.get(SESSION_HEADER, "")
         s = self._sessions.get(token) if token else None

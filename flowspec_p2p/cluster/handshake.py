@@ -41,7 +41,7 @@ from .keys import ClusterKey
 AUTH_VERSION = 1
 CHALLENGE_PATH = "/auth/challenge"
 CONFIRM_PATH = "/auth/confirm"
-AUTH_PREFIX = "/auth/"
+AUTH_PATHS = frozenset({CHALLENGE_PATH, CONFIRM_PATH})  # the only routes served without a session
 SESSION_HEADER = "X-Flowspec-Session"
 NONCE_BYTES = 32
 ADVERT_MAX_AGE_S = 600.0  # an advert's timestamp may be this far off the receiver's clock, either way

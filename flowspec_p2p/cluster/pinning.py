@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from ..errors import PeerGone, ProtocolError
 from .handshake import (
-    AUTH_PREFIX,
+    AUTH_PATHS,
     CHALLENGE_PATH,
     CONFIRM_PATH,
     SESSION_HEADER,
@@ -148,7 +148,7 @@ class AuthClient:
         return s.identity if s is not None else None
 
     async def middleware(self, req: aiohttp.ClientRequest, handler) -> aiohttp.ClientResponse:
-        if not req.is_ssl() or req.url.path.startswith(AUTH_PREFIX):
+        if not req.is_ssl() or req.url.path in AUTH_PATHS:
             return await handler(req)
         address = _address(req.url)
         for attempt in (1, 2):

@@ -192,6 +192,9 @@ async def test_strangers_and_forged_tokens_get_401_and_learn_nothing(key, server
             async with http.get(server.url + "/who", headers=headers) as r:
                 assert r.status == 401
                 assert await r.text() == REFUSAL
+        for path in ("/auth/../who", "/auth/%2e%2e/who", "/auth/challenge/../../who", "/auth/x"):
+            async with http.get(server.url + path) as r:
+                assert r.status in (401, 404, 405), path
     with pytest.raises(ProtocolError, match="does not hold this cluster's key"):  # the stranger's own client
         async with AuthClient(ClusterKey.generate(), Identity.generate(), "x").open() as http:
             await http.get(server.url + "/who")
