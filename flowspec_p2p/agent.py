@@ -150,7 +150,7 @@ class Agent(Net):
         sec = self.security
         app = web.Application(middlewares=sec.middlewares(), client_max_size=MAX_CONTROL_BYTES)
         sec.install(app)
-        self.ring = RingServer(self.id, self.cfg.cluster, authenticated=sec.ring_sender if sec.secure else None)
+        self.ring = RingServer(self.id, self.cfg.cluster, authenticated=sec.sender_id if sec.secure else None)
         self.ring.install(app)
         app.router.add_get(INFO_PATH, self._http_info)
         app.router.add_get(TIMELINE_PATH, self._http_timeline)
@@ -328,7 +328,7 @@ class Agent(Net):
         try:
             self.security.check_control(request, msg)
             if self.member is not None:
-                reply = await self.member.handle(msg, sender=self.security.ring_sender(request))
+                reply = await self.member.handle(msg, sender=self.security.sender_id(request))
             else:
                 reply = await self.coordinator.handle(msg)
         except ProtocolError as e:

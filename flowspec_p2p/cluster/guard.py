@@ -93,13 +93,21 @@ class Guard:
         app.router.add_post(CHALLENGE_PATH, self._challenge)
         app.router.add_post(CONFIRM_PATH, self._confirm)
 
-    def _refuse(self, request: web.Request, why: str) -> web.HTTPUnauthorized:
-        self.refused += 1
+    def _log_once(self, request: web.Request, why: str) -> None:
         where = request.remote or "?"
         if (where, why) not in self._logged and len(self._logged) < MAX_LOGGED:
             self._logged.add((where, why))
             log.warning("refused %s %s from %s: %s", request.method, request.path, where, why)
+
+    def _refuse(self, request: web.Request, why: str) -> web.HTTPUnauthorized:
+        self.refused += 1
+        self._log_once(request, why)
         return web.HTTPUnauthorized(text=REFUSAL)
+
+    def _malformed(self, request: web.Request, why: str) -> web.HTTPBadRequest:
+        self.refused += 1
+        self._log_once(request, f"a malformed handshake message ({why})")
+        return web.HTTPBadRequest(text="malformed handshake message")
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -120,15 +128,15 @@ class Guard:
             raise web.HTTPRequestEntityTooLarge(max_size=MAX_AUTH_BYTES, actual_size=request.content_length or 0)
         try:
             return model.model_validate_json(await request.content.read(MAX_AUTH_BYTES + 1))
-        except ValidationError:
-            raise web.HTTPBadRequest(text="malformed handshake message") from None
+        except ValidationError as e:
+            raise self._malformed(request, f"not a {model.__name__}: {e.errors()[0]['msg']}") from None
 
     async def _challenge(self, request: web.Request) -> web.Response:
         hello = await self._body(request, AuthHello)
         try:
             client_fp = fingerprint_of_pem(hello.cert.encode())
-        except ProtocolError:
-            raise web.HTTPBadRequest(text="malformed handshake message") from None
+        except ProtocolError as e:
+            raise self._malformed(request, str(e)) from None
         now = self.clock()
         while self._pending and (len(self._pending) >= MAX_PENDING or next(iter(self._pending.values())).expires < now):
             self._pending.popitem(last=False)

@@ -27,7 +27,7 @@ from functools import cached_property
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
@@ -122,9 +122,10 @@ def load_cert(pem: bytes) -> x509.Certificate:
         raise ProtocolError(f"certificate of {len(pem)} bytes exceeds {MAX_CERT_BYTES}")
     try:
         cert = x509.load_pem_x509_certificate(pem)
-    except ValueError as e:
-        raise ProtocolError(f"not a PEM certificate: {e}") from None
-    if not isinstance(cert.public_key(), ec.EllipticCurvePublicKey):
+        key = cert.public_key()
+    except (ValueError, UnsupportedAlgorithm) as e:
+        raise ProtocolError(f"not a PEM certificate with a key this agent reads: {e}") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey):
         raise ProtocolError("the certificate's key is not an EC key")
     return cert
 

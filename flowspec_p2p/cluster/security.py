@@ -87,7 +87,7 @@ class Security:
         """Who sent ``request`` (None in the open mode: nobody knows)."""
         return self.guard.peer_of(request) if self.guard is not None else None
 
-    def ring_sender(self, request: web.Request) -> str | None:
+    def sender_id(self, request: web.Request) -> str | None:
         peer = self.sender(request)
         return peer.agent_id if peer is not None else None
 

@@ -253,3 +253,39 @@ async def test_a_restarted_server_is_authenticated_again_and_a_replaced_one_only
         with pytest.raises(ProtocolError):
             await http.get(server.url + "/who")
         await other.stop()
+
+
+def _ed25519_cert() -> str:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from cryptography.x509.oid import NameOID
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "x")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, None))
+    return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+async def test_garbage_handshakes_get_400_with_a_logged_reason_and_the_server_keeps_serving(key, server, caplog):
+    nonce = new_nonce()
+    garbage = [(CHALLENGE_PATH, b"not json"), (CHALLENGE_PATH, b"{}"), (CONFIRM_PATH, b"[1, 2]"),
+               (CHALLENGE_PATH, AuthHello(cert="-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+                                          nonce=nonce).model_dump_json().encode()),
+               (CHALLENGE_PATH, AuthHello(cert=_ed25519_cert(), nonce=nonce).model_dump_json().encode()),
+               (CONFIRM_PATH, AuthConfirm(nonce=nonce, agent_id="x", proof=nonce, signature="ab" * 40)
+                .model_dump_json().encode()),
+               (CHALLENGE_PATH, b"x" * (64 * 1024))]
+    async with raw_session() as http:
+        for path, body in garbage:
+            async with http.post(server.url + path, data=body) as r:
+                assert r.status in (400, 401, 413), (path, body[:40])
+    assert "malformed handshake message" in caplog.text
+    client = AuthClient(key, Identity.generate(), "m")
+    async with client.open() as http, http.get(server.url + "/who") as r:
+        assert r.status == 200
