@@ -43,6 +43,7 @@ CHALLENGE_TTL_S = 10.0  # a challenge must be answered within this
 SESSION_TTL_S = 3600.0  # then the client authenticates again (it does so on the 401)
 MAX_PENDING = 256
 MAX_SESSIONS = 4096
+SESSIONS_PER_PEER = 2  # a peer's newest sessions kept (a renewal overlaps the session it replaces)
 MAX_AUTH_BYTES = 16 * 1024
 MAX_LOGGED = 1024
 REFUSAL = "unauthenticated: this agent serves the members of its cluster only"
@@ -87,6 +88,7 @@ class Guard:
         self.refused = 0
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._by_peer: dict[Peer, list[str]] = {}  # a peer's tokens, oldest first
         self._logged: set[tuple[str, str]] = set()
 
     def install(self, app: web.Application) -> None:
@@ -147,6 +149,25 @@ class Guard:
                               proof=server_proof(self.key, mine, client_fp, hello.nonce, nonce))
         return web.Response(text=reply.model_dump_json(), content_type="application/json")
 
+    def _new_session(self, peer: Peer, now: float) -> str:
+        while self._sessions and (len(self._sessions) >= MAX_SESSIONS
+                                  or next(iter(self._sessions.values())).expires < now):
+            self._forget(*self._sessions.popitem(last=False))
+        tokens = self._by_peer.setdefault(peer, [])
+        while len(tokens) >= SESSIONS_PER_PEER:
+            self._sessions.pop(tokens.pop(0), None)
+        token = secrets.token_hex(32)
+        self._sessions[token] = _Session(peer, now + SESSION_TTL_S)
+        tokens.append(token)
+        return token
+
+    def _forget(self, token: str, session: _Session) -> None:
+        tokens = self._by_peer.get(session.peer, [])
+        if token in tokens:
+            tokens.remove(token)
+        if not tokens:
+            self._by_peer.pop(session.peer, None)
+
     async def _confirm(self, request: web.Request) -> web.Response:
         c = await self._body(request, AuthConfirm)
         p = self._pending.pop(c.nonce, None)
@@ -169,11 +190,7 @@ class Guard:
             raise self._refuse(request, f"agent {c.agent_id} proved identity {bound[:12]} before, not "
                                         f"{p.client_fp[:12]} (its state folder was replaced?)")
         now = self.clock()
-        while self._sessions and (len(self._sessions) >= MAX_SESSIONS
-                                  or next(iter(self._sessions.values())).expires < now):
-            self._sessions.popitem(last=False)
-        token = secrets.token_hex(32)
-        self._sessions[token] = _Session(Peer(c.agent_id, p.client_fp), now + SESSION_TTL_S)
+        token = self._new_session(Peer(c.agent_id, p.client_fp), now)
         log.debug("authenticated agent %s (identity %s) from %s", c.agent_id, p.client_fp[:12], request.remote)
         reply = AuthSession(token=token, agent_id=self.agent_id, ttl_s=SESSION_TTL_S)
         return web.Response(text=reply.model_dump_json(), content_type="application/json")

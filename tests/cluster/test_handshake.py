@@ -289,3 +289,12 @@ async def test_garbage_handshakes_get_400_with_a_logged_reason_and_the_server_ke
     client = AuthClient(key, Identity.generate(), "m")
     async with client.open() as http, http.get(server.url + "/who") as r:
         assert r.status == 200
+
+
+async def test_a_peer_that_authenticates_again_and_again_holds_few_sessions(key, server):
+    me = Identity.generate()
+    async with raw_session() as http:
+        for _ in range(10):
+            status, _ = await raw_handshake(http, server.url, key, me, "poller")
+            assert status == 200
+    assert len(server.guard._sessions) == guard_mod.SESSIONS_PER_PEER
