@@ -47,7 +47,8 @@ from .cluster.control import (
 )
 from .cluster.coordinator import Coordinator
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
-from .cluster.identity import agent_id, state_lock
+from .cluster.identity import agent_id as _agent_id
+from .cluster.identity import state_lock as _locked
 from .cluster.member import MemberControl
 from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind
 from .cluster.plans import describe_model
@@ -120,15 +121,15 @@ class Agent(Net):
         cfg = self.cfg
         state = cfg.state_path
         state.mkdir(parents=True, exist_ok=True)
-        with state_lock(state):
-            self.id = agent_id(state)
-            self.security = await asyncio.to_thread(Security.load, cfg, self.id)
+        with _locked(state):
+            self.id = _agent_id(state)
             if cfg.threads:
                 torch.set_num_threads(cfg.threads)
             addresses = resolve_interfaces(cfg.interfaces) if cfg.interfaces else default_addresses()
             bad = [a for a in addresses if not bindable(a)]
             if bad:
                 raise ConfigError(f"cannot bind {', '.join(bad)}: pass --interface with an address of this host")
+            self.security = await asyncio.to_thread(Security.load, cfg, self.id)
             if cfg.model is not None or cfg.leader:
                 self.source = await asyncio.to_thread(open_source, cfg.model)
             profile = self._profile or await asyncio.to_thread(self._measure)

@@ -51,11 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"keeps the agent id and fetched weights (default ${env.STATE_DIR} or "
                    f"{config_mod.DEFAULT_STATE_DIR})")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--secret", default=None, help=f"shared secret (prefer ${env.SECRET})")
     p.add_argument("--cluster-key-file", type=Path, default=None, metavar="PATH",
                    help=f"the cluster key (default ${env.CLUSTER_KEY}, else the state folder's cluster.key; the "
-                   "leader makes one there on its first start; `flowspec keygen` makes one)")
-    p.add_argument("--secret", default=None,
-                   help=f"a passphrase to derive the cluster key from instead (the older way; prefer ${env.SECRET})")
+                   "leader makes one there on its first start; `flowspec keygen` makes one; a --secret passphrase "
+                   "derives one instead)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="no cluster key: an open cluster (plain http; anyone on the network may join). Lab only")
     p.add_argument("--api-key", default=None,
