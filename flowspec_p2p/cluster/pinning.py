@@ -9,7 +9,8 @@ every one after.
     PinningConnector checks every TLS connection (new or pooled) against the pin of its address before a request
                      goes out on it; a mismatch closes it and raises ProtocolError.
     AuthClient       the session middleware: a handshake per address (one at a time), the token on every request,
-                     and one fresh handshake when a server answers 401 (it restarted, or the session expired).
+                     and one fresh handshake when a server answers 401 (it restarted, or the session expired);
+                     nothing goes out over plain http.
 """
 
 from __future__ import annotations
@@ -148,7 +149,10 @@ class AuthClient:
         return s.identity if s is not None else None
 
     async def middleware(self, req: aiohttp.ClientRequest, handler) -> aiohttp.ClientResponse:
-        if not req.is_ssl() or req.url.path in AUTH_PATHS:
+        if not req.is_ssl():  # a keyed agent sends nothing in the clear, to anyone
+            raise ProtocolError(f"refusing to send {req.method} {req.url} over plain http: this agent's cluster is "
+                                "keyed (every agent speaks TLS)")
+        if req.url.path in AUTH_PATHS:
             return await handler(req)
         address = _address(req.url)
         for attempt in (1, 2):

@@ -184,6 +184,9 @@ async def test_a_holder_of_the_key_gets_a_session_and_is_known_by_its_id(key, se
         assert r.status == 200
         assert (await r.json()) == {"agent_id": "member-1"}
     assert client.identity_at("127.0.0.1", server.port) == server.identity.fingerprint
+    async with AuthClient(key, Identity.generate(), "member-2").open() as http:
+        with pytest.raises(ProtocolError, match="plain http"):  # a keyed agent sends nothing in the clear
+            await http.get(f"http://127.0.0.1:{server.port}/who")
 
 
 async def test_strangers_and_forged_tokens_get_401_and_learn_nothing(key, server):
