@@ -3,7 +3,9 @@
     FLOWSPEC_CACHE_DIR       caches: built kernels, tokenizers, trained draft heads, the tree tuning, training runs
                              (default $XDG_CACHE_HOME/flowspec_p2p, else ~/.cache/flowspec_p2p)
     FLOWSPEC_STATE_DIR       an agent's state folder (its id, fetched weights), when the profile and flags set none
-    FLOWSPEC_SECRET          the cluster's shared secret (preferred over --secret, which other users see in ``ps``)
+    FLOWSPEC_CLUSTER_KEY     the cluster key (fsk1-...; preferred over flags, which other users see in ``ps``)
+    FLOWSPEC_SECRET          a passphrase the cluster key is derived from (the older way; preferred over --secret)
+    FLOWSPEC_API_KEY         the leader API's key (preferred over --api-key)
     FLOWSPEC_SPEC_BENCH      the folder of the six Spec-Bench ``<set>.jsonl`` files (default: ../shared/data/spec-bench
                              beside the repository checkout)
     FLOWSPEC_ENGINE          the model engine: auto (default: native where it runs, else torch), native, torch
@@ -23,6 +25,8 @@ from pathlib import Path
 CACHE_DIR = "FLOWSPEC_CACHE_DIR"
 STATE_DIR = "FLOWSPEC_STATE_DIR"
 SECRET = "FLOWSPEC_SECRET"
+CLUSTER_KEY = "FLOWSPEC_CLUSTER_KEY"
+API_KEY = "FLOWSPEC_API_KEY"
 SPEC_BENCH = "FLOWSPEC_SPEC_BENCH"
 PACKED_WEIGHTS = "FLOWSPEC_PACKED_WEIGHTS"
 DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")  # an agent's state folder when nothing says otherwise
