@@ -4,7 +4,8 @@ The tokenizer runs on the ``tokenizers`` library (transformers' own wrapper keep
 vocabulary we never use); the chat template renders with jinja2 in a sandbox set up as transformers sets up its
 own. transformers converts a GGUF file's tokenizer once (slowly: ~6 s); the converted files are cached under
 the cache folder's ``tokenizers/`` so later starts take well under a second. A checkpoint folder without a
-``tokenizer.json`` falls back to transformers' tokenizer.
+``tokenizer.json`` falls back to transformers' tokenizer. ``tokenizers`` and jinja2 are imported when a tokenizer
+is loaded (5 MB of a member stage's resident set otherwise: members never tokenize).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import jinja2
-import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from typing import TYPE_CHECKING
 
 from .. import env
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import jinja2
+    import tokenizers
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ def _source_key(path: Path) -> str:
 
 
 def _raise(message: str):
+    import jinja2
+
     raise jinja2.exceptions.TemplateError(message)
 
 
@@ -45,6 +49,8 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 def compile_chat_template(source: str) -> jinja2.Template:
     """A chat template in the environment transformers renders them in (sandboxed, trimmed blocks, loop controls,
     tojson, raise_exception, strftime_now)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     jenv = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     jenv.filters["tojson"] = _tojson
     jenv.globals["raise_exception"] = _raise
@@ -81,6 +87,8 @@ class Tokenizer:
         template = config.get("chat_template")
         if template is None and (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
+        import tokenizers
+
         backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         return cls(backend, chat_template=template, special={k: _special(config.get(k)) for k in SPECIAL_TOKENS},
                    eos_token_ids=eos_token_ids)
