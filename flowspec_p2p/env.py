@@ -4,6 +4,7 @@
                              (default $XDG_CACHE_HOME/flowspec_p2p, else ~/.cache/flowspec_p2p)
     FLOWSPEC_STATE_DIR       an agent's state folder (its id, fetched weights), when the profile and flags set none
     FLOWSPEC_SECRET          the cluster's shared secret (preferred over --secret, which other users see in ``ps``)
+    FLOWSPEC_API_KEY         the API key ``flowspec chat`` sends to the leader's API (preferred over --api-key)
     FLOWSPEC_SPEC_BENCH      the folder of the six Spec-Bench ``<set>.jsonl`` files (default: ../shared/data/spec-bench
                              beside the repository checkout)
     FLOWSPEC_PACKED_WEIGHTS  few-row matmul backend: 1 (default: the best available), fewrow, onednn, 0 (none)
@@ -23,6 +24,7 @@ STATE_DIR = "FLOWSPEC_STATE_DIR"
 SECRET = "FLOWSPEC_SECRET"
 SPEC_BENCH = "FLOWSPEC_SPEC_BENCH"
 PACKED_WEIGHTS = "FLOWSPEC_PACKED_WEIGHTS"
+API_KEY = "FLOWSPEC_API_KEY"
 
 
 def environ() -> Mapping[str, str]:
@@ -49,6 +51,11 @@ def spec_bench_dir() -> Path:
     if explicit:
         return Path(explicit).expanduser()
     return Path(__file__).resolve().parents[2] / "shared" / "data" / "spec-bench"
+
+
+def api_key() -> str | None:
+    """FLOWSPEC_API_KEY: the key a client of the leader's API sends (None when unset or empty)."""
+    return os.environ.get(API_KEY) or None
 
 
 def packed_weights() -> str:

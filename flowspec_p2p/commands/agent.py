@@ -13,6 +13,7 @@ from pathlib import Path
 from .. import config as config_mod
 from .. import env
 from . import run_async
+from .activity import show_activity
 
 log = logging.getLogger(__name__)
 
@@ -106,5 +107,6 @@ async def serve(cfg: config_mod.AgentConfig) -> None:
 def run(args: argparse.Namespace) -> int:
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every stack to stderr
+    show_activity(args)
     run_async(serve(config_from_args(args)))
     return 0
