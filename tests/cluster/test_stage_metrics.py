@@ -1,0 +1,56 @@
+"""Every agent serves its own stage's /metrics (signed with the cluster's secret, like the rest of its server), and
+the leader's dashboard gathers every stage's busy intervals from the members (agents in one process on the loopback
+interface, the tiny model)."""
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from flowspec_p2p.agent import Agent
+from flowspec_p2p.cluster.control import AUTH_HEADER, sign
+
+from ..agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, until
+from ..ring_fixtures import ByteTokenizer
+
+__all__ = ["make_fixture", "parts_fixture", "quick_timing_fixture"]
+
+SECRET = "metrics are signed too"
+
+
+def samples(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+async def test_each_member_serves_its_stage_metrics_and_the_dashboard_sees_every_stage_busy(make):
+    plan = {"context": 128, "stages": 3, "leader_layers": "always"}
+    leader = Agent(make("lead", leader=True, planning=plan, decoding="ar", secret=SECRET), tokenizer=ByteTokenizer())
+    a, b = Agent(make("a", secret=SECRET)), Agent(make("b", secret=SECRET))
+    async with running(leader, a, b), aiohttp.ClientSession() as s:
+        await until(serving(leader, 2))
+        data = await complete(leader, [1, *ByteTokenizer().encode("abc hello")], n=10)
+        assert data["usage"]["completion_tokens"] == 10
+        for agent in (a, b, leader):
+            url = agent.info.url + "/metrics"
+            async with s.get(url) as r:
+                assert r.status == 401  # unsigned
+            async with s.get(url, headers={AUTH_HEADER: sign(SECRET.encode(), "GET", "/metrics")}) as r:
+                assert r.status == 200
+                m = samples(await r.text())
+            stage = agent.stage_host.active.worker.core.index
+            assert m[("flowspec_stage_index", ())] == stage
+            assert m[("flowspec_stage_frames_in_total", ())] >= 10  # prefill + 9 steps + release, at least
+            assert m[("flowspec_stage_frames_out_total", ())] == m[("flowspec_stage_frames_in_total", ())]
+            assert m[("flowspec_stage_compute_seconds_total", ())] > 0
+            assert m[("flowspec_stage_forwards_total", ())] >= 10
+            assert m[("flowspec_stage_cache_bytes", ())] >= 0
+            assert m[("flowspec_agent_info", (("agent", agent.id), ("cluster", agent.cfg.cluster),
+                                              ("name", agent.info.name), ("role", agent.info.role)))] == 1
+            if agent is not leader:  # the others send to their successor over a websocket
+                assert m[("flowspec_stage_link_sent_bytes_total", ())] > 0
+        async with s.get(leader.api_url + "/dashboard/state") as r:
+            state = await r.json()
+        stages = state["timeline"]["stages"]
+        assert [st["agent_id"] for st in stages] == [n.agent_id for n in leader.coordinator.update.ring]
+        assert all(len(st["intervals"]) >= 10 for st in stages), stages  # fetched from each member (signed)
+        assert [m["id"] for m in state["cluster"]["members"]] == [leader.id, *sorted((a.id, b.id))]
+        assert state["cluster"]["recoveries"][-1]["stages"][0]["agent_id"] == leader.coordinator.plan.agents[0]
