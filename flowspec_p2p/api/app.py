@@ -135,8 +135,9 @@ class _Job:
                     self.finish_reason = "stop"
                 if detok.finished:
                     self.finish_reason = "stop"
-                    if text or noted:
-                        yield text, new_logprobs()
+                    rest = new_logprobs()
+                    if text or rest:
+                        yield text, rest
                     return
                 if text:
                     yield text, new_logprobs()

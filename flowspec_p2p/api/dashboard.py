@@ -19,6 +19,7 @@ API app, so a middleware of the app (an API key) covers the page, its assets and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -71,6 +72,10 @@ async def dashboard_state(leader: Leader, view: View | None, timelines: Timeline
 class Dashboard:
     def __init__(self, leader: Leader, view: View | None, timelines: Timelines | None):
         self.leader, self.view, self.timelines = leader, view, timelines
+        self.closing = asyncio.Event()  # the server is shutting down: end the event streams now
+
+    async def close(self, app: web.Application) -> None:
+        self.closing.set()
 
     async def state(self) -> dict:
         return await dashboard_state(self.leader, self.view, self.timelines)
@@ -86,10 +91,12 @@ class Dashboard:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            while True:
+            while not self.closing.is_set():
                 data = json.dumps(await self.state(), separators=(",", ":"))
                 await resp.write(f"event: state\ndata: {data}\n\n".encode())
-                await asyncio.sleep(PUSH_INTERVAL_S)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(PUSH_INTERVAL_S):
+                        await self.closing.wait()
         except ConnectionResetError:  # the page closed
             pass
         return resp
@@ -101,3 +108,4 @@ def install_dashboard(app: web.Application, leader: Leader, view: View | None, t
     app.router.add_get("/dashboard/state", d.state_once)
     app.router.add_get("/dashboard/events", d.events)
     app.router.add_static("/dashboard/assets", STATIC_DIR)
+    app.on_shutdown.append(d.close)

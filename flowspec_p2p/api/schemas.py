@@ -33,6 +33,7 @@ DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 MAX_TOP_K = 1 << 20
+MIN_TEMPERATURE = 1e-5  # below this (but above 0, greedy) logits / temperature can overflow
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
 # Fields of other OpenAI-compatible servers that change the output, with the value that changes nothing: any other
 # value is refused (unknown fields are otherwise ignored)
@@ -73,6 +74,13 @@ class Body(BaseModel):
     tool_choice: str | dict | None = None
     functions: list[dict] | None = None
     function_call: str | dict | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -138,8 +138,8 @@ async def test_the_values_that_change_nothing_are_accepted(served):
     assert (await r.json())["error"]["param"] == "echo"
 
 
-BAD_NUMBERS = [-1, 1e308, -1e308, 2**63, 2**64, -(2**64), 10**40, 1.5, "7", True, None, []]
-NUMERIC = {"max_tokens": [1, 12], "max_completion_tokens": [1, 12], "temperature": [0, 1.5], "top_p": [0.5, 1],
+BAD_NUMBERS = [-1, 1e308, -1e308, 2**63, 2**64, -(2**64), 10**40, 1.5, "7", True, None, [], 1e-320]
+NUMERIC = {"max_tokens": [1, 12], "max_completion_tokens": [1, 12], "temperature": [0, 1.5], "top_p": [0.5, 1, 1e-320],
            "top_k": [0, 5], "seed": [0, -1, 2**63 - 1, -(2**63)], "n": [1], "frequency_penalty": [0],
            "presence_penalty": [0], "top_logprobs": [0, 20]}
 

@@ -96,3 +96,20 @@ async def test_a_middleware_of_the_app_covers_the_dashboard_and_metrics_but_heal
             assert (await client.get(path)).status == 401, path
             assert (await client.get(path, headers={"Authorization": "Bearer k"})).status == 200, path
         assert (await client.get("/health")).status == 503  # open (and not ready: no pipeline)
+
+
+async def test_a_server_shutting_down_ends_the_open_event_streams_at_once(parts):
+    import asyncio
+    import time
+
+    import aiohttp
+
+    runner = web.AppRunner(create_app(leader_for(parts), run_leader=False), shutdown_timeout=20)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/dashboard/events"
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        assert (await r.content.readline()).startswith(b"event: state")
+        t0 = time.monotonic()
+        await asyncio.wait_for(runner.cleanup(), 10)
+        assert time.monotonic() - t0 < 3  # not the 20 s an open handler would be given
