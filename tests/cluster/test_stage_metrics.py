@@ -54,3 +54,31 @@ async def test_each_member_serves_its_stage_metrics_and_the_dashboard_sees_every
         assert all(len(st["intervals"]) >= 10 for st in stages), stages  # fetched from each member (signed)
         assert [m["id"] for m in state["cluster"]["members"]] == [leader.id, *sorted((a.id, b.id))]
         assert state["cluster"]["recoveries"][-1]["stages"][0]["agent_id"] == leader.coordinator.plan.agents[0]
+
+
+async def test_stage_counters_add_up_over_the_epochs_an_agent_served(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from flowspec_p2p.cluster.stage_host import Active, StageHost
+
+    def worker(frames: int, sent: int):
+        return SimpleNamespace(core=SimpleNamespace(counters={"forwards": frames, "tokens": 2 * frames}, requests={},
+                                                    index=2),
+                               counters={"frames_in": frames, "frames_out": frames, "compute_s": 0.5},
+                               successor=SimpleNamespace(counters=SimpleNamespace(bytes=sent)),
+                               inbox=asyncio.Queue())
+
+    async def done():
+        pass
+
+    host = StageHost(agent_id="a", cluster="c", ring=None, session=None, cache_dir=tmp_path)
+    for epoch, (frames, sent) in enumerate([(10, 1000), (4, 300)], 1):
+        task = asyncio.get_running_loop().create_task(done())
+        await task
+        host.active = Active(epoch, None, None, worker(frames, sent), task)
+        if epoch == 1:
+            await host._retire(host.active)  # what activate() does with the old epoch's worker
+    totals = host.totals()
+    assert (totals["frames_in"], totals["forwards"], totals["tokens"]) == (14, 14, 28)
+    assert (totals["sent_bytes"], totals["compute_s"], totals["stage"], totals["cache_bytes"]) == (1300, 1.0, 2, 0)
