@@ -12,8 +12,9 @@ Recorded as requests end, from each request's trace (decoding/trace.py):
     flowspec_request_duration_seconds{mode}            histogram
     flowspec_accepted_tokens_per_walk{mode}            histogram: tokens each verification walk emitted (accepted
                                                        drafts + the bonus): tau, without the prefill step
-    flowspec_accepted_draft_tokens_total{mode,depth}   walks that accepted a drafted token at tree depth ``depth``
-                                                       (divided by depth - 1's: the acceptance rate at that depth)
+    flowspec_accepted_draft_tokens_total{mode,depth}   walks whose draft the target confirmed at tree depth ``depth``
+                                                       (accepted, or FlowSpec's next root still in flight); over
+                                                       depth - 1's: the acceptance rate at that depth
     flowspec_draft_tokens_total{mode}                  drafted tree nodes sent down the pipeline to be verified
     flowspec_pipeline_stage_busy_seconds_total{stage}  each stage's busy time, reported in band (Forward.stage_s)
     flowspec_pipeline_stage_bubble_seconds_total{stage} the time it idled while a request had work in the ring
@@ -79,7 +80,7 @@ class ApiMetrics:
                                   ["mode"], buckets=DURATION_BUCKETS, registry=r)
         self.walk_tokens = Histogram("flowspec_accepted_tokens_per_walk", "Tokens each verification walk emitted "
                                      "(accepted drafts + the bonus)", ["mode"], buckets=WALK_BUCKETS, registry=r)
-        self.depth = Counter("flowspec_accepted_draft_tokens", "Walks that accepted a drafted token at this tree "
+        self.depth = Counter("flowspec_accepted_draft_tokens", "Walks whose draft the target confirmed at this tree "
                              "depth", ["mode", "depth"], registry=r)
         self.drafted = Counter("flowspec_draft_tokens", "Drafted tree nodes sent to be verified", ["mode"],
                                registry=r)

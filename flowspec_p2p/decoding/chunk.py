@@ -85,7 +85,7 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
             await ctx.prune(len(verdict.accepted), verdict.accepted)
             committed += len(verdict.accepted)
             out = verdict.emitted(tree)[:remaining]
-            ctx.walked(len(out), min(len(verdict.accepted) - 1, len(out)))
+            ctx.walked(verdict, len(out))
             stats.steps += 1
             stats.new_tokens += len(out)
             nodes += len(tree)

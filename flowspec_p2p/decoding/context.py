@@ -285,9 +285,12 @@ class ModeContext:
         if n is not None:
             self.pending_logprobs += [token_logprobs(rows[verdict.accepted[j]], t, n) for j, t in enumerate(emitted)]
 
-    def walked(self, emitted: int, depth: int) -> None:
-        """A walk emitted ``emitted`` tokens (after any budget cut), ``depth`` of them accepted drafts."""
-        self.trace.walked(emitted, depth)
+    def walked(self, verdict: Verdict, emitted: int) -> None:
+        """A walk ended in ``verdict`` and emitted ``emitted`` tokens (after any budget cut). The target confirmed
+        the draft as deep as the accepted path went, one level more when the token after it is a drafted child not
+        verified yet (FlowSpec continues there)."""
+        confirmed = len(verdict.accepted) - 1 + (verdict.next_child is not None)
+        self.trace.walked(emitted, min(confirmed, emitted))
 
     def drafted(self, nodes: int) -> None:
         """``nodes`` drafted tokens go down the pipeline to be verified."""

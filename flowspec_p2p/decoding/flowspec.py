@@ -256,7 +256,7 @@ class _TreeLoop:
         stats.walked()
         ctx.stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
         out = verdict.emitted(state.tree)[: self.budget()]
-        ctx.walked(len(out), min(len(verdict.accepted) - 1, len(out)))
+        ctx.walked(verdict, len(out))
         ctx.stats.new_tokens += len(out)
         if verdict.stopped or self.budget() <= 0 or out[-1] in ctx.stop_ids:
             return out, True

@@ -4,7 +4,9 @@ and /metrics (api/), and the log-probabilities of committed tokens (``token_logp
     committed   the leader stamps every chunk it passes on (time.time()), so time to first token and the gaps
                 between chunks come out of the trace
     walks       a speculative mode reports each verification walk: the tokens it emitted (accepted drafted tokens
-                + the bonus; their mean is tau without the prefill step) and how deep its accepted path went
+                + the bonus; their mean is tau without the prefill step) and how deep the target confirmed the
+                draft: the accepted path, and one level more when the bonus is a drafted child still in flight
+                (FlowSpec's continue: that draft was right, its features are on their way)
     drafted     tree nodes sent down the pipeline to be verified (the decided root of a tree is not a draft)
     stage_busy  every returned Forward carries each stage's busy seconds for it (``Forward.stage_s``, ring order);
                 summed here per stage, they give each stage's busy time and, against the request's window (first
@@ -57,7 +59,7 @@ class RequestTrace:
     started: float = field(default_factory=time.time)
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (time.time(), tokens) per committed chunk
     walk_tokens: list[int] = field(default_factory=list)  # tokens emitted per verification walk
-    accepted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: walks that accepted a draft at depth d
+    accepted_at_depth: list[int] = field(default_factory=list)  # [d - 1]: walks that confirmed a draft at depth d
     drafted: int = 0
     stage_busy_s: list[float] = field(default_factory=list)  # per stage, ring order
     trips_s: list[float] = field(default_factory=list)
@@ -97,7 +99,7 @@ class RequestTrace:
         pending.clear()
 
     def walked(self, emitted: int, depth: int) -> None:
-        """A verification walk emitted ``emitted`` tokens; its accepted path went ``depth`` drafted tokens deep."""
+        """A verification walk emitted ``emitted`` tokens and confirmed the draft ``depth`` levels deep."""
         self.walk_tokens.append(emitted)
         if depth > len(self.accepted_at_depth):
             self.accepted_at_depth += [0] * (depth - len(self.accepted_at_depth))
