@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "flowspec_p2p.commands.tune",
     "flowspec_p2p.commands.bench_core",
     "flowspec_p2p.commands.bench",
+    "flowspec_p2p.commands.keygen",
 ]
 
 

@@ -48,6 +48,8 @@ class Page:
         self.errors: list[str] = []  # console errors, uncaught exceptions, failed loads
         self.console: list[str] = []
         self.loaded = asyncio.Event()
+        self.credentials: tuple[str, str] | None = None  # answers HTTP Basic prompts (``authenticate``)
+        self.tasks: set[asyncio.Task] = set()
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
@@ -78,6 +80,23 @@ class Page:
             self.errors.append(f"log: {p['entry']['text']} {p['entry'].get('url', '')}")
         elif method == "Page.loadEventFired":
             self.loaded.set()
+        elif method == "Fetch.requestPaused":
+            self._reply("Fetch.continueRequest", requestId=p["requestId"])
+        elif method == "Fetch.authRequired":
+            user, password = self.credentials or ("", "")
+            self._reply("Fetch.continueWithAuth", requestId=p["requestId"], authChallengeResponse={
+                "response": "ProvideCredentials" if self.credentials else "CancelAuth", "username": user,
+                "password": password})
+
+    def _reply(self, method: str, **params) -> None:
+        task = asyncio.get_running_loop().create_task(self.send(method, **params))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def authenticate(self, user: str, password: str) -> None:
+        """Answer every HTTP Basic prompt of this page with these credentials (a user typing them once)."""
+        self.credentials = (user, password)
+        await self.send("Fetch.enable", handleAuthRequests=True, patterns=[{"urlPattern": "*"}])
 
     async def send(self, method: str, **params) -> dict:
         i = next(self.ids)

@@ -27,7 +27,10 @@ fix (malformed JSON, wrong types, unknown mode, prompt over the context limit, m
 Retry-After when the cluster is busy, re-planning or lost a stage, 500 when a stage failed. An error after a
 stream started arrives as a final ``data: {"error": ...}`` event.
 
-Bind it to 127.0.0.1 (the caller's choice; the default of ``flowspec agent --api-host``): it has no auth.
+With a key (``create_app(api_key=...)``: ``--api-key`` / ``FLOWSPEC_API_KEY``) every route but /health asks for it as
+a Bearer token (auth.py); ``cors`` names browser origins it answers cross-origin. Without a key, bind it to
+127.0.0.1 (the default of ``flowspec agent --api-host``; the agent refuses to serve it beyond loopback without one
+unless ``--api-insecure``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from ..errors import (
 from ..model.generate import GenStats
 from ..model.tokenizer import Detokenizer
 from .access import JOB, access_log
+from .auth import secure_api
 from .dashboard import Timelines, install_dashboard
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import install_metrics
@@ -317,11 +321,14 @@ async def cluster(request: web.Request) -> web.Response:
 
 
 def create_app(leader: Leader, cluster_view: ClusterView | None = None, *, run_leader: bool = True,
-               timelines: Timelines | None = None) -> web.Application:
+               api_key: str | None = None, cors: tuple[str, ...] = (), timelines: Timelines | None = None
+               ) -> web.Application:
     """The API app. ``run_leader``: run ``leader.run()`` (the demultiplexer) for the app's lifetime
-    (cleanup_ctx); pass False when the composition root already runs it in its own TaskGroup. ``timelines``: the
-    stages' busy intervals for the dashboard (cluster/telemetry.py), when there is a cluster."""
+    (cleanup_ctx); pass False when the composition root already runs it in its own TaskGroup. ``api_key``: every
+    route but /health needs it; ``cors``: browser origins allowed cross-origin. ``timelines``: the stages' busy
+    intervals for the dashboard (cluster/telemetry.py), when there is a cluster."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[access_log])
+    secure_api(app, api_key, cors)
     app[LEADER] = leader
     app[CLUSTER_VIEW] = cluster_view
     app.router.add_post("/v1/chat/completions", chat_completions)

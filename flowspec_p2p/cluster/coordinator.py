@@ -257,7 +257,7 @@ class Coordinator:
             fp = await asyncio.to_thread(self.weights.range_fingerprint, s.layers, embed=s.embed, norm=s.head)
             info = infos[s.agent_id]
             nodes.append(RingNode(agent_id=s.agent_id, host=info.host, port=info.port, layers=s.layers,
-                                  embed=s.embed, head=s.head, fingerprint=fp))
+                                  embed=s.embed, head=s.head, fingerprint=fp, identity=info.identity))
         cfg = self.cfg
         update = PlanUpdate(cluster=cfg.cluster, epoch=self.epoch, leader=self.info, plan=new, ring=tuple(nodes),
                             config=self.model_config, model_fingerprint=self.model.fingerprint,

@@ -22,6 +22,10 @@ import torch
 from pydantic import Field
 
 from ..model.arch import ModelConfig
+from ..model.kv_cache import KVCache
+from ..model.load import set_threads, use_native
+from ..model.native_shard import benchmark_layer
+from ..model.shard import DecoderBlock, Rotary
 from ..types import FrozenModel
 
 log = logging.getLogger(__name__)
@@ -63,10 +67,10 @@ def block_flops(cfg: ModelConfig, tokens: int, context: int) -> float:
 
 def benchmark_block(cfg: ModelConfig, *, tokens: int = BENCH_TOKENS, context: int = BENCH_CONTEXT,
                     repeats: int = BENCH_REPEATS, dtype: torch.dtype = torch.float32) -> float:
-    """GFLOP/s of one decoder block with random weights (median of ``repeats``)."""
-    from ..model.kv_cache import KVCache
-    from ..model.shard import DecoderBlock, Rotary
-
+    """GFLOP/s of one decoder block with random weights (median of ``repeats``), on the engine the device's
+    stages will run (model.load.use_native: the native engine where it runs, else torch)."""
+    if use_native(dtype):
+        return block_flops(cfg, tokens, context) / benchmark_layer(cfg, tokens, context, repeats, BENCH_WARMUP) / 1e9
     block = DecoderBlock(cfg).to(dtype)
     block.reset_parameters()
     rot = Rotary(cfg, context + tokens, dtype)
@@ -96,9 +100,9 @@ def _round(x: float, digits: int = SCORE_DIGITS) -> float:
 def measure(model: ModelConfig | None = None, *, threads: int | None = None, memory_bytes: int | None = None,
             gflops: float | None = None, link_mbps: float | None = None, latency_ms: float = 0.0,
             slowdown: float = 1.0) -> DeviceProfile:
-    """Measure this device (or take the configured values). ``threads`` also sets torch's thread count."""
+    """Measure this device (or take the configured values). ``threads`` also sets the compute threads."""
     if threads:
-        torch.set_num_threads(threads)
+        set_threads(threads)
     threads = torch.get_num_threads()
     measured = memory_bytes is None and gflops is None
     if memory_bytes is None:

@@ -33,6 +33,8 @@ from tqdm import tqdm
 
 from ..errors import FlowSpecError, PeerGone, ProtocolError
 from ..model.dtypes import parse_dtype
+from ..model.load import load_shard, use_native
+from ..model.native_shard import NativeShard
 from ..model.shard import Shard
 from ..model.weights import EMBED, NORM, ROPE_FREQS, layer_tensor_names
 from ..pipeline.codec import wire_dtype as wire_torch_dtype
@@ -342,15 +344,20 @@ def _fingerprint_or_empty(source, node: RingNode) -> str:
         return ""
 
 
-def build_shard(source, node: RingNode, dtype: torch.dtype, donors: list[Shard] = ()) -> Shard:
+def build_shard(source, node: RingNode, dtype: torch.dtype, donors: list[Shard | NativeShard] = ()
+                ) -> Shard | NativeShard:
     """The shard of ``node`` (``node.head``: it applies the final norm and returns features; it holds no LM head).
-    Decoder blocks, embedding and norm that a donor shard (this agent's running or
+    Decoder layers (and, on the torch engine, embedding and norm) that a donor shard (this agent's running or
     prepared one, of the same model) already holds are shared, not loaded again: a re-plan that moves a range
     boundary loads only the layers that are new here. Weights are read-only at inference, so sharing is safe."""
+    if use_native(dtype):
+        shard = load_shard(source, node.layers, embed=node.embed, head=node.head, lm_head=False, donors=donors)
+        shard.warm_up()  # scratch buffers and the weights' pages in place now, not at the first request
+        return shard
     cfg = source.config
     freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
     shard = Shard(cfg, node.layers, embed=node.embed, head=node.head, dtype=dtype, rope_freqs=freqs)
-    donors = [d for d in donors if d.dtype == dtype]
+    donors = [d for d in donors if isinstance(d, Shard) and d.dtype == dtype]
     layers = tqdm(node.layers.indices(), desc=f"loading layers {node.layers}", unit="layer", disable=None,
                   leave=False)  # a progress bar when stderr is a terminal
     with torch.no_grad():

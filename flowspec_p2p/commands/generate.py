@@ -8,7 +8,7 @@ import sys
 
 from ..model.dtypes import parse_dtype
 from ..model.generate import ARDecoder, GenStats, stream_text
-from ..model.load import load_model
+from ..model.load import load_model, set_threads
 from ..model.sampling import SamplingParams
 
 
@@ -30,6 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--raw", action="store_true", help="no chat template: continue PROMPT as plain text")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32 (default), float64, bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's physical cores)")
+    p.add_argument("--engine", choices=["auto", "native", "torch"], default=None,
+                   help="auto (default): the native quantized engine where it runs (float32), else torch")
+    p.add_argument("--quantize", choices=["Q8_0"], default=None,
+                   help="quantize a float (safetensors) model's matrices to Q8_0 at load (native engine)")
     p.add_argument("--stats", action="store_true", help="print one JSON line of statistics to stderr at the end")
     add_spec_arguments(p)
     p.set_defaults(func=run)
@@ -74,7 +79,8 @@ def make_decoder(args: argparse.Namespace, lm):
 
 def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    lm = load_model(args.model, dtype=parse_dtype(args.dtype))
+    set_threads(args.threads)
+    lm = load_model(args.model, dtype=parse_dtype(args.dtype), engine=args.engine, quantize=args.quantize)
     tok = lm.tokenizer
     if args.raw:
         prompt = tok.encode(args.prompt)

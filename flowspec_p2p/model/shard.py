@@ -414,3 +414,26 @@ class Shard(nn.Module):
         """features: [..., hidden] -> [..., vocab]"""
         assert self.head_t is not None, "this shard holds no LM head"
         return project(features, self.head_t, self._head_packed)
+
+    def head_rows(self, rows: torch.Tensor | None, dtype: torch.dtype | None = None) -> HeadRows:
+        """The LM head restricted to ``rows`` (a draft vocabulary of target ids; None: all), in ``dtype``."""
+        assert self.head_t is not None, "this shard holds no LM head"
+        head_t = self.head_t if rows is None else self.head_t[:, rows]
+        return HeadRows(head_t.to(dtype or self.dtype).contiguous())
+
+
+class HeadRows:
+    """Some rows of an LM head as a matmul: ``matmul(x)`` [..., hidden] -> [..., rows] (few rows through the
+    few-row backend's copy, as the head itself)."""
+
+    def __init__(self, head_t: torch.Tensor):
+        self.head_t = head_t  # [hidden, rows]
+        self.rows = head_t.shape[1]
+        self._packed = PackedWeights()
+
+    @property
+    def nbytes(self) -> int:
+        return self.head_t.numel() * self.head_t.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return project(x.to(self.head_t.dtype), self.head_t, self._packed)

@@ -134,7 +134,7 @@ class WeightSource(Protocol):
     def raw_info(self, name: str) -> dict: ...
 
 
-def _unpermute_rows(w, n_head: int):
+def unpermute_rows(w, n_head: int):
     """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half layout). numpy or torch."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -186,14 +186,25 @@ class GGUFSource:
         raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)  # [nbytes] view
         return _unpermute_for(self.config, name, dequantize(raw, t.qtype, t.shape))
 
+    def release(self, name: str, start: int = 0, end: int | None = None) -> None:
+        """Drop the file pages of ``name``'s bytes [start, end) from this process's memory (after packing them;
+        they are read again if used)."""
+        t = self._tensor(name)
+        end = t.nbytes if end is None else end
+        page = mmap.PAGESIZE
+        a = (t.offset + start) // page * page
+        b = min(-(-(t.offset + end) // page) * page, len(self._mm))
+        if b > a:
+            self._mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+
 
 def _unpermute_for(cfg: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
     """llama.cpp stores llama/mistral q/k rows interleaved for its rotary kernel; put them back."""
     if cfg.arch in ("llama", "mistral"):
         if name.endswith("q_proj.weight"):
-            return _unpermute_rows(w, cfg.num_heads)
+            return unpermute_rows(w, cfg.num_heads)
         if name.endswith("k_proj.weight"):
-            return _unpermute_rows(w, cfg.num_kv_heads)
+            return unpermute_rows(w, cfg.num_kv_heads)
     return w
 
 
@@ -285,7 +296,12 @@ def open_source(path: str | Path | None = None) -> GGUFSource | SafetensorsSourc
 
 
 def tensor_digest(source: WeightSource, name: str) -> str:
-    return hashlib.sha256(source.raw_bytes(name)).hexdigest()
+    """SHA-256 of a tensor's stored bytes (a GGUF file's pages are dropped from memory again after hashing)."""
+    digest = hashlib.sha256(source.raw_bytes(name)).hexdigest()
+    release = getattr(source, "release", None)
+    if release is not None:
+        release(name)
+    return digest
 
 
 def fingerprint(config: ModelConfig, digests: dict[str, str]) -> str:

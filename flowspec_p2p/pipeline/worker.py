@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from ..errors import PeerGone
+from ..model.native_shard import StopFlag
 from .emulation import Device
 from .messages import DataMessage, Forward, Prune, Release, StageError
 from .stage import StageCore, Tensors
@@ -154,7 +154,7 @@ class StageWorker:
         start = time.time()
         t0 = time.perf_counter()
         upcoming = [e.msg for e in backlog if isinstance(e, Frame)]  # look-ahead (stage.py)
-        stop = threading.Event()
+        stop = StopFlag()  # set from this loop, read by the forward between layers
         watch = _DiscardWatch(msg, backlog)
         job = loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming, stop.is_set)
         if await self._watch(job, None, watch):
@@ -164,7 +164,7 @@ class StageWorker:
         compute_s = time.perf_counter() - t0
         result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
         rows = len(msg.parents) if result is None else result.computed_rows
-        await self.device.finish(rows, compute_s, t0, len(self.core.shard.blocks), watch.discarded,
+        await self.device.finish(rows, compute_s, t0, len(self.core.shard.layers), watch.discarded,
                                  lambda deadline: self._watch(None, deadline, watch))
         if result is not None and (stop.is_set() or watch.discarded):
             result = result.model_copy(update={"dead": list(range(len(msg.parents)))})

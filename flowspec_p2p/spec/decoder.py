@@ -23,10 +23,12 @@ import torch
 from .. import env
 from ..errors import ConfigError
 from ..model.generate import GenStats, check_context, prefill_features
+from ..model.native_shard import NativeShard
 from ..model.sampling import SamplingParams, choose
 from ..model.shard import Shard
 from .drafter import Drafter, HeadDrafter, TreeShape
 from .head import DraftBundle, find_draft
+from .native_head import NativeDraftHead
 from .ngram import LookupDrafter
 from .verify import LazyRows, verify_tree
 
@@ -67,10 +69,15 @@ def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | Non
             f"no draft head for this model (fingerprint {target_fingerprint}); "
             "train one with `flowspec draft train` or pass --draft PATH"
         )
-    bundle = DraftBundle.load(stem, dtype=target.dtype)
-    if bundle.meta.get("target_fingerprint") != target_fingerprint:
+    if isinstance(target, NativeShard):  # the head on the engine too, its weights in their stored 16 bits
+        cfg, state, vocab, meta = DraftBundle.read(stem)
+        head = NativeDraftHead(cfg, state, target.max_position)
+    else:
+        bundle = DraftBundle.load(stem, dtype=target.dtype)
+        head, vocab, meta = bundle.head, bundle.draft_vocab, bundle.meta
+    if meta.get("target_fingerprint") != target_fingerprint:
         log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
-    return LookupDrafter(HeadDrafter(bundle.head, target, bundle.draft_vocab)), bundle.meta
+    return LookupDrafter(HeadDrafter(head, target, vocab)), meta
 
 
 class SpecDecoder:

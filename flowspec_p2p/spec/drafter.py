@@ -25,16 +25,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from pydantic import Field
 
 from ..model.kv_cache import KVCache
-from ..model.shard import PackedWeights, Shard, project
+from ..model.shard import Shard
 from ..types import Settings
 from .head import DraftHead
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .native_head import NativeDraftHead
 
 
 class TreeShape(Settings):
@@ -176,17 +179,14 @@ class TreeDrafter(ABC):
 class HeadDrafter(TreeDrafter):
     """EAGLE head drafting: pairs (feature, next token) -> predicted feature -> logits via the target's LM head."""
 
-    def __init__(self, head: DraftHead, target: Shard, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, head: DraftHead | NativeDraftHead, target: Shard, draft_vocab: torch.Tensor | None = None):
         assert target.embed is not None, "needs the target's embedding"
-        assert target.head_t is not None, "needs the target's LM head"
         self.head = head
         self.embed = target.embed
-        dtype = head.fc.weight.dtype
-        head_t = target.head_t if draft_vocab is None else target.head_t[:, draft_vocab]
-        self.lm_head = head_t.to(dtype).contiguous()  # [hidden, V_d]
+        self.dtype = head.dtype
         self.draft_vocab = None if draft_vocab is None else draft_vocab.to(torch.long)  # [V_d] target ids
-        self.vocab_size = self.lm_head.shape[1]
-        self._lm_head_packed = PackedWeights()  # few-row copy for expansions (shard.py)
+        self.lm_head = target.head_rows(self.draft_vocab, self.dtype)  # the target's LM head, draft rows
+        self.vocab_size = self.lm_head.rows
         self.last_feature: torch.Tensor | None = None  # [hidden] predicted feature of the root
         self._feat: dict[int, torch.Tensor] = {}  # node -> predicted feature, during one draft
         self.reset(1)
@@ -196,9 +196,8 @@ class HeadDrafter(TreeDrafter):
 
     def extra_bytes(self, packed: bool) -> int:
         """Memory beyond the head's parameters and the target's LM head: the reduced LM-head copy (none for the
-        full vocabulary) and, with ``packed`` (shard.packing_enabled), its few-row copy for expansions."""
-        t = self.lm_head
-        return t.numel() * t.element_size() * ((self.draft_vocab is not None) + packed)
+        full vocabulary) and, with ``packed`` (shard.packing_enabled, the torch engine), its few-row copy."""
+        return self.lm_head.nbytes * ((self.draft_vocab is not None) + packed)
 
     def _to_target(self, ids: torch.Tensor) -> list[int]:
         return (ids if self.draft_vocab is None else self.draft_vocab[ids]).tolist()
@@ -208,7 +207,7 @@ class HeadDrafter(TreeDrafter):
         n = len(tokens)
         assert n >= 1
         assert features.shape[0] == n, (tuple(features.shape), n)
-        dtype = self.lm_head.dtype
+        dtype = self.dtype
         nxt = torch.tensor([[*list(tokens)[1:], next_token]], dtype=torch.long)  # [1, n]: x_t+1
         self.cache.keep([])
         c = self.cache.committed
@@ -220,7 +219,7 @@ class HeadDrafter(TreeDrafter):
 
     def _logprobs(self, feats: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., V_d]"""
-        return _log_softmax(project(feats, self.lm_head, self._lm_head_packed))
+        return _log_softmax(self.lm_head.matmul(feats))
 
     def _root_logprobs(self) -> torch.Tensor:
         assert self.last_feature is not None
@@ -228,7 +227,7 @@ class HeadDrafter(TreeDrafter):
         return self._logprobs(self.last_feature)
 
     def _expand(self, nodes, tokens, parents, depth) -> torch.Tensor:
-        dtype = self.lm_head.dtype
+        dtype = self.dtype
         feats = torch.stack([self._feat[parents[j]] for j in nodes])[None]  # [1, m, hidden] parents' features
         embeds = self.embed(torch.tensor([[tokens[j] for j in nodes]])).to(dtype)  # [1, m, hidden]
         pos = torch.tensor([[self.cache.committed + depth[j] - 1 for j in nodes]])  # [1, m]

@@ -17,6 +17,7 @@ from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.registry import builtin_modes
 from flowspec_p2p.decoding.settings import LeaderSettings
 
+from ..browser import Chromium, find_chromium
 from ..ring_fixtures import F64, ByteTokenizer, tiny_parts
 from .test_api_fields import drafter
 
@@ -113,3 +114,27 @@ async def test_a_server_shutting_down_ends_the_open_event_streams_at_once(parts)
         t0 = time.monotonic()
         await asyncio.wait_for(runner.cleanup(), 10)
         assert time.monotonic() - t0 < 3  # not the 20 s an open handler would be given
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="no chromium on PATH: `apt-get install -y chromium`")
+async def test_behind_an_api_key_the_page_asks_once_and_then_follows_and_chats_in_a_real_browser(parts, tmp_path):
+    leader = leader_for(parts)
+    runner = web.AppRunner(create_app(leader, run_leader=False, api_key="sesame"))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    try:
+        async with (LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64, capacity=456),
+                    Chromium.start(tmp_path / "chromium") as browser):
+            page = await browser.new_page(1200, 800)
+            await page.authenticate("", "sesame")  # the password of the Basic prompt is the key
+            await page.goto(url)
+            await page.wait_for("Number(document.body.dataset.updates || 0) >= 2", 20, "pushed state")
+            await page.eval("document.querySelector('#chat-max').value = '6'; "
+                            "document.querySelector('#chat-input').value = 'Hi'; "
+                            "document.querySelector('#chat-form').requestSubmit(); true")
+            await page.wait_for("!!document.querySelector('.msg.assistant.done')", 20, "the reply")
+            assert not await page.eval("document.querySelector('.msg.assistant').classList.contains('error')")
+            assert page.errors == []
+    finally:
+        await runner.cleanup()

@@ -1,20 +1,18 @@
-"""Every agent serves its own stage's /metrics (signed with the cluster's secret, like the rest of its server), and
-the leader's dashboard gathers every stage's busy intervals from the members (agents in one process on the loopback
-interface, the tiny model)."""
+"""Every agent serves its own stage's /metrics (to holders of the cluster key only, like the rest of its server),
+and the leader's dashboard gathers every stage's busy intervals from the members (agents in one process on the
+loopback interface, the tiny model)."""
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from flowspec_p2p.agent import Agent
-from flowspec_p2p.cluster.control import AUTH_HEADER, sign
+from flowspec_p2p.cluster.identity import Identity, client_context
+from flowspec_p2p.cluster.pinning import AuthClient
 
 from ..agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, until
 from ..ring_fixtures import ByteTokenizer
 
 __all__ = ["make_fixture", "parts_fixture", "quick_timing_fixture"]
-
-SECRET = "metrics are signed too"
-
 
 def samples(text: str) -> dict:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -23,19 +21,23 @@ def samples(text: str) -> dict:
 
 async def test_each_member_serves_its_stage_metrics_and_the_dashboard_sees_every_stage_busy(make):
     plan = {"context": 128, "stages": 3, "leader_layers": "always"}
-    leader = Agent(make("lead", leader=True, planning=plan, decoding="ar", secret=SECRET), tokenizer=ByteTokenizer())
-    a, b = Agent(make("a", secret=SECRET)), Agent(make("b", secret=SECRET))
-    async with running(leader, a, b), aiohttp.ClientSession() as s:
+    leader = Agent(make("lead", leader=True, planning=plan, decoding="ar"), tokenizer=ByteTokenizer())
+    a, b = Agent(make("a")), Agent(make("b"))
+    async with running(leader, a, b):
         await until(serving(leader, 2))
         data = await complete(leader, [1, *ByteTokenizer().encode("abc hello")], n=10)
         assert data["usage"]["completion_tokens"] == 10
-        for agent in (a, b, leader):
-            url = agent.info.url + "/metrics"
-            async with s.get(url) as r:
-                assert r.status == 401  # unsigned
-            async with s.get(url, headers={AUTH_HEADER: sign(SECRET.encode(), "GET", "/metrics")}) as r:
-                assert r.status == 200
-                m = samples(await r.text())
+        stranger = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_context()))
+        holder = AuthClient(leader.security.key, Identity.generate(), "prometheus").open()
+        async with stranger, holder:
+            scraped = {}
+            for agent in (a, b, leader):
+                async with stranger.get(agent.info.url + "/metrics") as r:
+                    assert r.status == 401
+                async with holder.get(agent.info.url + "/metrics") as r:
+                    assert r.status == 200
+                    scraped[agent] = samples(await r.text())
+        for agent, m in scraped.items():
             stage = agent.stage_host.active.worker.core.index
             assert m[("flowspec_stage_index", ())] == stage
             assert m[("flowspec_stage_frames_in_total", ())] >= 10  # prefill + 9 steps + release, at least
@@ -47,11 +49,11 @@ async def test_each_member_serves_its_stage_metrics_and_the_dashboard_sees_every
                                               ("name", agent.info.name), ("role", agent.info.role)))] == 1
             if agent is not leader:  # the others send to their successor over a websocket
                 assert m[("flowspec_stage_link_sent_bytes_total", ())] > 0
-        async with s.get(leader.api_url + "/dashboard/state") as r:
+        async with aiohttp.ClientSession() as s, s.get(leader.api_url + "/dashboard/state") as r:
             state = await r.json()
         stages = state["timeline"]["stages"]
         assert [st["agent_id"] for st in stages] == [n.agent_id for n in leader.coordinator.update.ring]
-        assert all(len(st["intervals"]) >= 10 for st in stages), stages  # fetched from each member (signed)
+        assert all(len(st["intervals"]) >= 10 for st in stages), stages  # fetched from each member, authenticated
         assert [m["id"] for m in state["cluster"]["members"]] == [leader.id, *sorted((a.id, b.id))]
         assert state["cluster"]["recoveries"][-1]["stages"][0]["agent_id"] == leader.coordinator.plan.agents[0]
 

@@ -3,7 +3,9 @@ import torch
 
 from flowspec_p2p.env import PACKED_WEIGHTS
 from flowspec_p2p.model import kernels as fewrow
+from flowspec_p2p.model import native_shard
 from flowspec_p2p.model import shard as shard_mod
+from flowspec_p2p.model.native_shard import NativeShard
 from flowspec_p2p.model.shard import Shard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
@@ -97,19 +99,46 @@ def test_tree_mask_equals_running_each_branch_alone(tiny_llama):
             assert (alone - tree[:, leaf_path]).abs().max() <= 1e-12
 
 
-@pytest.mark.slow
-def test_default_model_matches_transformers_in_float32(default_model):
+@pytest.fixture(scope="module")
+def hf_default(default_model):
     from transformers import AutoModelForCausalLM
 
     path = default_model.path
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _logits(shard, ids):
+    with torch.inference_mode():
+        cache = shard.new_cache(64)
+        return shard.logits(torch.cat([shard(ids[:, :40], cache), shard(ids[:, 40:], cache)], dim=1))
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_in_float32_on_the_torch_engine(default_model, hf_default):
     ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        ref = hf(ids).logits
-        shard = default_model.shard
-        cache = shard.new_cache(64)
-        ours = shard.logits(torch.cat([shard(ids[:, :40], cache), shard(ids[:, 40:], cache)], dim=1))
-    assert (ours - ref).abs().max().item() <= 1e-3
+        ref = hf_default(ids).logits
+    shard = Shard.from_source(default_model.source, LayerRange(start=0, end=30), embed=True, head=True).eval()
+    assert (_logits(shard, ids) - ref).abs().max().item() <= 1e-3
+
+
+@pytest.mark.slow
+def test_default_model_on_the_native_engine_stays_within_its_activation_rounding(default_model, hf_default):
+    """The native engine rounds activations to 16 bits per 32-element block inside its integer matmuls: logits stay
+    within ~1e-4 of their size (a wrong kernel would be off by whole units), and every argmax agrees."""
+    if not native_shard.available():
+        pytest.skip("the native engine is unavailable here (no C compiler?)")
+    assert isinstance(default_model.shard, NativeShard)
+    tok = default_model.tokenizer
+    prompt = tok.chat([{"role": "user", "content": "Explain how rainbows form, in detail, for a child."}])
+    ids = torch.tensor([prompt[:48]])
+    with torch.inference_mode():
+        ref = hf_default(ids).logits
+    ours = _logits(default_model.shard, ids)
+    err = (ours - ref).abs()
+    assert err.max().item() <= 3e-2
+    assert err.mean().item() <= 3e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
 def _backends() -> list:

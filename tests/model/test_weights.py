@@ -267,7 +267,7 @@ def test_dequantize_is_bit_identical_to_gguf_py(qtype, monkeypatch):
 def test_quantised_gguf_tensors_load_as_gguf_py_dequantises_them(tmp_path, tiny_llama):
     import gguf
 
-    from flowspec_p2p.model.weights import _unpermute_rows
+    from flowspec_p2p.model.weights import unpermute_rows
 
     Q = gguf.GGMLQuantizationType
     qtypes = {"blk.1.attn_q.weight": Q.Q4_1, "blk.1.ffn_down.weight": Q.Q4_0, "token_embd.weight": Q.Q8_0}
@@ -280,5 +280,5 @@ def test_quantised_gguf_tensors_load_as_gguf_py_dequantises_them(tmp_path, tiny_
         t = by_name[gguf_name]
         ref = gguf.quants.dequantize(t.data, t.tensor_type)
         if gguf_name.endswith("attn_q.weight"):
-            ref = _unpermute_rows(ref, src.config.num_heads)
+            ref = unpermute_rows(ref, src.config.num_heads)
         assert np.array_equal(src.load(hf_name).numpy(), ref), gguf_name

@@ -154,7 +154,7 @@ def test_each_node_is_scored_as_if_its_path_ran_alone(tiny_llama):
             f, score = alone.last_feature, 0.0
             for node in leaf_path[1:]:
                 tok = tree.token_list[node]
-                score += float(torch.log_softmax(f @ alone.lm_head, -1)[tok])
+                score += float(torch.log_softmax(alone.lm_head.matmul(f), -1)[tok])
                 assert abs(score - float(tree.scores[node])) < 1e-9
                 pos = torch.tensor([[alone.cache.length]])
                 f = head(f[None, None], target.embed(torch.tensor([[tok]])), pos, alone.cache)[0, 0]
@@ -207,7 +207,7 @@ def test_float32_drafting_with_packed_weights_drafts_the_same_tree(tiny_llama, m
         drafter = HeadDrafter(head, target)
         start(drafter, target, PROMPT)
         trees[env] = drafter.draft(shape)
-        assert (drafter._lm_head_packed.key is not None) == (env == "1" and packing_enabled())
+        assert (drafter.lm_head._packed.key is not None) == (env == "1" and packing_enabled())
     assert trees["0"].token_list == trees["1"].token_list
     assert trees["0"].parent_list == trees["1"].parent_list
     assert torch.allclose(trees["0"].scores, trees["1"].scores, atol=1e-4)

@@ -1,0 +1,233 @@
+/* fs_layers_forward: a stack of Llama-family decoder layers on n rows in one call, so Python pays one call per
+ * stage forward instead of a dispatch per op.
+ *
+ * Per layer (h: the normed input, a: its int16 quantization, shared by the matmuls that read it):
+ *   h = rmsnorm(x, attn_norm) (or x)      q, k, v = h @ Wq^T (+bq) ...   rope(q), rope(k) at pos
+ *   cache[start + r] = k, v               att = softmax(q k^T / sqrt(hd), visible slots) v
+ *   x += att @ Wo^T                       h = rmsnorm(x, mlp_norm)
+ *   g, u = h @ Wg^T, h @ Wu^T             x += (silu(g) * u) @ Wd^T
+ * Everything a row computes depends only on that row, the cache and the keys visible to it, in slot order, so a
+ * row's result is the same alone or in any batch (batch invariance); the matmuls and the attention run on the
+ * pool (panels; (row, head) pairs), the cheap per-row steps on the pool only when there are enough rows. */
+#include <math.h>
+
+#include "fs_internal.h"
+
+#define FS_ROWS_PARALLEL 16384 /* elements: below this a per-row step runs on the calling thread */
+
+typedef struct stack {
+    const fs_config *c;
+    const fs_isa_impl *isa;
+    int64_t n, qdim, kvdim;
+    float *x, *h, *q, *k, *v, *att, *out, *g, *u;
+    fs_act a, b; /* a: h quantized (hidden columns); b: att or silu(g)*u quantized */
+    const int32_t *pos;
+    const float *cos, *sin;
+    const fs_layer *L;
+    float *kc, *vc;  /* this layer's caches [kv_heads][capacity][hd] */
+    int64_t capacity, start;
+    const float *norm; /* the norm of the current step (NULL: none) */
+    int quantize;      /* whether the current step quantizes */
+} stack;
+
+static void run_rows(stack *s, fs_job_fn fn, int64_t width) {
+    if (s->n * width >= FS_ROWS_PARALLEL)
+        fs_pool_run(fn, s, s->n);
+    else
+        for (int64_t r = 0; r < s->n; r++) fn(s, r, 0);
+}
+
+static int is_int(const fs_matrix *m) { return !fs_traits_of(m->type)->is_float; }
+
+/* h = rmsnorm(x) and its quantization, row r */
+static void norm_row(void *ctx, int64_t r, int thread) {
+    stack *s = ctx;
+    const int64_t dim = s->c->hidden;
+    (void)thread;
+    const float *src = s->x + r * dim;
+    if (s->norm) {
+        s->isa->rmsnorm_row(src, s->norm, dim, s->c->eps, s->h + r * dim);
+        src = s->h + r * dim;
+    }
+    if (s->quantize) s->isa->quantize_row(src, r, &s->a);
+}
+
+static void rope(float *x, const float *cos, const float *sin, int hd) {
+    const int half = hd / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + -b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static void add_bias(float *x, const float *bias, int64_t n) {
+    if (bias)
+        for (int64_t i = 0; i < n; i++) x[i] = x[i] + bias[i];
+}
+
+/* biases, rotary embedding and the cache write of row r */
+static void qk_row(void *ctx, int64_t r, int thread) {
+    stack *s = ctx;
+    const int hd = s->c->head_dim;
+    const float *cos = s->cos + (int64_t)s->pos[r] * hd, *sin = s->sin + (int64_t)s->pos[r] * hd;
+    float *q = s->q + r * s->qdim, *k = s->k + r * s->kvdim, *v = s->v + r * s->kvdim;
+    (void)thread;
+    add_bias(q, s->L->q_bias, s->qdim);
+    add_bias(k, s->L->k_bias, s->kvdim);
+    add_bias(v, s->L->v_bias, s->kvdim);
+    for (int h = 0; h < s->c->q_heads; h++) rope(q + h * hd, cos, sin, hd);
+    for (int h = 0; h < s->c->kv_heads; h++) {
+        rope(k + h * hd, cos, sin, hd);
+        const int64_t slot = (h * s->capacity + s->start + r) * hd;
+        memcpy(s->kc + slot, k + h * hd, (size_t)hd * sizeof(float));
+        memcpy(s->vc + slot, v + h * hd, (size_t)hd * sizeof(float));
+    }
+}
+
+typedef struct attn_job {
+    const fs_attn *at;
+    const fs_isa_impl *isa;
+} attn_job;
+
+static void attn_item(void *ctx, int64_t i, int thread) {
+    const attn_job *j = ctx;
+    const int kv_heads = j->at->q_heads / j->at->group;
+    const int64_t r0 = i / kv_heads * FS_ATT_ROWS, r1 = r0 + FS_ATT_ROWS < j->at->n ? r0 + FS_ATT_ROWS : j->at->n;
+    j->isa->attend(j->at, (int)(i % kv_heads), r0, r1, thread);
+}
+
+static void quantize_att_row(void *ctx, int64_t r, int thread) {
+    stack *s = ctx;
+    (void)thread;
+    s->isa->quantize_row(s->att + r * s->qdim, r, &s->b);
+}
+
+static void silu_row(void *ctx, int64_t r, int thread) {
+    stack *s = ctx;
+    const int64_t inter = s->c->intermediate;
+    (void)thread;
+    s->isa->silu_mul(s->g + r * inter, s->u + r * inter, inter);
+    if (s->quantize) s->isa->quantize_row(s->g + r * inter, r, &s->b);
+}
+
+static void residual(stack *s) {
+    const int64_t count = s->n * s->c->hidden;
+    for (int64_t i = 0; i < count; i++) s->x[i] = s->x[i] + s->out[i];
+}
+
+static fs_mm mm_of(const fs_matrix *w, const fs_act *a, const float *x, int64_t ldx, float *y, int64_t n) {
+    return (fs_mm){w->type, w->rows, w->cols, n, w->data, is_int(w) ? a : NULL, x, ldx, y, w->rows};
+}
+
+static void attention(stack *s, const uint8_t *mask, float *scratch, int64_t ld_scores) {
+    const fs_config *c = s->c;
+    const int group = c->q_heads / c->kv_heads;
+    const fs_attn at = {s->q, s->kc, s->vc, mask, s->att, scratch, s->capacity, s->start, s->n, ld_scores,
+                        fs_attn_scratch(group, c->head_dim, ld_scores), c->q_heads, group, c->head_dim,
+                        1.0f / sqrtf((float)c->head_dim)};
+    attn_job job = {&at, s->isa};
+    fs_pool_run(attn_item, &job, (s->n + FS_ATT_ROWS - 1) / FS_ATT_ROWS * c->kv_heads);
+}
+
+static void layer(stack *s, const uint8_t *mask, float *scores, int64_t ld_scores) {
+    const fs_config *c = s->c;
+    const fs_layer *L = s->L;
+    const int64_t hidden = c->hidden, n = s->n;
+    /* attention block */
+    s->norm = L->attn_norm;
+    s->quantize = is_int(&L->q) || is_int(&L->k) || is_int(&L->v);
+    if (s->norm || s->quantize) run_rows(s, norm_row, hidden);
+    const float *hin = L->attn_norm ? s->h : s->x;
+    const fs_mm qkv[3] = {mm_of(&L->q, &s->a, hin, hidden, s->q, n), mm_of(&L->k, &s->a, hin, hidden, s->k, n),
+                          mm_of(&L->v, &s->a, hin, hidden, s->v, n)};
+    fs_run_matmuls(qkv, 3);
+    run_rows(s, qk_row, s->qdim);
+    attention(s, mask, scores, ld_scores);
+    s->b.cols = s->qdim;
+    if (is_int(&L->o)) run_rows(s, quantize_att_row, s->qdim);
+    const fs_mm o = mm_of(&L->o, &s->b, s->att, s->qdim, s->out, n);
+    fs_run_matmuls(&o, 1);
+    residual(s);
+    /* MLP block */
+    s->norm = L->mlp_norm;
+    s->quantize = is_int(&L->gate) || is_int(&L->up);
+    run_rows(s, norm_row, hidden);
+    const fs_mm gu[2] = {mm_of(&L->gate, &s->a, s->h, hidden, s->g, n),
+                         mm_of(&L->up, &s->a, s->h, hidden, s->u, n)};
+    fs_run_matmuls(gu, 2);
+    s->quantize = is_int(&L->down);
+    s->b.cols = c->intermediate;
+    run_rows(s, silu_row, c->intermediate);
+    const fs_mm down = mm_of(&L->down, &s->b, s->g, c->intermediate, s->out, n);
+    fs_run_matmuls(&down, 1);
+    residual(s);
+}
+
+static int matrix_ok(const fs_matrix *m, int64_t rows, int64_t cols) {
+    return m->data != NULL && m->rows == rows && m->cols == cols && fs_packed_size(m->type, rows, cols) >= 0;
+}
+
+static int check(const fs_config *c, const fs_layer *layers, int n_layers) {
+    if (c->hidden <= 0 || c->q_heads <= 0 || c->kv_heads <= 0 || c->head_dim <= 0 || c->head_dim % 2 ||
+        c->intermediate <= 0 || c->q_heads % c->kv_heads)
+        return FS_ESHAPE;
+    const int64_t qdim = (int64_t)c->q_heads * c->head_dim, kvdim = (int64_t)c->kv_heads * c->head_dim;
+    for (int l = 0; l < n_layers; l++) {
+        const fs_layer *L = &layers[l];
+        if (!matrix_ok(&L->q, qdim, c->hidden) || !matrix_ok(&L->k, kvdim, c->hidden) ||
+            !matrix_ok(&L->v, kvdim, c->hidden) || !matrix_ok(&L->o, c->hidden, qdim) ||
+            !matrix_ok(&L->gate, c->intermediate, c->hidden) || !matrix_ok(&L->up, c->intermediate, c->hidden) ||
+            !matrix_ok(&L->down, c->hidden, c->intermediate) || L->mlp_norm == NULL)
+            return FS_ESHAPE;
+    }
+    return FS_OK;
+}
+
+/* Points the stack's buffers into scratch; FS_ENOMEM when one can't be had. */
+static int buffers(stack *s, float **scores, int64_t ld_scores) {
+    const fs_config *c = s->c;
+    const int64_t n = s->n, inter = c->intermediate, qcols = s->qdim > inter ? s->qdim : inter;
+#define F(id, count) ((float *)fs_scratch((id), (size_t)(count) * sizeof(float)))
+    s->h = F(FS_S_NORM, n * c->hidden);
+    s->q = F(FS_S_Q, n * s->qdim);
+    s->k = F(FS_S_K, n * s->kvdim);
+    s->v = F(FS_S_V, n * s->kvdim);
+    s->att = F(FS_S_ATT, n * s->qdim);
+    s->out = F(FS_S_OUT, n * c->hidden);
+    s->g = F(FS_S_G, n * inter);
+    s->u = F(FS_S_U, n * inter);
+    *scores = F(FS_S_SCORES, fs_attn_scratch(c->q_heads / c->kv_heads, c->head_dim, ld_scores) * fs_pool_threads());
+#undef F
+    if (!s->h || !s->q || !s->k || !s->v || !s->att || !s->out || !s->g || !s->u || !*scores) return FS_ENOMEM;
+    if (fs_act_alloc(&s->a, FS_S_ACT, n, c->hidden % FS_QB ? 0 : c->hidden) != FS_OK) return FS_ENOMEM;
+    return fs_act_alloc(&s->b, FS_S_ACT2, n, qcols % FS_QB ? 0 : qcols);
+}
+
+int fs_layers_forward(const fs_config *cfg, const fs_layer *layers, int n_layers, float *x, int64_t n,
+                      const int32_t *pos, const float *rope_cos, const float *rope_sin, int64_t max_pos,
+                      float *k_cache, float *v_cache, int64_t capacity, int64_t start, const uint8_t *mask,
+                      volatile int *stop) {
+    if (n < 0 || n_layers < 0 || start < 0 || start + n > capacity || max_pos <= 0) return FS_EINVAL;
+    int rc = check(cfg, layers, n_layers);
+    if (rc != FS_OK || n == 0) return rc == FS_OK ? 0 : rc;
+    fs_lock();
+    stack s = {.c = cfg, .isa = fs_current_isa(), .n = n, .x = x, .pos = pos, .cos = rope_cos, .sin = rope_sin,
+               .capacity = capacity, .start = start};
+    s.qdim = (int64_t)cfg->q_heads * cfg->head_dim;
+    s.kvdim = (int64_t)cfg->kv_heads * cfg->head_dim;
+    float *scores;
+    const int64_t ld_scores = (start + n + 15) / 16 * 16;
+    rc = buffers(&s, &scores, ld_scores);
+    int done = 0;
+    const int64_t layer_cache = (int64_t)cfg->kv_heads * capacity * cfg->head_dim;
+    for (; rc == FS_OK && done < n_layers; done++) {
+        if (stop && *stop) break;
+        s.L = &layers[done];
+        s.kc = k_cache + done * layer_cache;
+        s.vc = v_cache + done * layer_cache;
+        layer(&s, mask, scores, ld_scores);
+    }
+    fs_unlock();
+    return rc == FS_OK ? done : rc;
+}

@@ -1,0 +1,144 @@
+"""`LayerStack`: a range of Llama-family decoder layers run by one native call per forward (fs_layers_forward).
+
+The KV cache is the caller's pair of float32 tensors [layers, kv_heads, capacity, head_dim]; a forward of n rows
+writes slots [start, start + n) and attends over [0, start + n) under the mask (None: the whole prefix plus
+causal among the new rows; or [n, start + n], True = visible, e.g. a draft tree's ancestor mask).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import _lib
+from .qmatrix import QMatrix
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer's weights (projection shapes as in fs.h's fs_layer)."""
+
+    q: QMatrix  # [q_heads * head_dim, hidden]
+    k: QMatrix  # [kv_heads * head_dim, hidden]
+    v: QMatrix  # [kv_heads * head_dim, hidden]
+    o: QMatrix  # [hidden, q_heads * head_dim]
+    gate: QMatrix  # [intermediate, hidden]
+    up: QMatrix  # [intermediate, hidden]
+    down: QMatrix  # [hidden, intermediate]
+    mlp_norm: torch.Tensor  # [hidden] float32
+    attn_norm: torch.Tensor | None = None  # [hidden] float32, None: no input norm (EAGLE's draft block)
+    q_bias: torch.Tensor | None = None  # [q_heads * head_dim] (qwen2)
+    k_bias: torch.Tensor | None = None  # [kv_heads * head_dim]
+    v_bias: torch.Tensor | None = None  # [kv_heads * head_dim]
+
+
+def _vector(t: torch.Tensor | None, size: int, what: str) -> torch.Tensor | None:
+    if t is None:
+        return None
+    if t.shape != (size,) or t.device.type != "cpu":
+        raise ValueError(f"{what}: expected a CPU [{size}], got {tuple(t.shape)} on {t.device}")
+    return t.detach().to(torch.float32).contiguous()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class LayerStack:
+    """Decoder layers [0, len(layers)) of a stage, with their config, ready for fs_layers_forward."""
+
+    def __init__(self, layers: Sequence[LayerSpec], *, hidden: int, q_heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float) -> None:
+        if hidden <= 0 or q_heads <= 0 or kv_heads <= 0 or q_heads % kv_heads or head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"bad config: hidden {hidden}, heads {q_heads}/{kv_heads}, head_dim {head_dim}")
+        self.hidden, self.q_heads, self.kv_heads, self.head_dim = hidden, q_heads, kv_heads, head_dim
+        self.intermediate, self.eps = intermediate, float(eps)
+        self.config = _lib.FsConfig(hidden, q_heads, kv_heads, head_dim, intermediate, self.eps)
+        qdim, kvdim = q_heads * head_dim, kv_heads * head_dim
+        shapes = {"q": (qdim, hidden), "k": (kvdim, hidden), "v": (kvdim, hidden), "o": (hidden, qdim),
+                  "gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
+        self._keep: list[object] = []  # everything the C structs point into
+        self._structs = (_lib.FsLayer * max(len(layers), 1))()
+        for i, spec in enumerate(layers):
+            for name, shape in shapes.items():
+                m: QMatrix = getattr(spec, name)
+                if (m.rows, m.cols) != shape:
+                    raise ValueError(f"layer {i} {name}: expected {shape}, got {(m.rows, m.cols)}")
+            vecs = {"attn_norm": _vector(spec.attn_norm, hidden, f"layer {i} attn_norm"),
+                    "mlp_norm": _vector(spec.mlp_norm, hidden, f"layer {i} mlp_norm"),
+                    "q_bias": _vector(spec.q_bias, qdim, f"layer {i} q_bias"),
+                    "k_bias": _vector(spec.k_bias, kvdim, f"layer {i} k_bias"),
+                    "v_bias": _vector(spec.v_bias, kvdim, f"layer {i} v_bias")}
+            if vecs["mlp_norm"] is None:
+                raise ValueError(f"layer {i}: mlp_norm is required")
+            self._keep += [spec, *vecs.values()]
+            s = self._structs[i]
+            for name in shapes:
+                setattr(s, name, getattr(spec, name).struct())
+            for name, t in vecs.items():
+                setattr(s, name, _ptr(t))
+        self.n_layers = len(layers)
+
+    def new_cache(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V caches [layers, kv_heads, capacity, head_dim] float32."""
+        shape = (self.n_layers, self.kv_heads, capacity, self.head_dim)
+        return torch.zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, mask: torch.Tensor | None = None,
+                stop: ctypes.c_int | None = None) -> int:
+        """Runs the layers on x [n, hidden] float32, in place (the residual stream). pos [n]: positions (rows of
+        cos / sin [max_pos, head_dim] float32); caches [layers, kv_heads, capacity, head_dim] float32; mask None
+        or [n, start + n] bool/uint8; stop: a ctypes.c_int another thread may set to end the forward after the
+        current layer. Returns the number of layers completed."""
+        n = x.shape[0] if x.ndim == 2 else -1
+        if x.dtype != torch.float32 or x.shape != (n, self.hidden) or not x.is_contiguous() or x.is_cuda:
+            raise ValueError(f"x: expected contiguous CPU float32 [n, {self.hidden}], got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        if cos.ndim != 2 or cos.shape[1] != self.head_dim or sin.shape != cos.shape:
+            raise ValueError(f"cos/sin: expected [max_pos, {self.head_dim}], got {tuple(cos.shape)} "
+                             f"{tuple(sin.shape)}")
+        for name, t in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.is_cuda:
+                raise ValueError(f"{name}: expected a contiguous CPU float32 tensor, got {t.dtype}")
+        cap = k_cache.shape[2] if k_cache.ndim == 4 else -1
+        if k_cache.shape != (self.n_layers, self.kv_heads, cap, self.head_dim) or v_cache.shape != k_cache.shape:
+            raise ValueError(f"caches: expected [{self.n_layers}, {self.kv_heads}, capacity, {self.head_dim}], got "
+                             f"{tuple(k_cache.shape)} {tuple(v_cache.shape)}")
+        if not 0 <= start <= cap - n:
+            raise ValueError(f"start {start} + {n} rows exceeds the cache capacity {cap}")
+        if pos.shape != (n,) or pos.dtype.is_floating_point:
+            raise ValueError(f"pos: expected integer [{n}], got {pos.dtype} {tuple(pos.shape)}")
+        pos32 = pos.to(torch.int32).contiguous()  # [n]
+        if n and (int(pos32.min()) < 0 or int(pos32.max()) >= cos.shape[0]):
+            raise ValueError(f"pos: positions must lie in [0, {cos.shape[0]})")
+        mask8 = None
+        if mask is not None:
+            if mask.shape != (n, start + n) or mask.dtype not in (torch.bool, torch.uint8):
+                raise ValueError(f"mask: expected bool/uint8 [{n}, {start + n}], got {mask.dtype} "
+                                 f"{tuple(mask.shape)}")
+            mask8 = mask.to(torch.uint8).contiguous()  # [n, start + n]
+        done = _lib.require().fs_layers_forward(
+            ctypes.byref(self.config), self._structs, self.n_layers, x.data_ptr(), n, pos32.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), cap, start,
+            _ptr(mask8), None if stop is None else ctypes.pointer(stop))
+        if done < 0:
+            raise RuntimeError(f"fs_layers_forward failed ({done})")
+        return done
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [n, dim] float32 -> RMSNorm(x) * weight [n, dim] float32 (the engine's own, as inside the layer stack)."""
+    if x.dtype != torch.float32 or x.ndim != 2 or x.is_cuda:
+        raise ValueError(f"rmsnorm: expected CPU float32 [n, dim], got {x.dtype} {tuple(x.shape)}")
+    n, dim = x.shape
+    w = _vector(weight, dim, "rmsnorm weight")
+    x = x.contiguous()
+    out = torch.empty_like(x)  # [n, dim]
+    rc = _lib.require().fs_rmsnorm(x.data_ptr(), w.data_ptr(), n, dim, ctypes.c_float(eps), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"fs_rmsnorm failed ({rc})")
+    return out

@@ -1,0 +1,421 @@
+"""The Shard interface on the native engine (model/native/): a layer range whose weights stay in their GGUF blocks,
+run by one C call per forward.
+
+    NativeShard    layers [start, end) + (optionally) the embedding, the final norm and the LM head, packed from a
+                   weight source (a GGUF file, a HF folder, or the tensors a member fetched) into one arena
+    StopFlag       the "stop at the next layer" signal a stage worker raises from its event loop while the forward
+                   runs on its compute thread (the C loop reads it before each layer)
+
+Weights: every matrix is packed from the source's stored bytes into the engine's layout (no float copy, no second
+copy); after packing a GGUF tensor its file pages are dropped from memory. A type the engine has no kernel for is
+dequantized and kept as F16 (logged once per type). Float checkpoints keep their 16 bits (F16/BF16) or float32, or
+are quantized to Q8_0 at load (``quantize="Q8_0"``). Activations between layers are float32; the integer kernels
+quantize them to 16 bits per 32-element block inside each matmul, which keeps greedy output equal to a float32
+reference (docs/experiments.md) and every row's result independent of the other rows in its batch: a tree
+forward scores a node exactly as decoding it alone would.
+
+The engine runs batch 1 (one request's rows). Training and float64 work use the torch Shard (shard.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..errors import ContextOverflow, ForwardStopped, UnsupportedModel
+from ..types import LayerRange
+from . import native
+from .arch import ModelConfig
+from .kv_cache import KVCache
+from .shard import Rotary
+from .weights import (
+    EMBED,
+    HEAD,
+    NORM,
+    ROPE_FREQS,
+    WeightSource,
+    gguf_tensor_from_raw,
+    layer_tensor_names,
+    unpermute_rows,
+)
+
+log = logging.getLogger(__name__)
+
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+_HF = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+       "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+       "down": "mlp.down_proj.weight"}
+QUANTIZE = ("Q8_0",)
+ROTARY_CHUNK = 1024  # positions the rotary tables grow by
+CHUNK_ROWS = 2048  # rows of a big tensor packed at a time (a multiple of the engine's 16-row panels)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the native engine runs here (built, loaded, self-tested; the reason is logged once if not)."""
+    return native.library() is not None
+
+
+def set_threads(n: int | None) -> None:
+    """The engine's worker threads (None: leave as is). Torch's are set by the caller."""
+    if n is not None and available():
+        native.set_threads(n)
+
+
+class StopFlag:
+    """A flag the C forward loop reads before each layer; also callable (``stop()``) like the torch path's."""
+
+    def __init__(self) -> None:
+        self.c = ctypes.c_int(0)
+
+    def set(self) -> None:
+        self.c.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self.c.value)
+
+    __call__ = is_set
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """How a stored tensor becomes a packed matrix: its engine type and logical [rows, cols]."""
+
+    name: str
+    type_name: str  # an engine type (native.TYPES), what the stored bytes are packed as
+    rows: int
+    cols: int
+    stored: str  # the stored type (GGUF qtype or safetensors dtype)
+
+
+_WARNED: set[str] = set()
+
+
+def _describe(source: WeightSource, name: str, quantize: str | None) -> _Tensor:
+    info = source.raw_info(name)
+    if info["format"] == "gguf":
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        qtype = info["qtype"]
+        shape = list(info["byte_shape"])
+        if np.dtype(info["dtype"]) == np.uint8:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+            shape[-1] = shape[-1] // size * block
+        rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+        engine_type = qtype if qtype in native.TYPES else "F16"
+        if engine_type != qtype and qtype not in _WARNED:
+            _WARNED.add(qtype)
+            log.warning("the native engine has no kernel for %s: those tensors are dequantized to F16", qtype)
+        return _Tensor(name, engine_type, rows, cols, qtype)
+    dtype = info["dtype"]
+    rows, cols = info["shape"]
+    if dtype not in ("F16", "BF16", "F32"):
+        raise UnsupportedModel(f"{name}: the native engine runs F16, BF16 and F32 checkpoints, not {dtype}")
+    return _Tensor(name, quantize or dtype, rows, cols, dtype)
+
+
+def _stored_bytes(source: WeightSource, t: _Tensor, cfg: ModelConfig, quantize: str | None) -> np.ndarray:
+    """The bytes to pack for ``t``: as stored (q/k rows un-permuted for llama.cpp's files), or re-encoded."""
+    info = source.raw_info(t.name)
+    if info["format"] == "gguf" and t.type_name == t.stored:
+        raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)  # [rows, row bytes]
+        if cfg.arch in ("llama", "mistral") and t.name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if t.name.endswith("q_proj.weight") else cfg.num_kv_heads
+            raw = unpermute_rows(raw, heads)
+        return np.ascontiguousarray(raw)
+    if info["format"] == "gguf":  # no kernel for the stored type: dequantized, kept in 16 bits
+        w = gguf_tensor_from_raw(cfg, t.name, info, source.raw_bytes(t.name))
+        return w.to(torch.float16).numpy().view(np.uint8)
+    if quantize == "Q8_0":
+        return native.q8_0_bytes(source.load(t.name))
+    return np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8)
+
+
+def _release(source: WeightSource, name: str, start: int = 0, end: int | None = None) -> None:
+    release = getattr(source, "release", None)
+    if release is not None:
+        release(name, start, end)
+
+
+def _pack(source: WeightSource, t: _Tensor, cfg: ModelConfig, quantize: str | None,
+          arena: native.WeightArena) -> native.QMatrix:
+    """``t`` packed into ``arena``. A big GGUF tensor packed as stored goes in chunks of CHUNK_ROWS rows, each
+    chunk's file pages dropped before the next is read, so loading never holds a whole embedding table twice."""
+    info = source.raw_info(t.name)
+    permuted = cfg.arch in ("llama", "mistral") and t.name.endswith(("q_proj.weight", "k_proj.weight"))
+    if info["format"] == "gguf" and t.type_name == t.stored and not permuted and t.rows > CHUNK_ROWS:
+        raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)  # [rows, row bytes]
+        row_bytes = raw.shape[1]
+
+        def chunks():
+            for a in range(0, t.rows, CHUNK_ROWS):
+                yield raw[a : a + CHUNK_ROWS]
+                _release(source, t.name, a * row_bytes, min(t.rows, a + CHUNK_ROWS) * row_bytes)
+
+        return native.QMatrix.from_row_chunks(t.type_name, t.rows, t.cols, chunks(), arena)
+    m = native.QMatrix.from_gguf_bytes(t.type_name, t.rows, t.cols, _stored_bytes(source, t, cfg, quantize), arena)
+    _release(source, t.name)
+    return m
+
+
+def names_read(cfg: ModelConfig, layers: LayerRange, *, embed: bool, head: bool, tensors) -> list[str]:
+    """Every stored tensor a shard of these layers reads: its matrices (``tensors``), norms, biases, rope factors."""
+    names = [*tensors, *(n for i in layers.indices() for n in layer_tensor_names(cfg, i) if n not in tensors)]
+    if head:
+        names.append(NORM)
+    return names
+
+
+class _Norm:
+    """The final RMSNorm on the engine: [..., hidden] -> [..., hidden] float32."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight = weight.to(torch.float32).contiguous()  # [hidden]
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.to(torch.float32).reshape(-1, x.shape[-1])
+        return native.rmsnorm(flat, self.weight, self.eps).view(x.shape)
+
+
+class _Embedding:
+    """Embedding lookups from a packed matrix: ids [...] -> [..., hidden] float32."""
+
+    def __init__(self, matrix: native.QMatrix):
+        self.matrix = matrix
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self.matrix.rows_f32(flat).view(*ids.shape, self.matrix.cols)
+
+
+class NativeShard:
+    """Layers ``[start, end)`` of a decoder on the native engine; the torch Shard's interface (shard.py)."""
+
+    dtype = torch.float32
+
+    def __init__(self, cfg: ModelConfig, layers: LayerRange, stack: native.LayerStack, *,
+                 embed: native.QMatrix | None, norm: torch.Tensor | None, lm_head: native.QMatrix | None,
+                 rope_freqs: torch.Tensor | None, max_position: int, specs: Sequence[native.LayerSpec]):
+        self.cfg = cfg
+        self.layers = layers
+        self.stack = stack
+        self.specs = list(specs)  # per layer: what a later shard of the same model may share (a re-plan)
+        self.embed_matrix = embed
+        self.embed = None if embed is None else _Embedding(embed)
+        self.norm = None if norm is None else _Norm(norm, cfg.rms_eps)
+        self.lm_head = lm_head
+        self.head_source: tuple[WeightSource, _Tensor] | None = None  # where the LM head's rows are stored
+        self.rope_freqs = rope_freqs
+        self.max_position = max_position
+        self.rotary = Rotary(cfg, min(max_position, ROTARY_CHUNK), torch.float32, rope_freqs)  # grown on demand
+
+    @property
+    def has_embed(self) -> bool:
+        return self.embed is not None
+
+    @property
+    def has_head(self) -> bool:
+        return self.norm is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed weights this shard holds (shared ones included)."""
+        mats = {id(m): m.nbytes for s in self.specs for m in (getattr(s, n) for n in MATRICES)}
+        for m in (self.embed_matrix, self.lm_head):
+            if m is not None:
+                mats[id(m)] = m.nbytes
+        return sum(mats.values())
+
+    @classmethod
+    def from_source(cls, source: WeightSource, layers: LayerRange, *, embed: bool, head: bool,
+                    lm_head: bool | None = None, max_position: int | None = None, quantize: str | None = None,
+                    donors: Sequence[NativeShard] = (), progress: bool = False) -> NativeShard:
+        """Pack this shard's tensors from ``source``. ``head``: the final norm (features out); ``lm_head``
+        (default ``head``): the LM head too. Layers a donor (a shard of the same model) holds are shared, not
+        packed again. ``progress``: a bar on stderr (bytes, rate, time left) while it packs."""
+        cfg = source.config
+        if layers.end > cfg.num_layers:
+            raise ValueError(f"layer range {layers} exceeds the model's {cfg.num_layers} layers")
+        if quantize is not None and quantize not in QUANTIZE:
+            raise ValueError(f"quantize: one of {', '.join(QUANTIZE)}, not {quantize!r}")
+        lm_head = head if lm_head is None else lm_head
+        donated = {i: d.specs[i - d.layers.start] for d in donors for i in d.layers.indices()}
+        names = {i: {k: f"model.layers.{i}.{v}" for k, v in _HF.items()} for i in layers.indices()
+                 if i not in donated}
+        want = [n for per in names.values() for n in per.values()]
+        tied = cfg.tie_embeddings
+        if embed:
+            want.append(EMBED)
+        if lm_head and not (tied and embed):
+            want.append(EMBED if tied else HEAD)
+        tensors = {n: _describe(source, n, quantize) for n in dict.fromkeys(want)}
+        arena = native.WeightArena.for_matrices([(t.type_name, t.rows, t.cols) for t in tensors.values()])
+        packed: dict[str, native.QMatrix] = {}
+        total = sum(len(source.raw_bytes(n)) for n in tensors)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"packing layers {layers}", leave=False,
+                  disable=None if progress else True, file=sys.stderr) as bar:
+            for name, t in tensors.items():
+                packed[name] = _pack(source, t, cfg, quantize, arena)
+                bar.update(len(source.raw_bytes(name)))
+        specs = []
+        for i in layers.indices():
+            if i in donated:
+                specs.append(donated[i])
+                continue
+            p = f"model.layers.{i}."
+            bias = {f"{x}_bias": source.load(p + f"self_attn.{x}_proj.bias").float() for x in "qkv"} \
+                if cfg.attention_bias else {}
+            specs.append(native.LayerSpec(**{k: packed[n] for k, n in names[i].items()},
+                                          attn_norm=source.load(p + "input_layernorm.weight").float(),
+                                          mlp_norm=source.load(p + "post_attention_layernorm.weight").float(),
+                                          **bias))
+        stack = native.LayerStack(specs, hidden=cfg.hidden_size, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_eps)
+        emb = packed.get(EMBED) if embed else None
+        head_m = None
+        if lm_head:
+            head_m = emb if tied and embed else packed[EMBED if tied else HEAD]
+        freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
+        norm = source.load(NORM).float() if head else None
+        for name in names_read(cfg, layers, embed=embed, head=head, tensors=tensors):
+            _release(source, name)  # the norms' (and biases') pages too: everything is packed or copied now
+        shard = cls(cfg, layers, stack, embed=emb, norm=norm, lm_head=head_m, rope_freqs=freqs,
+                    max_position=max_position or cfg.max_position, specs=specs)
+        if lm_head:
+            shard.head_source = (source, tensors[EMBED if tied else HEAD])
+        return shard
+
+    # ------------------------------------------------------------------------------------------- running
+
+    def eval(self) -> NativeShard:
+        return self
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        assert batch == 1, "the native engine runs one request's rows"
+        c = self.cfg
+        return KVCache(len(self.layers), c.num_kv_heads, c.head_dim, capacity, dtype=torch.float32)
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # ids [1, n] if has_embed else hidden [1, n, hidden]
+        cache: KVCache | None,
+        positions: torch.Tensor | None = None,  # [1, n] absolute; default cache.length + arange(n)
+        mask: torch.Tensor | None = None,  # [1, n, cache.length + n] bool, or None: the cache + causal
+        stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
+        """As Shard.forward: K/V of the new rows appended to ``cache``; -> hidden [1, n, hidden], or features if
+        it holds the final norm. ``stop``: a StopFlag the engine reads before each layer (any other callable is
+        asked once, before the first); when set, raises ForwardStopped with the rows' slots reserved."""
+        if self.embed is not None and not x.dtype.is_floating_point:
+            h = self.embed(x)  # [1, n, hidden], a fresh tensor
+        else:
+            h = x.to(torch.float32, copy=True)  # the engine updates it in place
+        b, n, _ = h.shape
+        assert b == 1, "the native engine runs one request's rows"
+        if cache is None:
+            cache = self.new_cache(n)
+        start = cache.reserve(n)
+        pos = torch.arange(start, start + n) if positions is None else positions.reshape(n)  # [n]
+        last = int(pos.max()) if n else start
+        if last >= self.max_position:
+            raise ContextOverflow(f"position {last} exceeds the model limit {self.max_position}")
+        if mask is not None:
+            assert mask.shape == (1, n, start + n), (tuple(mask.shape), (1, n, start + n))
+        flag = stop.c if isinstance(stop, StopFlag) else None
+        if stop is not None and flag is None and stop():
+            cache.advance(n)
+            raise ForwardStopped(f"stopped before layer 0 of {len(self.layers)}")
+        rows = h.view(n, -1)  # [n, hidden]
+        rot = self._rotary_upto(last + 1)
+        done = self.stack.forward(rows, pos, rot.cos, rot.sin, cache.k[:, 0], cache.v[:, 0], start,
+                                  None if mask is None else mask[0], flag) if len(self.layers) else 0
+        cache.advance(n)
+        if done < len(self.layers):
+            raise ForwardStopped(f"stopped before layer {done} of {len(self.layers)}")
+        if self.norm is not None:
+            h = self.norm(h)
+        return h
+
+    forward = __call__
+
+    def _rotary_upto(self, positions: int) -> Rotary:
+        """The rotary tables, grown (in ROTARY_CHUNK steps, up to max_position) to cover ``positions``."""
+        if positions > self.rotary.cos.shape[0]:
+            size = min(self.max_position, -(-positions // ROTARY_CHUNK) * ROTARY_CHUNK)
+            self.rotary = Rotary(self.cfg, size, torch.float32, self.rope_freqs)
+        return self.rotary
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [..., hidden] -> [..., vocab]"""
+        assert self.lm_head is not None, "this shard holds no LM head"
+        return self.lm_head.matmul(features.to(torch.float32))
+
+    def head_rows(self, rows: torch.Tensor | None, dtype: torch.dtype | None = None) -> native.QMatrix:
+        """The LM head restricted to ``rows`` (a draft vocabulary of target ids; None: all): a packed matrix of
+        those rows in the head's stored type (Q8_0 for a float head), which the draft head scores its
+        vocabulary with (float32 in, float32 out)."""
+        assert self.lm_head is not None, "this shard holds no LM head"
+        if rows is None:
+            return self.lm_head
+        ids = rows.to(torch.long).numpy()  # [V_d]
+        if self.head_source is not None:
+            source, t = self.head_source
+            if source.raw_info(t.name)["format"] == "gguf" and t.type_name == t.stored:
+                raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)
+                picked = np.ascontiguousarray(raw[ids])  # [V_d, row bytes]: the rows as stored, no requantizing
+                _release(source, t.name)
+                return native.QMatrix.from_gguf_bytes(t.type_name, len(ids), t.cols, picked)
+        chunks = (native.q8_0_bytes(self.lm_head.rows_f32(torch.from_numpy(ids[a : a + CHUNK_ROWS])))
+                  for a in range(0, len(ids), CHUNK_ROWS))  # a float head: Q8_0, a chunk at a time
+        return native.QMatrix.from_row_chunks("Q8_0", len(ids), self.cfg.hidden_size, chunks)
+
+    def warm_up(self, max_rows: int = 8) -> None:
+        """One forward of each size 1..max_rows through a scratch cache: the engine's scratch buffers and the
+        weights' pages are in place before the first request."""
+        cache = self.new_cache(max_rows)
+        for m in range(1, max_rows + 1):
+            x = torch.zeros(1, m, dtype=torch.long) if self.embed is not None else torch.zeros(
+                1, m, self.cfg.hidden_size)
+            mask = torch.eye(m, dtype=torch.bool)[None]  # [1, m, m]: each node sees itself
+            self(x, cache, positions=torch.zeros(1, m, dtype=torch.long), mask=mask)
+            cache.keep([])
+
+
+def benchmark_layer(cfg: ModelConfig, tokens: int, context: int, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of one decoder layer of ``cfg``'s shape on the engine: ``tokens`` rows over ``context``
+    cached ones, random Q4_1 weights (the default model's type: the device's speed, not a model's values)."""
+    rng = np.random.default_rng(0)
+
+    def q4_1(rows: int, cols: int) -> native.QMatrix:
+        blocks = rng.integers(0, 256, (rows * cols // 32, 20), dtype=np.uint8)
+        scales = rng.uniform(0.001, 0.01, (blocks.shape[0], 2)).astype(np.float16)
+        blocks[:, :4] = scales.view(np.uint8)
+        return native.QMatrix.from_gguf_bytes("Q4_1", rows, cols, blocks)
+
+    h, q, kv, inter = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    spec = native.LayerSpec(q=q4_1(q, h), k=q4_1(kv, h), v=q4_1(kv, h), o=q4_1(h, q), gate=q4_1(inter, h),
+                            up=q4_1(inter, h), down=q4_1(h, inter), mlp_norm=torch.ones(h), attn_norm=torch.ones(h))
+    stack = native.LayerStack([spec], hidden=h, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                              head_dim=cfg.head_dim, intermediate=inter, eps=cfg.rms_eps)
+    rotary = Rotary(cfg, context + tokens, torch.float32)
+    k, v = stack.new_cache(context + tokens)
+    pos = torch.arange(context, context + tokens)
+    times = []
+    for i in range(warmup + repeats):
+        x = torch.randn(tokens, h)  # [tokens, hidden]
+        t0 = time.perf_counter()
+        stack.forward(x, pos, rotary.cos, rotary.sin, k, v, context)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
