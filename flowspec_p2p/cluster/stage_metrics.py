@@ -12,8 +12,8 @@ stage host (cumulative over the plan epochs it served), names prefixed ``flowspe
     flowspec_agent_info{agent,name,role,cluster}  1
 
 plus the process's own (``process_*``: memory, CPU, open files) where the platform has them. On the leader, the
-API's /metrics (api/metrics.py) covers the cluster and its requests. With a shared secret the agent server signs
-every route, this one included (net.checking).
+API's /metrics (api/metrics.py) covers the cluster and its requests. In a keyed cluster the agent server answers
+authenticated key holders only (guard.py), on this route as on every other.
 """
 
 from __future__ import annotations

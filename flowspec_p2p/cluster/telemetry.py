@@ -1,9 +1,9 @@
 """The stages' busy intervals, gathered on the leader for its dashboard (api/dashboard.py): ``StageTimelines``.
 
-Its own stage's come from its worker; each member's from ``GET /control/timeline?since=`` on that member (signed by
-the agent's session, like every request it makes). A call fetches only what is new since the last one, at most
-every POLL_S (several dashboards share one poll), and keeps KEEP_S of them; a member that does not answer within
-FETCH_TIMEOUT_S keeps what was fetched before. Nothing is fetched while no dashboard asks.
+Its own stage's come from its worker; each member's from ``GET /control/timeline?since=`` on that member (through
+the agent's session, authenticated like every request it makes). A call fetches only what is new since the last
+one, at most every POLL_S (several dashboards share one poll), and keeps KEEP_S of them; a member that does not
+answer within FETCH_TIMEOUT_S keeps what was fetched before. Nothing is fetched while no dashboard asks.
 """
 
 from __future__ import annotations
