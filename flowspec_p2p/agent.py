@@ -7,8 +7,9 @@
         POST /control, GET /control/info, GET /control/timeline    control plane (control.py)
         GET  /ring                                                  data plane (ring_server.RingServer)
         GET  /weights/...                                           the leader's weight server
+        GET  /metrics                                               this agent's stage (stage_metrics.py)
     StageHost: this agent's pipeline stage (weights, worker, links) for the plan epoch in force
-    leader only: the Leader (decoding modes) and its OpenAI-compatible API (api/app.py) on --api-host/--api-port
+    leader only: the Leader (decoding modes), its OpenAI-compatible API, dashboard and /metrics (api/) on --api-port
 
 Roles. The leader (``--leader``) plans (coordinator.py), serves weights and the API; every other agent is a
 member (member.py) that joins the oldest leader of its cluster, heartbeats to it and hosts whatever stage the plan
@@ -55,6 +56,8 @@ from .cluster.plans import describe_model
 from .cluster.profile import DeviceProfile, measure
 from .cluster.security import Security
 from .cluster.stage_host import StageHost, TapQueue
+from .cluster.stage_metrics import install_stage_metrics
+from .cluster.telemetry import StageTimelines
 from .cluster.weight_server import WeightServer
 from .config import AgentConfig, split_host_port
 from .decoding.context import DecodingMode, ThreadCompute
@@ -157,6 +160,7 @@ class Agent(Net):
         app.router.add_get(INFO_PATH, self._http_info)
         app.router.add_get(TIMELINE_PATH, self._http_timeline)
         app.router.add_post(CONTROL_PATH, self._http_control)
+        install_stage_metrics(app, lambda: self.stage_host, lambda: self.info)
         if self.cfg.leader:
             self.weights = WeightServer(self.source)
             self.weights.install(app)
@@ -193,7 +197,7 @@ class Agent(Net):
             self._write_state()
             log.info("agent %s (%s) of cluster %r at %s, %.1f GFLOP/s, %.0f MB offered%s", self.id, self.info.role,
                      cfg.cluster, self.info.url, profile.gflops, profile.memory_bytes / 2**20,
-                     f", API at {self.api_url}" if self.api_url else "")
+                     f"; API at {self.api_url}/v1, dashboard at {self.api_url}/" if self.api_url else "")
             await self._run_roles(discovery)
         finally:
             self._tg = None
@@ -257,7 +261,7 @@ class Agent(Net):
                                        stage_host=self.stage_host, ring=self.ring, session=self.session,
                                        model=model, model_config=src.config, wire_dtype=wire_dtype)
         app = create_app(self.leader, self.coordinator.view, run_leader=False, api_key=cfg.api_key_text,
-                         cors=cfg.api_cors)
+                         cors=cfg.api_cors, timelines=StageTimelines(self.coordinator, self.stage_host, self.session))
         api = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await api.setup()
         try:

@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "flowspec_p2p.commands.plan",
     "flowspec_p2p.commands.agent",
     "flowspec_p2p.commands.cluster",
+    "flowspec_p2p.commands.chat",
     "flowspec_p2p.commands.draft",
     "flowspec_p2p.commands.bench_hop",
     "flowspec_p2p.commands.bench_spec",

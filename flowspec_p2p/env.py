@@ -5,7 +5,7 @@
     FLOWSPEC_STATE_DIR       an agent's state folder (its id, fetched weights), when the profile and flags set none
     FLOWSPEC_CLUSTER_KEY     the cluster key (fsk1-...; preferred over flags, which other users see in ``ps``)
     FLOWSPEC_SECRET          a passphrase the cluster key is derived from (the older way; preferred over --secret)
-    FLOWSPEC_API_KEY         the leader API's key (preferred over --api-key)
+    FLOWSPEC_API_KEY         the leader API's key (preferred over --api-key; ``flowspec chat`` sends it)
     FLOWSPEC_SPEC_BENCH      the folder of the six Spec-Bench ``<set>.jsonl`` files (default: ../shared/data/spec-bench
                              beside the repository checkout)
     FLOWSPEC_ENGINE          the model engine: auto (default: native where it runs, else torch), native, torch
@@ -59,6 +59,11 @@ def spec_bench_dir() -> Path:
     if explicit:
         return Path(explicit).expanduser()
     return Path(__file__).resolve().parents[2] / "shared" / "data" / "spec-bench"
+
+
+def api_key() -> str | None:
+    """FLOWSPEC_API_KEY: the key a client of the leader's API sends (None when unset or empty)."""
+    return os.environ.get(API_KEY) or None
 
 
 def packed_weights() -> str:

@@ -127,7 +127,7 @@ class MemberControl:
                 await asyncio.sleep(membership_mod.HEARTBEAT_INTERVAL_S)
                 continue
             self.leader = leader
-            log.info("joined leader %s at %s", leader.id, leader.url)
+            log.info("joined cluster %r: leader %s (%s) at %s", self.info.cluster, leader.id, leader.name, leader.url)
             try:
                 await self._heartbeats(leader)
             finally:

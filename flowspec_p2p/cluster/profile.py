@@ -1,6 +1,7 @@
 """What a device can offer, measured when its agent starts: free memory, decoder-block throughput, threads.
 
-    memory_bytes   MEMORY_FRACTION of the memory available now (``MemAvailable``), or a configured cap
+    memory_bytes   MEMORY_FRACTION of the memory available now without swapping (psutil: ``MemAvailable`` on Linux,
+                   free + inactive pages on macOS, the available physical memory on Windows), or a configured cap
     gflops         effective GFLOP/s of one decoder block of the model (or of REFERENCE_CONFIG when the agent
                    has no model copy yet) on a BENCH_TOKENS-token segment over a BENCH_CONTEXT-token cache,
                    median of BENCH_REPEATS runs, divided by the emulated compute slowdown. The planner turns it
@@ -13,10 +14,10 @@ The benchmark runs on random weights: it measures the device, not the model's va
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 
+import psutil
 import torch
 from pydantic import Field
 
@@ -29,7 +30,7 @@ from ..types import FrozenModel
 
 log = logging.getLogger(__name__)
 
-MEMORY_FRACTION = 0.8  # of MemAvailable, leaving room for the OS, the Python runtime and other programs
+MEMORY_FRACTION = 0.8  # of the available memory, leaving room for the OS, the Python runtime and other programs
 BENCH_TOKENS = 16  # a FlowSpec segment
 BENCH_CONTEXT = 128  # tokens already in the KV cache
 BENCH_REPEATS = 5
@@ -54,18 +55,8 @@ class DeviceProfile(FrozenModel):
 
 
 def available_memory_bytes() -> int:
-    """Memory the OS could give us now without swapping."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 1 << 30
+    """Memory the OS could give us now without swapping (psutil works on Linux, macOS, Windows and the BSDs)."""
+    return int(psutil.virtual_memory().available)
 
 
 def block_flops(cfg: ModelConfig, tokens: int, context: int) -> float:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from .. import env
 from . import run_async
+from .activity import show_activity
 
 if TYPE_CHECKING:
     from ..config import AgentConfig
@@ -126,5 +127,6 @@ async def serve(cfg: AgentConfig) -> None:
 def run(args: argparse.Namespace) -> int:
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every stack to stderr
+    show_activity(args)
     run_async(serve(config_from_args(args)))
     return 0

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from .activity import LogFollower
 
 if TYPE_CHECKING:
     from ..cluster.local_cluster import ClusterOptions, LocalCluster
@@ -108,6 +109,8 @@ def run_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(args.n, _options(args))
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM,)}
+    follower = None if args.quiet else LogFollower({f"agent{a.index}": a.log_path for a in cluster.agents},
+                                                   sys.stderr, everything=args.verbose > 0).start()
     try:
         log.warning("starting %d agents of cluster %r (logs under %s) ...", args.n, cluster.name, cluster.root)
         cluster.start()
@@ -119,6 +122,7 @@ def run_up(args: argparse.Namespace) -> int:
         out.write(f"\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                   "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
                   "\"max_tokens\": 64, \"temperature\": 0}'\n\n"
+                  f"  dashboard: {url}/   metrics: {url}/metrics   chat: flowspec chat --url {url}\n"
                   f"  {url}/cluster shows members, the plan and per-stage counters. Ctrl-C stops the cluster.\n")
         out.flush()
         if not stop.is_set():
@@ -130,6 +134,8 @@ def run_up(args: argparse.Namespace) -> int:
             signal.signal(s, h)
         log.warning("stopping the cluster ...")
         cluster.stop()
+        if follower is not None:
+            follower.stop()
     return 0
 
 
