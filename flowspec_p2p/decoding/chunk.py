@@ -24,7 +24,7 @@ import torch
 
 from ..spec.drafter import TreeShape
 from ..spec.tree import DraftTree, segment_bounds, split_lengths
-from ..spec.verify import LazyRows, Verdict, verify_tree
+from ..spec.verify import Verdict, verify_tree, walk_rows
 from .context import DecodingMode, ModeContext, prefill
 
 # The pipeline's tree is not the single-device one (spec.decoder.DEFAULT_TREE, tuned for one forward on one CPU): here
@@ -35,7 +35,7 @@ CHUNK_TREE = TreeShape(total_tokens=24, depth=6, top_k=4)
 
 def _verify(ctx: ModeContext, tree: DraftTree, f: torch.Tensor) -> Verdict:
     """f: [n, hidden] target features of the whole tree. LM-head rows only where the walk goes."""
-    rows = LazyRows(len(tree), lambda i: ctx.logits(f[i]))
+    rows = walk_rows(tree, len(tree), lambda idx: ctx.logits(f[idx]))
     verdict = verify_tree(tree, rows, ctx.params, ctx.gen, stop_ids=ctx.stop_ids)
     ctx.note_walk(rows, verdict, verdict.emitted(tree))
     return verdict

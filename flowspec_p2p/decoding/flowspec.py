@@ -55,7 +55,7 @@ from pydantic import Field
 from ..pipeline.messages import Forward
 from ..spec.drafter import TreeShape
 from ..spec.tree import DraftTree
-from ..spec.verify import LazyRows, Verdict, verify_tree
+from ..spec.verify import Verdict, verify_tree, walk_rows
 from ..types import Settings
 from .context import DecodingMode, ModeContext, prefill
 from .flowstate import Calibration, FlowState, StageCost, best_segment, segment_value
@@ -104,7 +104,7 @@ class FlowSpecConfig(Settings):
 
 def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
     """Verify the verified prefix of the current tree from its root (LM-head rows only where the walk goes)."""
-    rows = LazyRows(state.verified, lambda i: ctx.logits(state.feats[i]))
+    rows = walk_rows(state.tree, state.verified, lambda idx: ctx.logits(torch.stack([state.feats[i] for i in idx])))
     verdict = verify_tree(state.tree, rows, ctx.params, ctx.gen, verified_end=state.verified, stop_ids=ctx.stop_ids)
     ctx.note_walk(rows, verdict, verdict.emitted(state.tree))
     return verdict

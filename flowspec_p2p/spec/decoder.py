@@ -30,7 +30,7 @@ from .drafter import Drafter, HeadDrafter, TreeShape
 from .head import DraftBundle, find_draft
 from .native_head import NativeDraftHead
 from .ngram import LookupDrafter
-from .verify import LazyRows, verify_tree
+from .verify import verify_tree, walk_rows
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class SpecDecoder:
                 pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
                 f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
                 # 3. verify; keep the accepted path's K/V
-                rows = LazyRows(len(tree), lambda i, f=f: model.logits(f[i]))  # LM head only where the walk goes
+                rows = walk_rows(tree, len(tree), lambda idx, f=f: model.logits(f[idx]))  # where the walk goes
                 verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids)
                 cache.keep(verdict.accepted)
                 cache.commit(len(verdict.accepted))
