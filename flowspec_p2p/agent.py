@@ -1,12 +1,15 @@
 """The agent, one per device: the composition root. ``Agent(cfg).run()`` owns everything in one TaskGroup.
 
     discovery (mDNS + static peers) --PeerSeen/PeerLost--> coordinator (leader) or member control
-    agent server (aiohttp, signed with the shared secret when there is one):
+    agent server (aiohttp; with a cluster key TLS, and every route but /auth for authenticated peers only:
+    cluster/security.py):
+        POST /auth/challenge, POST /auth/confirm                    mutual authentication (handshake.py)
         POST /control, GET /control/info, GET /control/timeline    control plane (control.py)
         GET  /ring                                                  data plane (ring_server.RingServer)
         GET  /weights/...                                           the leader's weight server
+        GET  /metrics                                               this agent's stage (stage_metrics.py)
     StageHost: this agent's pipeline stage (weights, worker, links) for the plan epoch in force
-    leader only: the Leader (decoding modes) and its OpenAI-compatible API (api/app.py) on --api-host/--api-port
+    leader only: the Leader (decoding modes), its OpenAI-compatible API, dashboard and /metrics (api/) on --api-port
 
 Roles. The leader (``--leader``) plans (coordinator.py), serves weights and the API; every other agent is a
 member (member.py) that joins the oldest leader of its cluster, heartbeats to it and hosts whatever stage the plan
@@ -20,13 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import socket
 import time
-import uuid
 from functools import partial
 from pathlib import Path
 
@@ -42,17 +43,21 @@ from .cluster.control import (
     TIMELINE_PATH,
     ControlMessage,
     PeerInfo,
-    auth_tag,
     decode_message,
     encode_message,
 )
 from .cluster.coordinator import Coordinator
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
+from .cluster.identity import agent_id as _agent_id
+from .cluster.identity import state_lock as _locked
 from .cluster.member import MemberControl
-from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind, checking, signing
+from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind
 from .cluster.plans import describe_model
 from .cluster.profile import DeviceProfile, measure
+from .cluster.security import Security
 from .cluster.stage_host import StageHost, TapQueue
+from .cluster.stage_metrics import install_stage_metrics
+from .cluster.telemetry import StageTimelines
 from .cluster.weight_server import WeightServer
 from .config import AgentConfig, split_host_port
 from .decoding.context import DecodingMode, ThreadCompute
@@ -63,6 +68,7 @@ from .decoding.settings import LeaderSettings
 from .errors import ConfigError, FlowSpecError, ProtocolError
 from .model.dtypes import TORCH_DTYPES
 from .model.load import load_shard, set_threads
+from .model.native_shard import NativeShard
 from .model.shard import Shard, packing_enabled
 from .model.tokenizer import Tokenizer
 from .model.weights import model_fingerprint, open_source
@@ -89,7 +95,7 @@ class Agent(Net):
     def __init__(self, cfg: AgentConfig, *, profile: DeviceProfile | None = None, tokenizer=None):
         """``profile`` replaces the start-up measurement and ``tokenizer`` the model's own (tests)."""
         self.cfg = cfg
-        self.secret = cfg.secret_bytes
+        self.security: Security | None = None
         self._profile = profile
         self._tokenizer = tokenizer
         self.id = ""
@@ -127,12 +133,13 @@ class Agent(Net):
             bad = [a for a in addresses if not bindable(a)]
             if bad:
                 raise ConfigError(f"cannot bind {', '.join(bad)}: pass --interface with an address of this host")
+            self.security = await asyncio.to_thread(Security.load, cfg, self.id)
             if cfg.model is not None or cfg.leader:
                 self.source = await asyncio.to_thread(open_source, cfg.model)
             profile = self._profile or await asyncio.to_thread(self._measure)
-            async with aiohttp.ClientSession(middlewares=(signing(self.secret),)) as session:
+            async with self.security.client_session() as session:
                 self.session = session
-                self.client = ControlClient(session, self.secret)
+                self.client = self.security.control_client(session)
                 await self._serve(addresses, profile)
 
     def _measure(self) -> DeviceProfile:
@@ -145,12 +152,15 @@ class Agent(Net):
 
     def _agent_app(self) -> web.Application:
         """The agent server: control plane, ring links, (on the leader) the weight server."""
-        app = web.Application(middlewares=[checking(self.secret)], client_max_size=MAX_CONTROL_BYTES)
-        self.ring = RingServer(self.id, self.cfg.cluster)
+        sec = self.security
+        app = web.Application(middlewares=sec.middlewares(), client_max_size=MAX_CONTROL_BYTES)
+        sec.install(app)
+        self.ring = RingServer(self.id, self.cfg.cluster, authenticated=sec.sender_id if sec.secure else None)
         self.ring.install(app)
         app.router.add_get(INFO_PATH, self._http_info)
         app.router.add_get(TIMELINE_PATH, self._http_timeline)
         app.router.add_post(CONTROL_PATH, self._http_control)
+        install_stage_metrics(app, lambda: self.stage_host, lambda: self.info)
         if self.cfg.leader:
             self.weights = WeightServer(self.source)
             self.weights.install(app)
@@ -163,12 +173,14 @@ class Agent(Net):
         await runner.setup()
         api_runner = None
         try:
-            port = await bind(runner, addresses if cfg.interfaces else ["0.0.0.0"], cfg.port)
+            port = await bind(runner, addresses if cfg.interfaces else ["0.0.0.0"], cfg.port,
+                              self.security.server_ssl())
             if self.source is not None:
                 self.model_fp = await asyncio.to_thread(model_fingerprint, self.source)
             self.info = PeerInfo(id=self.id, name=cfg.name or socket.gethostname(), cluster=cfg.cluster,
                                  role="leader" if cfg.leader else "member", host=addresses[0], port=port,
-                                 pid=os.getpid(), started=time.time(), profile=profile, model=self.model_fp)
+                                 pid=os.getpid(), started=time.time(), profile=profile, model=self.model_fp,
+                                 identity=self.security.fingerprint)
             self.stage_host = StageHost(
                 agent_id=self.id, cluster=cfg.cluster, ring=self.ring, session=self.session,
                 cache_dir=cfg.state_path, local_source=self.source,
@@ -180,12 +192,12 @@ class Agent(Net):
                 self.member = MemberControl(self.info, net=self, stage_host=self.stage_host)
             discovery = Discovery(
                 self.info, self._events, addresses=addresses, interfaces=addresses,
-                auth=auth_tag(self.secret, cfg.cluster), mdns=cfg.mdns,
+                seal=self.security.seal, confirm=self._confirm if self.security.secure else None, mdns=cfg.mdns,
                 static_peers=[split_host_port(p) for p in cfg.peers], fetch_info=self.fetch_info)
             self._write_state()
             log.info("agent %s (%s) of cluster %r at %s, %.1f GFLOP/s, %.0f MB offered%s", self.id, self.info.role,
                      cfg.cluster, self.info.url, profile.gflops, profile.memory_bytes / 2**20,
-                     f", API at {self.api_url}" if self.api_url else "")
+                     f"; API at {self.api_url}/v1, dashboard at {self.api_url}/" if self.api_url else "")
             await self._run_roles(discovery)
         finally:
             self._tg = None
@@ -238,16 +250,19 @@ class Agent(Net):
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
         self.stage_host.leader_inbox = self.leader.inbox
+        native = isinstance(head, NativeShard)  # every agent's stages run the same engine as the leader's head
+        packed = packing_enabled(dtype) and not native
         base = getattr(drafter, "base", drafter)  # LookupDrafter wraps the head drafter
-        extra = base.extra_bytes(packing_enabled(dtype)) if hasattr(base, "extra_bytes") else 0
+        extra = base.extra_bytes(packed) if hasattr(base, "extra_bytes") else 0
         model = describe_model(src, context=cfg.planning.context, fingerprint=self.model_fp,
-                               dtype_bytes=torch.finfo(dtype).bits // 8, packed=packing_enabled(dtype),
-                               draft_extra_bytes=extra)
+                               dtype_bytes=torch.finfo(dtype).bits // 8, packed=packed, draft_extra_bytes=extra,
+                               stored=native)
         self.coordinator = Coordinator(cfg, self.info, net=self, leader=self.leader, weights=self.weights,
                                        stage_host=self.stage_host, ring=self.ring, session=self.session,
                                        model=model, model_config=src.config, wire_dtype=wire_dtype)
-        api = web.AppRunner(create_app(self.leader, self.coordinator.view, run_leader=False), handle_signals=False,
-                            access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        app = create_app(self.leader, self.coordinator.view, run_leader=False, api_key=cfg.api_key_text,
+                         cors=cfg.api_cors, timelines=StageTimelines(self.coordinator, self.stage_host, self.session))
+        api = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await api.setup()
         try:
             port = await bind(api, [cfg.api_host], cfg.api_port)
@@ -315,9 +330,19 @@ class Agent(Net):
         if role is None or not self.started.is_set():
             raise web.HTTPServiceUnavailable(text="the agent is starting")
         try:
-            reply = await role.handle(decode_message(await request.read()))
+            msg = decode_message(await request.read())
         except ProtocolError as e:
             raise web.HTTPBadRequest(text=str(e)) from None
+        try:
+            self.security.check_control(request, msg)
+            if self.member is not None:
+                reply = await self.member.handle(msg, sender=self.security.sender_id(request))
+            else:
+                reply = await self.coordinator.handle(msg)
+        except ProtocolError as e:
+            log.warning("refused a %s message from %s: %s", msg.kind, request.remote, e)
+            raise web.HTTPForbidden(text=str(e)) from None
+        self.security.learn(msg)
         return web.Response(body=encode_message(reply), content_type="application/json")
 
     async def post(self, url: str, msg: ControlMessage) -> ControlMessage:
@@ -325,8 +350,12 @@ class Agent(Net):
         return await self.client.post(url, msg)
 
     async def fetch_info(self, host: str, port: int, timeout_s: float = CONTROL_TIMEOUT_S) -> PeerInfo | None:
-        """Net: GET /control/info of an agent; None when it does not answer (or not with a valid signature)."""
+        """Net: GET /control/info of an agent; None when it does not answer (or cannot authenticate)."""
         return await self.client.fetch_info(host, port, timeout_s)
+
+    async def _confirm(self, claim: PeerInfo) -> PeerInfo | None:
+        """Discovery: the claimant's own word on a sealed leadership claim."""
+        return await self.security.confirm(claim, self.client)
 
     # ========================================================================================= discovery
 
@@ -365,31 +394,3 @@ def _drafter(model_fp: str, head: Shard, stem: Path | None = None) -> Drafter | 
         return None
     log.info("draft head for %s (+ prompt-lookup candidates)", model_fp[:12])
     return drafter
-
-
-def _agent_id(state: Path) -> str:
-    path = state / "agent_id"
-    try:
-        aid = path.read_text().strip()
-        if aid:
-            return aid
-    except OSError:
-        pass
-    aid = uuid.uuid4().hex[:12]
-    path.write_text(aid + "\n")
-    return aid
-
-
-@contextlib.contextmanager
-def _locked(state: Path):
-    """One agent per state folder (its id must be unique)."""
-    fh = open(state / "lock", "a+")  # noqa: SIM115 - held for the agent's lifetime
-    try:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(f"another agent is running with state folder {state}; give each agent its own "
-                              "--state-dir") from None
-        yield
-    finally:
-        fh.close()

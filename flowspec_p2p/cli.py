@@ -17,12 +17,14 @@ COMMAND_MODULES = [
     "flowspec_p2p.commands.plan",
     "flowspec_p2p.commands.agent",
     "flowspec_p2p.commands.cluster",
+    "flowspec_p2p.commands.chat",
     "flowspec_p2p.commands.draft",
     "flowspec_p2p.commands.bench_hop",
     "flowspec_p2p.commands.bench_spec",
     "flowspec_p2p.commands.tune",
     "flowspec_p2p.commands.bench_core",
     "flowspec_p2p.commands.bench",
+    "flowspec_p2p.commands.keygen",
     "flowspec_p2p.commands.bench_engine",
 ]
 

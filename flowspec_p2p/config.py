@@ -1,13 +1,15 @@
 """Frozen, validated configuration of an agent.
 
 Sources, lowest precedence first: defaults < an agent profile (TOML, e.g. ``agents/leader.toml``) < command-line
-flags < nothing else. Environment variables (env.py) only fill in what is still unset: ``FLOWSPEC_SECRET`` (the
-cluster's shared secret; preferred over ``--secret``, which other users can read from the process list) and
-``FLOWSPEC_STATE_DIR``.
+flags < nothing else. Environment variables (env.py) only fill in what is still unset: ``FLOWSPEC_CLUSTER_KEY`` (the
+cluster key, cluster/keys.py; unless a key file, a secret or ``--insecure`` is given), ``FLOWSPEC_SECRET`` (a
+passphrase the key is derived from, the older way), ``FLOWSPEC_API_KEY`` and ``FLOWSPEC_STATE_DIR``. Keys are best
+given in the environment or a file: other users can read flags from the process list.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import tomllib
@@ -18,12 +20,10 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .decoding.flowspec import FlowSpecConfig
-from .env import SECRET, STATE_DIR, environ
+from .env import API_KEY, CLUSTER_KEY, DEFAULT_API_PORT, DEFAULT_STATE_DIR, SECRET, STATE_DIR, environ
 from .errors import ConfigError
 from .types import Settings
 
-DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")
-DEFAULT_API_PORT = 8000
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
 
 
@@ -92,7 +92,13 @@ class AgentConfig(Settings):
     # (leader) FlowSpec settings that differ from the tuned defaults: flowspec.FlowSpecConfig fields, e.g.
     # {"segment_cap": 1} (a [flowspec] table in a profile, or --flowspec-config JSON); for other hardware
     flowspec: FlowSpecConfig = FlowSpecConfig()
-    secret: SecretStr | None = None
+    secret: SecretStr | None = None  # a passphrase the cluster key is derived from (keys.ClusterKey.from_secret)
+    cluster_key: SecretStr | None = None  # the cluster key's text form (fsk1-...; cluster/keys.py)
+    cluster_key_file: Path | None = None  # a file holding it
+    insecure: bool = False  # no key: the open cluster of a lab (plain http, anyone may join)
+    api_key: SecretStr | None = None  # (leader) Bearer token the API asks of every route but /health
+    api_insecure: bool = False  # (leader) serve the API beyond loopback without a key
+    api_cors: tuple[str, ...] = ()  # (leader) browser origins the API answers cross-origin ("*": any)
     emulation: Emulation = Emulation()
     profile: ProfileOverrides = ProfileOverrides()
     planning: PlanningConfig = PlanningConfig()
@@ -112,18 +118,36 @@ class AgentConfig(Settings):
         return v
 
     @model_validator(mode="after")
-    def _paths(self) -> AgentConfig:
+    def _keys(self) -> AgentConfig:
         if self.secret is not None and len(self.secret.get_secret_value()) < 8:
             raise ValueError("the shared secret must have at least 8 characters")
+        given = [n for n in ("cluster_key_file", "cluster_key", "secret") if getattr(self, n) is not None]
+        if len(given) > 1 or (given and self.insecure):
+            raise ValueError(f"give one of a cluster key file, a cluster key, a secret or --insecure, not "
+                             f"{' and '.join(given + ['insecure'] * self.insecure)}")
+        if self.api_key is not None and len(self.api_key.get_secret_value()) < 8:
+            raise ValueError("the API key must have at least 8 characters")
+        if self.leader and self.api_key is None and not self.api_insecure and not is_loopback(self.api_host):
+            raise ValueError(f"the API would listen on {self.api_host} without a key: give --api-key (better: "
+                             f"${API_KEY}), or --api-insecure to serve it open")
         return self
 
     @property
-    def secret_bytes(self) -> bytes | None:
-        return None if self.secret is None else self.secret.get_secret_value().encode()
+    def api_key_text(self) -> str | None:
+        return None if self.api_key is None else self.api_key.get_secret_value()
 
     @property
     def state_path(self) -> Path:
         return self.state_dir.expanduser()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def split_host_port(value: str) -> tuple[str, int]:
@@ -174,11 +198,17 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
         if isinstance(data.get("model"), str) and not Path(data["model"]).is_absolute():
             data["model"] = str(p.parent / data["model"])
     data = _merge(data, overrides or {})
-    if data.get("secret") is None and env.get(SECRET):
-        data["secret"] = env[SECRET]
+    keyed = any(data.get(k) is not None for k in ("cluster_key", "cluster_key_file", "secret"))
+    if not keyed and not data.get("insecure"):
+        if env.get(CLUSTER_KEY):
+            data["cluster_key"] = env[CLUSTER_KEY]
+        elif env.get(SECRET):
+            data["secret"] = env[SECRET]
+    if data.get("api_key") is None and env.get(API_KEY):
+        data["api_key"] = env[API_KEY]
     if data.get("state_dir") is None and env.get(STATE_DIR):
         data["state_dir"] = env[STATE_DIR]
-    for key in ("interfaces", "peers"):
+    for key in ("interfaces", "peers", "api_cors"):
         if key in data:
             data[key] = tuple(data[key])
     try:

@@ -3,7 +3,9 @@
     FLOWSPEC_CACHE_DIR       caches: built kernels, tokenizers, trained draft heads, the tree tuning, training runs
                              (default $XDG_CACHE_HOME/flowspec_p2p, else ~/.cache/flowspec_p2p)
     FLOWSPEC_STATE_DIR       an agent's state folder (its id, fetched weights), when the profile and flags set none
-    FLOWSPEC_SECRET          the cluster's shared secret (preferred over --secret, which other users see in ``ps``)
+    FLOWSPEC_CLUSTER_KEY     the cluster key (fsk1-...; preferred over flags, which other users see in ``ps``)
+    FLOWSPEC_SECRET          a passphrase the cluster key is derived from (the older way; preferred over --secret)
+    FLOWSPEC_API_KEY         the leader API's key (preferred over --api-key; ``flowspec chat`` sends it)
     FLOWSPEC_SPEC_BENCH      the folder of the six Spec-Bench ``<set>.jsonl`` files (default: ../shared/data/spec-bench
                              beside the repository checkout)
     FLOWSPEC_ENGINE          the model engine: auto (default: native where it runs, else torch), native, torch
@@ -23,8 +25,12 @@ from pathlib import Path
 CACHE_DIR = "FLOWSPEC_CACHE_DIR"
 STATE_DIR = "FLOWSPEC_STATE_DIR"
 SECRET = "FLOWSPEC_SECRET"
+CLUSTER_KEY = "FLOWSPEC_CLUSTER_KEY"
+API_KEY = "FLOWSPEC_API_KEY"
 SPEC_BENCH = "FLOWSPEC_SPEC_BENCH"
 PACKED_WEIGHTS = "FLOWSPEC_PACKED_WEIGHTS"
+DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")  # an agent's state folder when nothing says otherwise
+DEFAULT_API_PORT = 8000  # the leader's API
 ENGINE = "FLOWSPEC_ENGINE"
 ENGINES = ("auto", "native", "torch")
 
@@ -55,6 +61,11 @@ def spec_bench_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "shared" / "data" / "spec-bench"
 
 
+def api_key() -> str | None:
+    """FLOWSPEC_API_KEY: the key a client of the leader's API sends (None when unset or empty)."""
+    return os.environ.get(API_KEY) or None
+
+
 def packed_weights() -> str:
     """FLOWSPEC_PACKED_WEIGHTS: which few-row matmul backend to use (see model/shard.py)."""
     return os.environ.get(PACKED_WEIGHTS, "1")
@@ -69,3 +80,14 @@ def engine() -> str:
 def compiler() -> str:
     """The C compiler for the native kernels: $CC, else ``cc``."""
     return os.environ.get("CC") or "cc"
+
+
+def physical_cores() -> int:
+    """This device's physical cores that this process may run on: psutil's physical count (where installed),
+    capped by the CPU affinity (a container given 2 CPUs of a 32-core host gets 2)."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        import psutil
+    except ImportError:  # psutil is optional here: the usable CPUs are the next best guess
+        return max(1, allowed)
+    return max(1, min(psutil.cpu_count(logical=False) or allowed, allowed))

@@ -1,5 +1,8 @@
 """Shared by the agent tests: agents in one process on the loopback interface with the tiny float64 model, and
-timing constants shrunk (python-zeroconf's quick_timing idea). Import the fixtures by name."""
+timing constants shrunk (python-zeroconf's quick_timing idea). Import the fixtures by name.
+
+``make`` gives every agent of a test the same fresh cluster key (TLS and authentication, the default); pass
+``insecure=True`` for the open mode, or ``secret=``/``cluster_key=``/``cluster_key_file=`` for another key."""
 
 import asyncio
 import contextlib
@@ -11,6 +14,7 @@ import pytest
 from flowspec_p2p.agent import Agent
 from flowspec_p2p.cluster import coordinator, discovery
 from flowspec_p2p.cluster import membership as cluster
+from flowspec_p2p.cluster.keys import ClusterKey
 from flowspec_p2p.config import AgentConfig
 
 from .ring_fixtures import ByteTokenizer, tiny_parts
@@ -36,9 +40,12 @@ def parts_fixture(tiny_llama):
 @pytest.fixture(name="make")
 def make_fixture(tmp_path, tiny_llama):
     name = f"t-{uuid.uuid4().hex[:6]}"
+    key = ClusterKey.generate().text
 
     def cfg(label: str, leader: bool = False, **kw) -> AgentConfig:
+        keyed = not any(kw.get(k) for k in ("insecure", "secret", "cluster_key", "cluster_key_file"))
         data = dict(cluster=name, name=label, leader=leader, model=tiny_llama if leader else None,
+                    cluster_key=key if keyed else None,
                     interfaces=("127.0.0.1",), state_dir=tmp_path / label, api_port=0, dtype="float64",
                     wire_dtype="float64", planning={"context": 128, "leader_layers": "always"},
                     profile={"gflops": 10.0, "memory_mb": 2000.0})

@@ -1,11 +1,13 @@
 """Agents in one process on the loopback interface (port 0, tiny float64 model): they find each other, plan,
-fetch their layers from the leader and serve; a second leader and strangers without the shared secret are refused."""
+fetch their layers from the leader and serve over TLS; a second leader and strangers without the cluster key are
+refused; the open mode (--insecure) still serves."""
 
 import asyncio
 
 import pytest
 
 from flowspec_p2p.agent import Agent
+from flowspec_p2p.cluster.keys import ClusterKey
 from flowspec_p2p.config import load
 from flowspec_p2p.decoding.flowspec import FlowSpecConfig
 from flowspec_p2p.errors import ConfigError
@@ -48,22 +50,47 @@ async def test_a_second_leader_is_refused_with_a_clear_message(make):
         assert first.started.is_set()
 
 
-async def test_a_stranger_without_the_secret_cannot_join(make, parts):
+async def test_strangers_with_another_key_a_wrong_secret_or_none_cannot_join(make, parts):
+    """--secret maps onto a cluster key (derived from it): agents sharing it join; a wrong secret, another cluster
+    key, or an open (--insecure) agent are refused, however they reach the leader."""
     leader = Agent(make("lead", leader=True, secret="correct horse battery"), tokenizer=ByteTokenizer())
     async with running(leader):
         await until(lambda: leader.info is not None and leader.started.is_set())
+        assert leader.info.url.startswith("https://")
         peer = f"127.0.0.1:{leader.info.port}"
         stranger = Agent(make("x", secret="wrong horse battery", peers=(peer,), mdns=False))
-        nobody = Agent(make("y", peers=(peer,), mdns=False))
+        other_key = Agent(make("k", cluster_key=ClusterKey.generate().text, peers=(peer,)))
+        nobody = Agent(make("y", insecure=True, peers=(peer,), mdns=False))
         friend = Agent(make("f", secret="correct horse battery", peers=(peer,), mdns=False))
-        async with running(stranger, nobody, friend):
-            await until(serving(leader, 1))  # ring links and weight fetches are signed too
+        async with running(stranger, other_key, nobody, friend):
+            await until(serving(leader, 1))  # ring links and weight fetches are authenticated too
             assert friend.id in leader.coordinator.plan.agents
             prompt = ByteTokenizer().encode("secret")
             data = await complete(leader, [1, *prompt], 6)
             assert data["choices"][0]["text"] == ByteTokenizer().decode(parts.reference(prompt, 6))
-        assert stranger.id not in leader.coordinator.membership.members
-        assert nobody.id not in leader.coordinator.membership.members
+            await asyncio.sleep(0.5)
+            for x in (stranger, other_key, nobody):
+                assert x.member.leader is None
+        for x in (stranger, other_key, nobody):
+            assert x.id not in leader.coordinator.membership.members
+
+
+async def test_the_open_mode_serves_over_plain_http(make, parts, caplog):
+    leader = Agent(make("lead", leader=True, insecure=True), tokenizer=ByteTokenizer())
+    member = Agent(make("m", insecure=True))
+    async with running(leader, member):
+        await until(serving(leader, 1))
+        assert leader.info.url.startswith("http://")
+        assert not leader.info.identity
+        prompt = ByteTokenizer().encode("open")
+        data = await complete(leader, [1, *prompt], 6)
+        assert data["choices"][0]["text"] == ByteTokenizer().decode(parts.reference(prompt, 6))
+    assert sum("OPEN cluster" in r.message for r in caplog.records) == 2  # a warning at every start
+
+
+async def test_a_member_without_a_key_refuses_to_start_and_says_how_to_get_one(make):
+    with pytest.raises(ConfigError, match="FLOWSPEC_CLUSTER_KEY"):
+        await Agent(make("m", cluster_key=None, insecure=False)).run()
 
 
 def test_config_layers_profile_flags_and_environment(tmp_path):
@@ -73,7 +100,7 @@ def test_config_layers_profile_flags_and_environment(tmp_path):
                env={"FLOWSPEC_SECRET": "from-the-environment", "FLOWSPEC_STATE_DIR": str(tmp_path / "s")})
     assert (cfg.cluster, cfg.name, cfg.port, cfg.profile.memory_mb) == ("home", "pi", 4000, 512)
     assert (cfg.emulation.slowdown, cfg.emulation.link_mbps) == (2.0, 50.0)
-    assert cfg.secret_bytes == b"from-the-environment"
+    assert cfg.secret.get_secret_value() == "from-the-environment"
     assert "from-the-environment" not in repr(cfg)
     assert cfg.state_dir == tmp_path / "s"
     with pytest.raises(ConfigError, match="HOST:PORT"):
@@ -84,6 +111,14 @@ def test_config_layers_profile_flags_and_environment(tmp_path):
     with pytest.raises(ConfigError, match="decoding"):
         load(None, {"decoding": "fastest"}, env={})
     assert load(None, {"flowspec": {"segment_cap": 1}}, env={}).flowspec == FlowSpecConfig(segment_cap=1)
+    key = ClusterKey.generate().text
+    assert load(None, {}, env={"FLOWSPEC_CLUSTER_KEY": key, "FLOWSPEC_SECRET": "x" * 8}).cluster_key is not None
+    assert load(None, {}, env={"FLOWSPEC_CLUSTER_KEY": key, "FLOWSPEC_SECRET": "x" * 8}).secret is None
+    for flags in ({"insecure": True}, {"cluster_key_file": "k.key"}, {"secret": "a passphrase"}):  # flags win
+        assert load(None, flags, env={"FLOWSPEC_CLUSTER_KEY": key}).cluster_key is None
+    with pytest.raises(ConfigError, match="give one of"):
+        load(None, {"insecure": True, "secret": "a passphrase"}, env={})
+    assert load(None, {}, env={"FLOWSPEC_API_KEY": "k" * 12}).api_key_text == "k" * 12
     with pytest.raises(ConfigError, match=r"flowspec\.in_flight"):
         load(None, {"flowspec": {"in_flight": 0}}, env={})
 

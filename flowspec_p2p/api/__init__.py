@@ -1,4 +1,6 @@
-"""The leader's HTTP API: OpenAI-compatible completions over the cluster, health and cluster views (app).
+"""The leader's HTTP API: OpenAI-compatible completions over the cluster, health and cluster views (app), the
+request bodies and errors (schemas), logprobs in OpenAI's shapes (logprobs), Prometheus metrics (metrics), the access
+log (access) and the dashboard (dashboard, with its page in static/).
 
 May import: cluster, config, decoding, pipeline, spec, model and the base modules.
 """

@@ -6,6 +6,11 @@
     GET  /health                200 {"status": "ok"} when a pipeline is ready, else 503 {"status": "not_ready"}
     GET  /cluster               what the control plane knows (``cluster_view()``: members with id, role,
                                 address, pid, capabilities; the plan; per-stage counters) + the leader's state
+    GET  /metrics               Prometheus text format (metrics.py)
+    GET  /, /dashboard/...      the dashboard: static page, its assets and its event stream (dashboard.py)
+
+Every route but /health is one an API key (when the cluster has one) must cover: the app's middlewares see them all.
+Each request leaves one access-log line (access.py).
 
 Extensions to the OpenAI request body: ``decoding`` ("ar", "chunk", "pipedec", "flowspec"; default: the leader's
 default mode, or ``model`` when that names a mode) and ``top_k``. Non-streamed responses carry a top-level ``stats``
@@ -13,14 +18,19 @@ object (mode, new_tokens, steps, tau, prefill_s, decode_s, decode_started_at, de
 streamed chunk carries it too. For benchmarks, ``return_token_ids: true`` adds the generated ids to it
 (``token_ids``) and ``return_leader_timeline: true`` the leader's compute intervals (``leader_intervals``,
 time.time() pairs).
-``temperature`` defaults to 1.0 as in OpenAI's API (0 = greedy).
+``temperature`` defaults to 1.0 as in OpenAI's API (0 = greedy). ``logprobs`` (and ``top_logprobs``) work in every
+mode, streamed and not: the target's log-probabilities at each committed token (trace.py). Fields the server cannot
+honour are refused with a 400 naming them (schemas.py).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for requests the client must
 fix (malformed JSON, wrong types, unknown mode, prompt over the context limit, max_tokens out of range), 503 with
 Retry-After when the cluster is busy, re-planning or lost a stage, 500 when a stage failed. An error after a
 stream started arrives as a final ``data: {"error": ...}`` event.
 
-Bind it to 127.0.0.1 (the caller's choice; the default of ``flowspec agent --api-host``): it has no auth.
+With a key (``create_app(api_key=...)``: ``--api-key`` / ``FLOWSPEC_API_KEY``) every route but /health asks for it as
+a Bearer token (auth.py); ``cors`` names browser origins it answers cross-origin. Without a key, bind it to
+127.0.0.1 (the default of ``flowspec agent --api-host``; the agent refuses to serve it beyond loopback without one
+unless ``--api-insecure``).
 """
 
 from __future__ import annotations
@@ -38,12 +48,28 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from ..decoding.leader import Leader
+from ..decoding.trace import RequestTrace, TokenLogprob
 from ..errors import (
     FlowSpecError,
 )
 from ..model.generate import GenStats
 from ..model.tokenizer import Detokenizer
-from .schemas import DEFAULT_MAX_TOKENS, ApiError, Body, ChatRequest, CompletionRequest, api_error, validation_error
+from .access import JOB, access_log
+from .auth import secure_api
+from .dashboard import Timelines, install_dashboard
+from .logprobs import chat_logprobs, completion_logprobs
+from .metrics import install_metrics
+from .schemas import (
+    DEFAULT_MAX_TOKENS,
+    ERROR_STATUS,
+    REASON,
+    ApiError,
+    Body,
+    ChatRequest,
+    CompletionRequest,
+    api_error,
+    validation_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +91,8 @@ class _Job:
         settings = leader.settings
         max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, settings.max_context)
         if max_tokens > settings.max_context:
-            raise ApiError(400, f"max_tokens must be at most {settings.max_context}", "invalid_request_error",
-                           "max_tokens")
+            which = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+            raise ApiError(400, f"{which} must be at most {settings.max_context}", "invalid_request_error", which)
         mode = body.decoding or _mode_named(leader, body.model)
         self.spec, self.budget = leader.check(len(prompt), max_tokens, mode)
         self.stats = GenStats(mode=self.spec.name)
@@ -75,6 +101,9 @@ class _Job:
         self.finish_reason = "length"
         self.token_ids: list[int] = []
         self.leader_intervals: list[tuple[float, float]] | None = [] if body.return_leader_timeline else None
+        self.trace = RequestTrace(mode=self.spec.name, prompt_tokens=len(prompt),
+                                  top_logprobs=body.top_logprobs_wanted())
+        self.text_offset = 0  # characters of the reply whose logprobs went out (completions' text_offset)
 
     def stats_dict(self) -> dict:
         d = self.stats.as_dict()
@@ -84,14 +113,24 @@ class _Job:
             d["leader_intervals"] = [[round(a, 6), round(b, 6)] for a, b in self.leader_intervals]
         return d
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas; sets ``finish_reason``. Closing it stops the generation (and releases the stages)."""
+    async def deltas(self) -> AsyncIterator[tuple[str, list[TokenLogprob]]]:
+        """Text deltas, each with the logprobs of the tokens behind it when the request asked for them (else
+        none); sets ``finish_reason``. Closing it stops the generation (and releases the stages)."""
         tok = self.leader.tokenizer
         detok = Detokenizer(tok, self.body.stop_strings())
         stop_ids = tok.stop_ids
+        noted = self.trace.logprobs
+        taken = 0
+
+        def new_logprobs() -> list[TokenLogprob]:
+            nonlocal taken
+            out = noted[taken:] if noted is not None else []
+            taken += len(out)
+            return out
+
         chunks = self.leader.generate(self.prompt, params=self.body.sampling(), max_tokens=self.budget,
                                       stop_ids=stop_ids, mode=self.spec.name, stats=self.stats,
-                                      timeline=self.leader_intervals)
+                                      timeline=self.leader_intervals, trace=self.trace)
         async with contextlib.aclosing(chunks):
             async for ids in chunks:
                 self.token_ids += ids
@@ -100,37 +139,52 @@ class _Job:
                     self.finish_reason = "stop"
                 if detok.finished:
                     self.finish_reason = "stop"
-                    if text:
-                        yield text
+                    rest = new_logprobs()
+                    if text or rest:
+                        yield text, rest
                     return
                 if text:
-                    yield text
-        tail = detok.flush()
-        if tail:
-            yield tail
+                    yield text, new_logprobs()
+        tail, rest = detok.flush(), new_logprobs()
+        if tail or rest:
+            yield tail, rest
 
     def usage(self) -> dict:
         n = self.stats.new_tokens
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
 
-    def chunk(self, delta: str | None, finish: str | None = None, role: bool = False) -> dict:
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's ``logprobs`` object of a choice for ``entries`` (None when the request did not ask)."""
+        if entries is None or self.trace.logprobs is None:
+            return None
+        decode = self.leader.tokenizer.decode
+        if self.kind == "chat":
+            return chat_logprobs(entries, decode)
+        out = completion_logprobs(entries, decode, self.text_offset)
+        self.text_offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def chunk(self, delta: str | None, finish: str | None = None, role: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> dict:
+        lp = self.logprobs(logprobs)
         if self.kind == "chat":
             d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.leader.model_id,
                 "choices": [choice]}
 
     def full(self, text: str) -> dict:
+        lp = self.logprobs(self.trace.logprobs)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": self.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.leader.model_id,
                 "choices": [choice], "usage": self.usage(), "stats": self.stats_dict()}
@@ -171,16 +225,20 @@ async def _complete(request: web.Request, model: type[Body]) -> web.StreamRespon
     param = "messages" if model is ChatRequest else "prompt"
     try:
         body = await _parse(request, model)
+        refusal = body.unsupported()
+        if refusal is not None:
+            raise refusal
         prompt, kind = _prompt_ids(leader, body)
         job = _Job(leader, body, prompt, kind)
     except (ApiError, FlowSpecError) as e:
         return api_error(e, retry, param).response()
+    request[JOB] = job
     if body.stream:
         return await _stream(request, job, retry, param)
     parts: list[str] = []
     try:
         async with contextlib.aclosing(job.deltas()) as deltas:
-            async for text in deltas:
+            async for text, _ in deltas:
                 parts.append(text)
     except Exception as e:
         return api_error(e, retry, param).response()
@@ -205,9 +263,9 @@ async def _stream(request: web.Request, job: _Job, retry: int, param: str) -> we
         if job.kind == "chat":
             await send(job.chunk(None, role=True))
         if first:
-            await send(job.chunk(first))
-        async for text in deltas:
-            await send(job.chunk(text))
+            await send(job.chunk(first[0], logprobs=first[1]))
+        async for text, logprobs in deltas:
+            await send(job.chunk(text, logprobs=logprobs))
         last = job.chunk(None, finish=job.finish_reason)
         last["stats"] = job.stats_dict()
         await send(last)
@@ -217,6 +275,7 @@ async def _stream(request: web.Request, job: _Job, retry: int, param: str) -> we
         raise
     except Exception as e:
         err = api_error(e, retry, param)
+        resp[REASON], resp[ERROR_STATUS] = err.reason, err.status
         with contextlib.suppress(ConnectionResetError):
             await send(err.body())
     finally:
@@ -261,11 +320,15 @@ async def cluster(request: web.Request) -> web.Response:
     return web.json_response({**known, "leader": request.app[LEADER].snapshot()})
 
 
-def create_app(leader: Leader, cluster_view: ClusterView | None = None, *, run_leader: bool = True
+def create_app(leader: Leader, cluster_view: ClusterView | None = None, *, run_leader: bool = True,
+               api_key: str | None = None, cors: tuple[str, ...] = (), timelines: Timelines | None = None
                ) -> web.Application:
     """The API app. ``run_leader``: run ``leader.run()`` (the demultiplexer) for the app's lifetime
-    (cleanup_ctx); pass False when the composition root already runs it in its own TaskGroup."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    (cleanup_ctx); pass False when the composition root already runs it in its own TaskGroup. ``api_key``: every
+    route but /health needs it; ``cors``: browser origins allowed cross-origin. ``timelines``: the stages' busy
+    intervals for the dashboard (cluster/telemetry.py), when there is a cluster."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[access_log])
+    secure_api(app, api_key, cors)
     app[LEADER] = leader
     app[CLUSTER_VIEW] = cluster_view
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -273,6 +336,8 @@ def create_app(leader: Leader, cluster_view: ClusterView | None = None, *, run_l
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/cluster", cluster)
+    install_metrics(app, leader, cluster_view)
+    install_dashboard(app, leader, cluster_view, timelines)
     if run_leader:
         app.cleanup_ctx.append(_leader_task)
     return app

@@ -1,5 +1,10 @@
 """The API's request bodies (OpenAI's chat and completions fields, plus ``decoding``, ``top_k`` and the bench's
-``return_*`` flags) and its errors in OpenAI's shape; app.py serves them."""
+``return_*`` flags) and its errors in OpenAI's shape; app.py serves them.
+
+Every field the server accepts does what it says; the ones it cannot honour are refused with a 400 that names the
+field (``unsupported``): tools and function calling, ``response_format`` other than text, non-zero penalties, a
+``logit_bias``, ``echo``, ``suffix``. Every number is range-checked (a 400, never a 500); ``seed`` is a signed
+64-bit integer."""
 
 from __future__ import annotations
 
@@ -26,23 +31,33 @@ log = logging.getLogger(__name__)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+MAX_TOP_K = 1 << 20
+MIN_TEMPERATURE = 1e-5  # below this (but above 0, greedy) logits / temperature can overflow
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+# Fields of other OpenAI-compatible servers that change the output, with the value that changes nothing: any other
+# value is refused (unknown fields are otherwise ignored)
+REFUSED_EXTRAS = {"repetition_penalty": 1.0, "min_p": 0.0, "typical_p": 1.0, "min_tokens": 0, "ignore_eos": False,
+                  "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+                  "grammar": None, "json_schema": None, "prediction": None, "audio": None, "modalities": ["text"]}
 
 
 # ------------------------------------------------------------------------------------------------ requests
 
 
 class Body(BaseModel):
-    """Fields shared by both endpoints. Unknown OpenAI fields are ignored; known ones are type-checked strictly."""
+    """Fields shared by both endpoints. Unknown fields are ignored (REFUSED_EXTRAS excepted); known ones are
+    type-checked strictly."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
@@ -50,6 +65,22 @@ class Body(BaseModel):
     decoding: str | None = Field(None, min_length=1, max_length=32)
     return_token_ids: bool = False  # stats carry "token_ids": the generated ids (benchmarks compare modes by them)
     return_leader_timeline: bool = False  # stats carry "leader_intervals": the leader's compute [start, end] pairs
+    # accepted only at the values that change nothing (see unsupported()); the ranges are OpenAI's
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -67,6 +98,34 @@ class Body(BaseModel):
 
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
+
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        return None
+
+    def unsupported(self) -> ApiError | None:
+        """The first field set to something this server cannot do, as the 400 to answer."""
+        fmt = (self.response_format or {}).get("type", "text")
+        refusals = [
+            ("tools", bool(self.tools), "function calling (tools) is not supported"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tools are not supported"),
+            ("functions", bool(self.functions), "function calling is not supported"),
+            ("function_call", self.function_call not in (None, "none", "auto"), "function calling is not supported"),
+            ("response_format", fmt != "text", f"response_format {fmt!r} is not supported: only plain text"),
+            ("frequency_penalty", self.frequency_penalty != 0.0, "penalties are not supported (only 0)"),
+            ("presence_penalty", self.presence_penalty != 0.0, "penalties are not supported (only 0)"),
+            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+            *self._refusals(),
+            *((k, v != REFUSED_EXTRAS[k], "not supported by this server") for k, v in (self.model_extra or {}).items()
+              if k in REFUSED_EXTRAS),
+        ]
+        for param, refused, why in refusals:
+            if refused:
+                return ApiError(400, f"{param}: {why}", "invalid_request_error", param, "unsupported_parameter")
+        return None
+
+    def _refusals(self) -> list[tuple[str, bool, str]]:
+        return []
 
 
 class _TextPart(BaseModel):
@@ -89,10 +148,29 @@ class _Message(BaseModel):
 
 class ChatRequest(Body):
     messages: list[_Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _refusals(self) -> list[tuple[str, bool, str]]:
+        return [("top_logprobs", self.top_logprobs is not None and not self.logprobs,
+                 "top_logprobs needs logprobs: true")]
 
 
 class CompletionRequest(Body):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy API's: alternatives per token
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def _refusals(self) -> list[tuple[str, bool, str]]:
+        return [("echo", self.echo, "echo is not supported"), ("suffix", bool(self.suffix), "suffix is not supported")]
 
     @field_validator("prompt")
     @classmethod
@@ -106,6 +184,9 @@ class CompletionRequest(Body):
 
 # ------------------------------------------------------------------------------------------------- errors
 
+REASON = web.ResponseKey("reason", str)  # an error reply's reason, for the access log and /metrics
+ERROR_STATUS = web.ResponseKey("error_status", int)  # a stream that failed after it started: its error's status
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
@@ -117,9 +198,16 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    @property
+    def reason(self) -> str:
+        """What /metrics counts the error under."""
+        return self.code or self.type
+
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        resp = web.json_response(self.body(), status=self.status, headers=headers)
+        resp[REASON] = self.reason
+        return resp
 
 
 def api_error(e: BaseException, retry_after: int, prompt_param: str = "messages") -> ApiError:

@@ -224,22 +224,38 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: best effort
 
 
-def rss_child(path: str | None, start: int, end: int, embed: bool, head: bool) -> None:
-    """Run in a fresh process: load one range in one role, print peak RSS (MB) before and after as JSON."""
-    from ..model.shard import Shard
-    from ..model.weights import open_source
+def rss_child(path: str | None, start: int, end: int, embed: bool, head: bool, context: int) -> None:
+    """Run in a fresh process: load one range in one role on the engine ``load_shard`` picks, allocate its KV
+    cache for ``context`` positions, print as JSON the peak RSS (MB) before and after and what the range stores
+    in the file (its layers' bytes, plus the embedding and the LM head where it holds them)."""
+    from ..model.load import load_shard
+    from ..model.weights import EMBED, HEAD, layer_tensor_names, open_source
     from ..types import LayerRange
 
     src = open_source(path)
+    cfg = src.config
+    names = [n for i in range(start, end) for n in layer_tensor_names(cfg, i)]
+    names += [EMBED] if embed else []
+    names += [EMBED if cfg.tie_embeddings else HEAD] if head and not (embed and cfg.tie_embeddings) else []
+    stored = sum(len(src.raw_bytes(n)) for n in names)
     base = _peak_rss_mb()
-    shard = Shard.from_source(src, LayerRange(start=start, end=end), embed=embed, head=head)
-    params = sum(p.numel() * p.element_size() for p in shard.parameters())
-    params += 0 if shard.head_t is None else shard.head_t.numel() * shard.head_t.element_size()
+    shard = load_shard(src, LayerRange(start=start, end=end), embed=embed, head=head)
+    cache = shard.new_cache(context)
+    if hasattr(shard, "nbytes"):  # the native engine
+        tensors = shard.nbytes
+    else:
+        tensors = sum(p.numel() * p.element_size() for p in shard.parameters())
+        tensors += 0 if shard.head_t is None else shard.head_t.numel() * shard.head_t.element_size()
+    kv = cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()
     peak = _peak_rss_mb()
-    sys.stdout.write(json.dumps({"baseline_mb": base, "peak_mb": peak, "tensors_mb": params / 2**20}) + "\n")
+    sys.stdout.write(json.dumps({"engine": type(shard).__name__, "baseline_mb": base, "peak_mb": peak,
+                                 "tensors_mb": tensors / 2**20, "stored_mb": stored / 2**20,
+                                 "kv_mb": kv / 2**20}) + "\n")
 
 
-def memory(path: str | None, num_layers: int) -> dict:
+def memory(path: str | None, num_layers: int, context: int = 2048) -> dict:
+    """Peak RSS per role (a member stage's range, the leader's ends, everything), each in a fresh process, next to
+    the target: RSS before loading + 1.3 x the range's stored bytes + its KV cache at ``context`` positions."""
     q = num_layers // 4
     cases = [
         ("first quarter + embedding", 0, q, True, False),
@@ -249,10 +265,14 @@ def memory(path: str | None, num_layers: int) -> dict:
     ]
     rows = []
     for name, a, b, embed, head in cases:
-        code = f"from flowspec_p2p.bench.core import rss_child; rss_child({path!r}, {a}, {b}, {embed}, {head})"
+        code = (f"from flowspec_p2p.bench.core import rss_child; "
+                f"rss_child({path!r}, {a}, {b}, {embed}, {head}, {context})")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        rows.append({"case": name, "layers": f"[{a}, {b})", **json.loads(out.stdout.strip().splitlines()[-1])})
-    return {"rows": rows}
+        row = {"case": name, "layers": f"[{a}, {b})", **json.loads(out.stdout.strip().splitlines()[-1])}
+        row["target_mb"] = row["baseline_mb"] + 1.3 * row["stored_mb"] + row["kv_mb"]
+        row["within_target"] = row["peak_mb"] <= row["target_mb"]
+        rows.append(row)
+    return {"context": context, "rows": rows}
 
 
 # -------------------------------------------------------------------------------------------------- load
@@ -344,10 +364,13 @@ def markdown(result: dict) -> str:
                        f"{gap} | {r['max_abs_dlogits']:.2e} / {r['max_abs_dlogits_decode']:.2e} |")
         out.append("")
     if mem := result.get("memory"):
-        out += ["## Peak RSS by range (fresh process each)", "", "| case | layers | tensors MB | peak RSS MB | "
-                "RSS before loading MB |", "|---|---|---|---|---|"]
-        out += [f"| {r['case']} | {r['layers']} | {r['tensors_mb']:.0f} | {r['peak_mb']:.0f} | {r['baseline_mb']:.0f} |"
-                for r in mem["rows"]]
+        out += [f"## Peak RSS by range (fresh process each, KV cache for {mem['context']} positions)", "",
+                "target: RSS before loading + 1.3 x the range's stored bytes + its KV", "",
+                "| case | layers | engine | stored MB | in memory MB | KV MB | RSS before MB | peak RSS MB | "
+                "target MB |", "|---|---|---|---|---|---|---|---|---|"]
+        out += [f"| {r['case']} | {r['layers']} | {r['engine']} | {r['stored_mb']:.1f} | {r['tensors_mb']:.1f} | "
+                f"{r['kv_mb']:.1f} | {r['baseline_mb']:.0f} | {r['peak_mb']:.0f} | {r['target_mb']:.0f}"
+                f"{'' if r['within_target'] else ' (over)'} |" for r in mem["rows"]]
         out.append("")
     if (ld := result.get("load")) and "median" in ld:
         o, g = ld["median"]["ours"], ld["median"]["gguf-py"]

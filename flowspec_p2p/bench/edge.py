@@ -66,6 +66,7 @@ class BenchConfig(Settings):
     model: Path | None = None
     draft: Path | None = None
     flowspec: FlowSpecOverrides | None = None  # --flowspec-config
+    insecure: bool = False  # agents linked over plain http/ws (the open mode) instead of TLS with a cluster key
     data: Path = Field(default_factory=default_dir)
     out: Path = Path("bench/flowspec")
     resume: bool = False
@@ -215,7 +216,7 @@ def run(cfg: BenchConfig) -> dict:
     options = ClusterOptions(stages=cfg.stages, leader_layers="never", link_mbps=cfg.link_mbps,
                              link_latency_ms=cfg.link_latency_ms or None, slowdown=slowdown, threads=cfg.threads,
                              wire_dtype=cfg.wire_dtype, context=cfg.context, model=cfg.model, draft=cfg.draft,
-                             flowspec=cfg.flowspec)
+                             flowspec=cfg.flowspec, insecure=cfg.insecure)
     log.warning("starting an emulated cluster: %d stages + leader, %s Mbit/s, %g ms, slowdown %g ...", cfg.stages,
                 cfg.link_mbps, cfg.link_latency_ms, slowdown)
     cluster = LocalCluster(cfg.stages + 1, options)

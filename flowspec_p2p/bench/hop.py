@@ -4,6 +4,8 @@
           after the receiver's RingServer has decoded it and queued it for the stage: the overhead a hop adds on
           top of the link's own transfer time. Both ends share one event loop (one process, as a worst case: the
           sender and receiver work never overlap). Goal: < 1 ms for a 16-token float16 segment of hidden 576.
+          Per transport, side by side (hops interleaved): ``ws`` (the open mode) and ``wss`` (TLS 1.3 and the
+          session of a keyed cluster, as agents link by default).
 ``ring``  the real default model cut into N stages in one process (LoopbackRing), the leader holding only the
           embedding, final norm and LM head; every prompt runs through every mode side by side (interleaved),
           greedy; decode tokens/s per mode, medians over prompts, and speedups relative to ``ar``.
@@ -14,17 +16,23 @@ Only ratios measured in the same run mean anything (docs/TEAM.md); absolute numb
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from aiohttp import web
 
+from ..cluster.guard import Guard
+from ..cluster.identity import Identity
+from ..cluster.keys import ClusterKey
+from ..cluster.pinning import AuthClient
 from ..decoding.ar import AR
 from ..decoding.context import DecodingMode
 from ..decoding.leader import Leader
@@ -61,49 +69,82 @@ def _quantile(xs: list[float], q: float) -> float:
 # ---------------------------------------------------------------------------------------------------- hop
 
 
-async def bench_hop(tokens: int = 16, hidden: int = 576, dtype: str = "float16", iters: int = 500,
-                    warmup: int = 50) -> dict:
-    """One hop over a real loopback websocket -> {median_ms, p90_ms, encode_us, decode_us, frame_bytes, ...}."""
+TRANSPORTS = ("ws", "wss")  # plain websockets (--insecure), and TLS with the mutual authentication of a keyed cluster
+
+
+async def _endpoint(transport: str, stack: contextlib.AsyncExitStack) -> tuple[Link, asyncio.Queue]:
+    """A RingServer on loopback port 0 and a Link to it, as agents open them: ``wss`` over TLS, the sender
+    authenticated (guard/pinning, a fresh cluster key and identities), ``ws`` as in the open mode."""
     inbox: asyncio.Queue = asyncio.Queue()
-    server = RingServer("receiver", "bench", inbox=inbox)
-    app = web.Application()
+    session, ssl_context = None, None
+    if transport == "wss":
+        key = ClusterKey.generate()
+        server_id = Identity.load_or_create(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+        guard = Guard(key, server_id, "receiver")
+        app = web.Application(middlewares=[guard.middleware])
+        guard.install(app)
+        server = RingServer("receiver", "bench", inbox=inbox, authenticated=lambda r: guard.peer_of(r).agent_id)
+        session = await stack.enter_async_context(AuthClient(key, Identity.generate(), "sender").open())
+        ssl_context = server_id.server_context()
+    else:
+        app = web.Application()
+        server = RingServer("receiver", "bench", inbox=inbox)
     server.install(app)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    stack.push_async_callback(runner.cleanup)
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context).start()
     port = runner.addresses[0][1]
-    link = await Link.connect(f"ws://127.0.0.1:{port}{RING_PATH}",
-                              RingHello(protocol=PROTOCOL_VERSION, cluster="bench", epoch=0, sender="sender"))
+    link = await Link.connect(f"{transport}://127.0.0.1:{port}{RING_PATH}",
+                              RingHello(protocol=PROTOCOL_VERSION, cluster="bench", epoch=0, sender="sender"),
+                              session=session)
+    stack.push_async_callback(link.close)
+    return link, inbox
+
+
+async def bench_hops(tokens: int = 16, hidden: int = 576, dtype: str = "float16", iters: int = 500,
+                     warmup: int = 50, transports: tuple[str, ...] = TRANSPORTS) -> list[dict]:
+    """One hop over a real loopback websocket per transport, the transports' hops interleaved (so the host's load
+    weighs on each alike) -> per transport {median_ms, p90_ms, encode_us, decode_us, frame_bytes, ...}."""
     act = torch.randn(tokens, hidden).to(codec.wire_dtype(dtype))  # [m, hidden] as a stage sends it
     msg = Forward(request_id="bench", seq=0, first=0, parents=[-1, *range(tokens - 1)],
                   positions=list(range(100, 100 + tokens)))
-    try:
-        hops = []
+    async with contextlib.AsyncExitStack() as stack:
+        ends = [await _endpoint(t, stack) for t in transports]
+        hops: list[list[float]] = [[] for _ in transports]
         for i in range(warmup + iters):
-            t0 = time.perf_counter()
-            await link.send(msg, {"hidden": act})
-            await inbox.get()
-            if i >= warmup:
-                hops.append(time.perf_counter() - t0)
-        frame = codec.encode(msg, {"hidden": act})
-        enc, dec = [], []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            codec.encode(msg, {"hidden": act})
-            t1 = time.perf_counter()
-            codec.decode(frame)
-            enc.append(t1 - t0)
-            dec.append(time.perf_counter() - t1)
-    finally:
-        await link.close()
-        await runner.cleanup()
-    med = statistics.median(hops) * 1e3
-    return {
-        "tokens": tokens, "hidden": hidden, "dtype": dtype, "iters": iters, "frame_bytes": len(frame),
-        "median_ms": round(med, 4), "p90_ms": round(_quantile(hops, 0.9) * 1e3, 4),
-        "encode_us": round(statistics.median(enc) * 1e6, 1), "decode_us": round(statistics.median(dec) * 1e6, 1),
-        "goal_ms": HOP_GOAL_MS, "meets_goal": med < HOP_GOAL_MS, "load_average": os.getloadavg()[0],
-    }
+            for (link, inbox), times in zip(ends, hops, strict=True):
+                t0 = time.perf_counter()
+                await link.send(msg, {"hidden": act})
+                await inbox.get()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+    frame = codec.encode(msg, {"hidden": act})
+    enc, dec = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        codec.encode(msg, {"hidden": act})
+        t1 = time.perf_counter()
+        codec.decode(frame)
+        enc.append(t1 - t0)
+        dec.append(time.perf_counter() - t1)
+    out = []
+    for transport, times in zip(transports, hops, strict=True):
+        med = statistics.median(times) * 1e3
+        out.append({
+            "transport": transport, "tokens": tokens, "hidden": hidden, "dtype": dtype, "iters": iters,
+            "frame_bytes": len(frame), "median_ms": round(med, 4), "p90_ms": round(_quantile(times, 0.9) * 1e3, 4),
+            "encode_us": round(statistics.median(enc) * 1e6, 1), "decode_us": round(statistics.median(dec) * 1e6, 1),
+            "goal_ms": HOP_GOAL_MS, "meets_goal": med < HOP_GOAL_MS, "load_average": os.getloadavg()[0],
+        })
+    return out
+
+
+async def bench_hop(tokens: int = 16, hidden: int = 576, dtype: str = "float16", iters: int = 500,
+                    warmup: int = 50, transport: str = "ws") -> dict:
+    """One hop over one transport (see bench_hops)."""
+    [result] = await bench_hops(tokens, hidden, dtype, iters, warmup, (transport,))
+    return result
 
 
 # --------------------------------------------------------------------------------------------------- ring
@@ -241,10 +282,11 @@ async def _generate(leader: Leader, ids: list[int], mode: str, max_tokens: int) 
 def write_hop_report(results: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "hop.json").write_text(json.dumps(results, indent=2) + "\n")
-    lines = ["| tokens | hidden | dtype | frame bytes | median ms | p90 ms | encode µs | decode µs |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['tokens']} | {r['hidden']} | {r['dtype']} | {r['frame_bytes']} | {r['median_ms']:.3f} | "
-              f"{r['p90_ms']:.3f} | {r['encode_us']:.0f} | {r['decode_us']:.0f} |" for r in results]
+    lines = ["| transport | tokens | hidden | dtype | frame bytes | median ms | p90 ms | encode µs | decode µs |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r.get('transport', 'ws')} | {r['tokens']} | {r['hidden']} | {r['dtype']} | {r['frame_bytes']} | "
+              f"{r['median_ms']:.3f} | {r['p90_ms']:.3f} | {r['encode_us']:.0f} | {r['decode_us']:.0f} |"
+              for r in results]
     (out / "hop.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -255,14 +297,14 @@ def write_hop_report(results: list[dict], out: Path) -> None:
         log.warning("matplotlib is not installed: no hop.png")
         return
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    labels = [f"{r['tokens']} tok\n{r['dtype']}" for r in results]
+    labels = [f"{r['tokens']} tok\n{r['dtype']}\n{r.get('transport', 'ws')}" for r in results]
     x = range(len(results))
     ax.bar([i - 0.2 for i in x], [r["median_ms"] for r in results], width=0.4, label="median")
     ax.bar([i + 0.2 for i in x], [r["p90_ms"] for r in results], width=0.4, label="p90")
     ax.axhline(HOP_GOAL_MS, color="red", linestyle="--", linewidth=1, label=f"goal {HOP_GOAL_MS:g} ms")
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("ms per hop")
-    ax.set_title(f"encode + loopback websocket + decode, hidden {results[0]['hidden']}", fontsize=10)
+    ax.set_title(f"encode + loopback websocket (ws; wss: TLS) + decode, hidden {results[0]['hidden']}", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "hop.png", dpi=120)

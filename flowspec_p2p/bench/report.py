@@ -254,6 +254,8 @@ def markdown(res: dict) -> str:
     lines = ["# flowspec bench: decoding modes side by side on an emulated edge cluster", ""]
     if s.get("emulation"):
         lines += [f"> {s['emulation']}", ""]
+    if s.get("agent_links"):
+        lines += [f"> Agent links: {s['agent_links']}.", ""]
     load, cores = s.get("load_average"), s.get("host_cores")
     if load is not None and cores and load > cores / 2:
         lines += [f"> **Warning:** the host's load average was {load:g} on {cores} cores at the start (other work): "

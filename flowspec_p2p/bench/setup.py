@@ -103,6 +103,7 @@ def make_setup(cfg: BenchConfig, slowdown: float, view: dict | None, modes: list
         "prompts_per_dataset": prompts_per_dataset,
         "temperatures": list(cfg.temperatures),
         "flowspec_config": cfg.flowspec or None,  # None: the defaults (flowspec.FlowSpecConfig)
+        "agent_links": "plain http/ws (--insecure)" if cfg.insecure else "TLS 1.3, mutually authenticated",
         "seeds": "fixed per prompt: crc32('<dataset>:<line>'), the same for every mode and temperature",
         "max_tokens": cfg.max_tokens,
         "host_cores": cores,

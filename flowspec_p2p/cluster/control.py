@@ -1,7 +1,7 @@
-"""Control-plane messages between agents, and request signing with the cluster's shared secret.
+"""Control-plane messages between agents.
 
-The control plane is plain HTTP: every agent serves ``POST /control`` (one JSON message in, one JSON message
-out), ``GET /control/info`` (its ``PeerInfo``, for static peers) and ``GET /control/timeline`` (its stage's busy
+The control plane is HTTP: every agent serves ``POST /control`` (one JSON message in, one JSON message out),
+``GET /control/info`` (its ``PeerInfo``, for static peers) and ``GET /control/timeline`` (its stage's busy
 intervals, for charts). The data plane (transport.py) is separate.
 
     member -> leader   Hello        "I am here, this is what I offer"     -> Welcome | Refused
@@ -15,18 +15,13 @@ intervals, for charts). The data plane (transport.py) is separate.
 
 Messages are frozen, strict pydantic models in a tagged union (``kind``), each with the protocol version ``v``.
 
-Signing: with a shared secret, every control, weights and ring request carries
-``X-Flowspec-Auth: <unix time>:<hex HMAC-SHA256(secret, method \\n path \\n time \\n sha256(body))>``; requests
-older or newer than MAX_CLOCK_SKEW_S are refused, so a stranger on the LAN can neither join, nor fetch weights,
-nor open a ring link and feed frames. mDNS advertisements carry only ``auth_tag`` (an HMAC of the cluster name),
-so agents with different secrets ignore each other quietly instead of failing handshakes.
+With a cluster key (the default), every agent endpoint is served over TLS to peers that authenticated
+(handshake.py, guard.py); a message that names its sender (``claimed_sender``) must name the authenticated one.
+An agent's ``identity`` is its certificate's fingerprint ("" in the open mode of ``--insecure``: plain http).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import time
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
@@ -41,9 +36,13 @@ CONTROL_VERSION = 1
 CONTROL_PATH = "/control"
 INFO_PATH = "/control/info"
 TIMELINE_PATH = "/control/timeline"
-AUTH_HEADER = "X-Flowspec-Auth"
-MAX_CLOCK_SKEW_S = 120.0
 MAX_CONTROL_BYTES = 4 * 1024 * 1024
+
+
+def agent_url(host: str, port: int, *, secure: bool) -> str:
+    """An agent server's base URL: https with a cluster key, http in the open mode."""
+    host = f"[{host}]" if ":" in host else host
+    return f"{'https' if secure else 'http'}://{host}:{port}"
 
 
 class _Msg(FrozenModel):
@@ -67,11 +66,11 @@ class PeerInfo(_Msg):
     profile: DeviceProfile
     model: str = ""  # fingerprint of the model copy it holds ("" = none: it fetches its range)
     version: int = CONTROL_VERSION
+    identity: str = Field(default="", max_length=64)  # its certificate's fingerprint ("" = open mode, plain http)
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return agent_url(self.host, self.port, secure=bool(self.identity))
 
 
 class Hello(_Msg):
@@ -124,11 +123,11 @@ class RingNode(_Msg):
     embed: bool
     head: bool  # the last stage: applies the final norm and returns features (the LM head stays on the leader)
     fingerprint: str  # weight_server.stage_fingerprint of exactly this stage's tensors
+    identity: str = Field(default="", max_length=64)  # the agent's certificate fingerprint (PeerInfo.identity)
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return agent_url(self.host, self.port, secure=bool(self.identity))
 
 
 class PlanUpdate(_Msg):
@@ -212,38 +211,12 @@ def decode_message(data: bytes | str) -> _Msg:
     return msg
 
 
-# -------------------------------------------------------------------------------------------------- signing
-
-
-def _mac(secret: bytes, method: str, path: str, ts: str, body: bytes) -> str:
-    payload = "\n".join((method.upper(), path, ts, hashlib.sha256(body).hexdigest())).encode()
-    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
-
-
-def sign(secret: bytes, method: str, path: str, body: bytes = b"", now: float | None = None) -> str:
-    """The value of the AUTH_HEADER for one request (path includes the query string)."""
-    ts = f"{time.time() if now is None else now:.3f}"
-    return f"{ts}:{_mac(secret, method, path, ts, body)}"
-
-
-def check_signature(secret: bytes, header: str | None, method: str, path: str, body: bytes = b"",
-           now: float | None = None) -> None:
-    """Raise ProtocolError unless ``header`` is a fresh, valid signature of this request."""
-    if not header or ":" not in header:
-        raise ProtocolError("missing signature: this cluster needs the shared secret")
-    ts, mac = header.split(":", 1)
-    try:
-        age = abs((time.time() if now is None else now) - float(ts))
-    except ValueError:
-        raise ProtocolError("malformed signature") from None
-    if age > MAX_CLOCK_SKEW_S:
-        raise ProtocolError(f"signature is {age:.0f} s off this agent's clock (limit {MAX_CLOCK_SKEW_S:.0f} s)")
-    if not hmac.compare_digest(mac, _mac(secret, method, path, ts, body)):
-        raise ProtocolError("bad signature: wrong shared secret")
-
-
-def auth_tag(secret: bytes | None, cluster: str) -> str:
-    """Advertised in mDNS: equal for agents sharing (cluster, secret); reveals nothing of the secret."""
-    if secret is None:
-        return ""
-    return hmac.new(secret, f"flowspec-cluster:{cluster}".encode(), hashlib.sha256).hexdigest()[:12]
+def claimed_sender(msg: _Msg) -> tuple[str | None, str | None]:
+    """(agent id, identity) a request message says it comes from; None where it does not say."""
+    if isinstance(msg, Hello):
+        return msg.peer.id, msg.peer.identity
+    if isinstance(msg, PlanUpdate):
+        return msg.leader.id, msg.leader.identity
+    if isinstance(msg, Heartbeat | StageStatus | Bye):
+        return msg.agent_id, None
+    return None, None

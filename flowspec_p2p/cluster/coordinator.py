@@ -49,6 +49,7 @@ from .net import Net
 from .planner import plan
 from .plans import ModelSizes, Plan, PlanOptions, diff, render
 from .stage_host import StageHost, connect_with_retry, ws_url
+from .view import cluster_view, plan_stages
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ class Coordinator:
             fp = await asyncio.to_thread(self.weights.range_fingerprint, s.layers, embed=s.embed, norm=s.head)
             info = infos[s.agent_id]
             nodes.append(RingNode(agent_id=s.agent_id, host=info.host, port=info.port, layers=s.layers,
-                                  embed=s.embed, head=s.head, fingerprint=fp))
+                                  embed=s.embed, head=s.head, fingerprint=fp, identity=info.identity))
         cfg = self.cfg
         update = PlanUpdate(cluster=cfg.cluster, epoch=self.epoch, leader=self.info, plan=new, ring=tuple(nodes),
                             config=self.model_config, model_fingerprint=self.model.fingerprint,
@@ -365,7 +366,7 @@ class Coordinator:
         planned, loaded = t.marks["planned"], t.marks.get("loaded", now)
         record = {"epoch": u.epoch, "trigger": t.trigger, "seconds": round(took, 3),
                   "detect_plan_s": round(planned - t.started, 3), "load_s": round(loaded - planned, 3),
-                  "switch_s": round(now - loaded, 3)}
+                  "switch_s": round(now - loaded, 3), "at": time.time(), "stages": plan_stages(u.plan)}
         self.recoveries = [*self.recoveries[-19:], record]
         self.serving.set()
         log.info("epoch %d serving on %d stage(s), %.2f s after: %s", u.epoch, len(u.ring), took, t.trigger)
@@ -373,30 +374,5 @@ class Coordinator:
     # ------------------------------------------------------------------------------------------------ view
 
     def view(self) -> dict:
-        """GET /cluster: members (id, role, address, pid, capabilities, state), the plan, per-stage counters."""
-        now = time.monotonic()
-        members = [{**self.info.model_dump(mode="json"), "address": self.info.url, "state": "leader",
-                    "epoch": self.update.epoch if self.update else -1}]
-        for m in sorted(self.membership.members.values(), key=lambda m: m.info.id):
-            members.append({**m.info.model_dump(mode="json"), "address": m.info.url, "state": m.state,
-                            "epoch": m.epoch, "failed": m.failed, "last_seen_s": round(now - m.last_seen, 2)})
-        stages = []
-        for i, n in enumerate(self.update.ring if self.update else (), 1):
-            counters = self.stage_host.snapshot() if n.agent_id == self.id else self.counters.get(n.agent_id)
-            stages.append({"stage": i, "agent_id": n.agent_id, "layers": str(n.layers), "address": n.url,
-                           "counters": counters})
-        t = self.transition
-        return {
-            "cluster": self.cfg.cluster,
-            "epoch": self.update.epoch if self.update else None,
-            "members": members,
-            "plan": self.plan.model_dump(mode="json") if self.plan else None,
-            "plan_text": render(self.plan) if self.plan else None,
-            "stages": stages,
-            "transition": None if t is None else {"epoch": t.epoch, "phase": t.phase, "trigger": t.trigger,
-                                                  "loaded": sorted(t.loaded), "ready": sorted(t.ready)},
-            "broken": self.broken,
-            "pending": self.membership.changed_at is not None or self.planning,
-            "recoveries": self.recoveries,
-            "emulation": self.cfg.emulation.model_dump(),
-        }
+        """GET /cluster (view.py)."""
+        return cluster_view(self)

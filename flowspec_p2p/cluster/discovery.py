@@ -2,9 +2,15 @@
 
 Each agent registers one service ``<cluster>-<agent id>._flowspec._tcp.local.`` whose TXT record carries what the
 planner needs (``PeerInfo``: id, cluster, role, memory, compute score, threads, link, model fingerprint, control
-protocol version, pid, start time, auth tag), and browses the same type. Resolved services of *its* cluster,
-protocol version and auth tag become ``PeerSeen`` events; removals become ``PeerLost``. Static peers
-(``--peer HOST:PORT``, for networks that block multicast) are polled over HTTP (``GET /control/info``) instead.
+protocol version, pid, start time, identity), and browses the same type. Resolved services of *its* cluster and
+protocol version become ``PeerSeen`` events; removals become ``PeerLost``. Static peers (``--peer HOST:PORT``, for
+networks that block multicast) are polled over HTTP (``GET /control/info``) instead.
+
+With a cluster key, every advert is sealed (handshake.AdvertSeal: a proof of the key over every TXT field, the
+port and a timestamp) and re-sealed every ADVERT_REFRESH_S; adverts without a valid, fresh seal are ignored and
+logged once. A leadership claim counts only once the claimant confirmed it over an authenticated session pinned
+to the identity it advertises (``confirm``), so neither a forged nor a replayed "older leader" changes anything;
+an mDNS removal (unsealed by nature) counts only when the agent no longer confirms it is there.
 
 Where real networks break mDNS (exo, Petals and friends fail here):
 
@@ -23,12 +29,14 @@ import asyncio
 import ipaddress
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ProtocolError
 from .control import CONTROL_VERSION, PeerInfo
+from .handshake import AdvertSeal
 from .profile import DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -36,6 +44,7 @@ log = logging.getLogger(__name__)
 SERVICE_TYPE = "_flowspec._tcp.local."
 RESOLVE_TIMEOUT_MS = 3000
 STATIC_POLL_INTERVAL_S = 2.0
+ADVERT_REFRESH_S = 120.0  # a sealed advert is re-sealed this often (well within handshake.ADVERT_MAX_AGE_S)
 VIRTUAL_INTERFACE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "podman", "lxcbr", "lxdbr",
                               "vmnet", "vboxnet", "tun", "tap", "wg", "tailscale", "utun", "zt", "kube", "ifb")
 
@@ -122,22 +131,28 @@ def bindable(address: str) -> bool:
 # -------------------------------------------------------------------------------------------------- TXT
 
 
-def to_properties(info: PeerInfo, auth: str) -> dict[str, str]:
+def to_properties(info: PeerInfo) -> dict[str, str]:
     p = info.profile
     props = {
         "id": info.id, "name": info.name[:60], "c": info.cluster, "r": info.role, "v": str(info.version),
         "mem": str(p.memory_bytes), "gf": repr(p.gflops), "thr": str(p.threads), "sd": repr(p.slowdown),
-        "lat": repr(p.latency_ms), "m": info.model, "pid": str(info.pid), "st": repr(info.started), "a": auth,
+        "lat": repr(p.latency_ms), "m": info.model, "pid": str(info.pid), "st": repr(info.started),
+        "fp": info.identity,
     }
     if p.link_mbps is not None:
         props["mbps"] = repr(p.link_mbps)
     return props
 
 
+def text_properties(props: dict) -> dict[str, str]:
+    """A TXT record's keys and values as text (zeroconf gives bytes, and None for a key without a value)."""
+    return {(k.decode(errors="replace") if isinstance(k, bytes) else k):
+            (v.decode(errors="replace") if isinstance(v, bytes) else (v or "")) for k, v in props.items()}
+
+
 def from_properties(props: dict, host: str, port: int) -> PeerInfo:
     """Parse a TXT record (bytes or str keys/values). Raises ValueError/KeyError on anything malformed."""
-    d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else (v or ""))
-         for k, v in props.items()}
+    d = text_properties(props)
     profile = DeviceProfile(
         memory_bytes=int(d["mem"]), gflops=float(d["gf"]), threads=int(d["thr"]),
         link_mbps=float(d["mbps"]) if d.get("mbps") else None, latency_ms=float(d.get("lat") or 0),
@@ -145,7 +160,7 @@ def from_properties(props: dict, host: str, port: int) -> PeerInfo:
     )
     return PeerInfo(id=d["id"], name=d.get("name", ""), cluster=d["c"], role=d["r"], host=host, port=port,
                     pid=int(d.get("pid") or 0), started=float(d.get("st") or 0), profile=profile,
-                    model=d.get("m", ""), version=int(d["v"]))
+                    model=d.get("m", ""), version=int(d["v"]), identity=d.get("fp", ""))
 
 
 def instance_name(info: PeerInfo) -> str:
@@ -168,24 +183,28 @@ class Discovery:
         *,
         addresses: Sequence[str],
         interfaces: Sequence[str] | None = None,
-        auth: str = "",
+        seal: AdvertSeal | None = None,
+        confirm: Callable[[PeerInfo], Awaitable[PeerInfo | None]] | None = None,
         mdns: bool = True,
         static_peers: Sequence[tuple[str, int]] = (),
         fetch_info: Callable[[str, int], Awaitable[PeerInfo | None]] | None = None,
     ):
+        """``seal``: seal this agent's advert and check others' (None: the open mode); ``confirm(claim)``: the
+        claimant's own word on a leadership claim (None: the claim as advertised)."""
         self.me = me
         self.events = events
         self.addresses = list(addresses)
         self.interfaces = list(interfaces) if interfaces else None
-        self.auth = auth
+        self.seal = seal
+        self.confirm = confirm
         self.mdns = mdns
         self.static_peers = list(static_peers)
         self.fetch_info = fetch_info
         self.registered = asyncio.Event()
         self._aiozc = None
         self._service = None
-        self._names: dict[str, str] = {}  # mDNS instance name -> agent id
-        self._ignored: set[str] = set()
+        self._names: dict[str, PeerInfo] = {}  # mDNS instance name -> the agent it advertised
+        self.ignored: dict[str, str] = {}  # mDNS instance name -> why it was first ignored (logged once)
         self._tasks: set[asyncio.Task] = set()
 
     async def run(self) -> None:
@@ -193,6 +212,8 @@ class Discovery:
             async with asyncio.TaskGroup() as tg:
                 if self.mdns:
                     tg.create_task(self._run_mdns(), name="mdns")
+                    if self.seal is not None:
+                        tg.create_task(self._reseal(), name="mdns-reseal")
                 else:
                     self.registered.set()
                 if self.static_peers and self.fetch_info is not None:
@@ -228,8 +249,11 @@ class Discovery:
     def _service_info(self, me: PeerInfo):
         from zeroconf.asyncio import AsyncServiceInfo
 
+        props = to_properties(me)
+        if self.seal is not None:
+            props = self.seal.seal(props, me.port, time.time())
         return AsyncServiceInfo(
-            SERVICE_TYPE, instance_name(me), port=me.port, properties=to_properties(me, self.auth),
+            SERVICE_TYPE, instance_name(me), port=me.port, properties=props,
             addresses=[socket.inet_aton(a) for a in self.addresses], server=f"{me.cluster}-{me.id}.local.",
         )
 
@@ -240,6 +264,13 @@ class Discovery:
             self._service = self._service_info(me)
             await self._aiozc.async_update_service(self._service)
 
+    async def _reseal(self) -> None:
+        """Keep the advert's seal fresh."""
+        await self.registered.wait()
+        while True:
+            await asyncio.sleep(ADVERT_REFRESH_S)
+            await self.update(self.me)
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -249,9 +280,9 @@ class Discovery:
         from zeroconf import ServiceStateChange
 
         if state_change is ServiceStateChange.Removed:
-            aid = self._names.pop(name, None)
-            if aid is not None:
-                self.events.put_nowait(PeerLost(agent_id=aid, via="mdns"))
+            peer = self._names.pop(name, None)
+            if peer is not None:
+                self._spawn(self._removed(name, peer))
         else:
             self._spawn(self._resolve(name))
 
@@ -278,15 +309,34 @@ class Discovery:
         if peer.version != CONTROL_VERSION:
             self._ignore(name, f"control protocol {peer.version} (this agent speaks {CONTROL_VERSION})")
             return
-        if info.properties.get(b"a", b"").decode() != self.auth:
-            self._ignore(name, "a different shared secret")
-            return
-        self._names[name] = peer.id
+        props = text_properties(info.properties)
+        if self.seal is None:
+            if props.get("p"):
+                self._ignore(name, "a sealed advert of a keyed cluster (this agent runs --insecure)")
+                return
+        else:
+            try:
+                self.seal.check(props, info.port, time.time())
+            except ProtocolError as e:
+                self._ignore(name, f"an unproven advert ({e})")
+                return
+            if peer.role == "leader" and self.confirm is not None and await self.confirm(peer) is None:
+                self._ignore(name, f"agent {peer.id} did not confirm its leadership claim at {peer.host}:{peer.port}")
+                return
+        self._names[name] = peer
         self.events.put_nowait(PeerSeen(info=peer, via="mdns"))
 
+    async def _removed(self, name: str, peer: PeerInfo) -> None:
+        """An mDNS removal (which anyone can send): with ``confirm``, it counts only when the agent is gone."""
+        if self.confirm is not None and await self.confirm(peer) is not None:
+            log.info("mDNS: ignoring the removal of %s: agent %s still answers", name, peer.id)
+            self._names[name] = peer
+            return
+        self.events.put_nowait(PeerLost(agent_id=peer.id, via="mdns"))
+
     def _ignore(self, name: str, why: str) -> None:
-        if name not in self._ignored:
-            self._ignored.add(name)
+        if name not in self.ignored:
+            self.ignored[name] = why
             log.warning("mDNS: ignoring %s: %s", name, why)
 
     async def _poll_static(self) -> None:

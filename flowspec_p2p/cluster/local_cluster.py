@@ -10,14 +10,16 @@ The engine behind ``flowspec cluster up`` and the benchmarks' emulated edge clus
         c.kill(2); c.wait_ready()   # a member vanishes; the cluster re-plans
 
 Agent 0 is the leader (it loads the model and serves the API); the others hold no model copy and fetch their layers
-from it. Every agent gets ``max(1, cores // n)`` torch threads unless told otherwise, the same compute score
+from it. Every agent gets ``max(1, physical cores // n)`` compute threads unless told otherwise, the same compute score
 (measured once here: agents on one host share its cores, so separate micro-benchmarks would only measure who ran
-first), its own state folder, and a fresh shared secret (strangers cannot join). Children run in their own
-session, so Ctrl-C reaches only this process, which stops them in order; on Linux they also die with it.
+first), its own state folder, and a fresh cluster key (``FLOWSPEC_CLUSTER_KEY``: strangers cannot join; every
+link is TLS), unless ``insecure``. Children run in their own session, so Ctrl-C reaches only this process, which
+stops them in order; on Linux they also die with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -35,12 +37,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import aiohttp
 from pydantic import Field
 
+from .. import env
 from ..config import FlowSpecOverrides
-from ..env import SECRET
+from ..env import CLUSTER_KEY, SECRET
 from ..errors import FlowSpecError
 from ..types import Settings
+from .control import TIMELINE_PATH
+from .identity import Identity
+from .keys import ClusterKey
+from .pinning import AuthClient
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +64,7 @@ class ClusterOptions(Settings):
     model: Path | None = None  # the leader's model (default: the packaged SmolLM2-135M)
     draft: Path | None = None  # the leader's draft head (default: the one installed for the model, if any)
     members_have_model: bool = False  # give members their own copy instead of fetching from the leader
-    threads: int | None = Field(default=None, ge=1)  # torch threads per agent (default: max(1, cores // n))
+    threads: int | None = Field(default=None, ge=1)  # compute threads per agent (default: max(1, physical cores // n))
     gflops: float | None = Field(default=None, gt=0)  # compute score of every agent (default: measured once)
     link_mbps: float | None = Field(default=None, gt=0)
     link_latency_ms: float | None = Field(default=None, ge=0)
@@ -68,7 +76,9 @@ class ClusterOptions(Settings):
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
     decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None  # the leader's default mode
     flowspec: FlowSpecOverrides | None = None  # the leader's FlowSpecConfig fields that differ from the defaults
-    secret: str | None = None  # default: a random one
+    secret: str | None = None  # a passphrase the agents derive the cluster key from (default: a fresh key)
+    cluster_key: str | None = None  # the cluster key's text form (default: a fresh key)
+    insecure: bool = False  # the open cluster of a lab: plain http, no key (--insecure on every agent)
     state_root: Path | None = None  # default: a temporary folder, removed by stop()
     verbose: int = 1  # agents' -v count (their logs go to <state_root>/agent<i>.log)
     ready_timeout_s: float = 600.0
@@ -122,11 +132,15 @@ class LocalCluster:
         self.n = n
         self.options = o = options or ClusterOptions()
         self.name = o.cluster or f"local-{secrets.token_hex(3)}"
-        self.secret = o.secret or secrets.token_urlsafe(16)
+        self.key: ClusterKey | None = None
+        if not o.insecure:
+            self.key = (ClusterKey.parse(o.cluster_key) if o.cluster_key else
+                        ClusterKey.from_secret(o.secret) if o.secret else ClusterKey.generate())
+        self._identity = Identity.generate()  # this controller's, for GET /control/timeline
         self._own_root = o.state_root is None
         self.root = Path(o.state_root or tempfile.mkdtemp(prefix="flowspec-cluster-"))
         self.root.mkdir(parents=True, exist_ok=True)
-        self.threads = o.threads or max(1, (os.cpu_count() or 1) // n)
+        self.threads = o.threads or max(1, env.physical_cores() // n)
         self.gflops = o.gflops
         self.agents = [self._agent(i) for i in range(n)]
         self.api_url: str | None = None
@@ -156,13 +170,23 @@ class LocalCluster:
         for flag, value in flags.items():
             if value is not None:
                 args += [flag, str(value)]
+        if o.insecure:
+            args.append("--insecure")
         return AgentProcess(i, i == 0, state, self.root / f"agent{i}.log", args + list(o.extra_args))
+
+    def agent_environment(self) -> dict[str, str]:
+        """This process's environment, with the cluster's key in place of any key or secret it holds."""
+        env = {k: v for k, v in os.environ.items() if k not in (CLUSTER_KEY, SECRET)}
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.key is not None:
+            env[CLUSTER_KEY] = self.key.text
+        return env
 
     def _launch(self, a: AgentProcess) -> None:
         args = list(a.args)
         if self.gflops is not None:
             args += ["--gflops", f"{self.gflops:g}"]
-        env = {**os.environ, SECRET: self.secret, "PYTHONUNBUFFERED": "1"}
+        env = self.agent_environment()
         with contextlib.suppress(OSError):
             (a.state_dir / "agent.json").unlink()
         with open(a.log_path, "ab") as logf:
@@ -227,19 +251,25 @@ class LocalCluster:
     def timelines(self, since: float | None = None) -> list[dict]:
         """Every live agent's stage busy intervals (``GET /control/timeline``; time.time() stamps, comparable
         across these processes), for per-stage timeline charts. Agents without a stage report none."""
-        from .control import AUTH_HEADER, TIMELINE_PATH, sign
+        return asyncio.run(self._timelines(since))
 
-        out = []
+    async def _timelines(self, since: float | None) -> list[dict]:
         query = "" if since is None else f"?since={since!r}"
-        for a in self.agents:
-            info = a.info() if a.alive else None
-            if info is None:
-                continue
-            path = TIMELINE_PATH + query
-            headers = {AUTH_HEADER: sign(self.secret.encode(), "GET", path)}
-            req = urllib.request.Request(info["url"] + path, headers=headers)
-            with urllib.request.urlopen(req, timeout=HTTP_TIMEOUT_S) as r:
-                out.append({"agent": a.index, **json.loads(r.read())})
+        if self.key is None:
+            session = aiohttp.ClientSession()
+        else:  # the agents serve it to holders of the key only
+            session = AuthClient(self.key, self._identity, f"controller-{os.getpid()}").open()
+        out = []
+        async with session:
+            for a in self.agents:
+                info = a.info() if a.alive else None
+                if info is None:
+                    continue
+                async with session.get(info["url"] + TIMELINE_PATH + query,
+                                       timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)) as r:
+                    if r.status != 200:
+                        raise FlowSpecError(f"agent{a.index} answered {r.status} for its timeline")
+                    out.append({"agent": a.index, **await r.json()})
         return out
 
     def terminate(self, index: int, wait: bool = True) -> None:

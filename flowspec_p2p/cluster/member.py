@@ -59,8 +59,9 @@ class MemberControl:
             self.suspects.add(ev.peer)  # told to the leader with the next heartbeat, sent at once
             self._wake.set()
 
-    async def handle(self, msg: ControlMessage) -> ControlMessage:
-        """A control message to this member -> the reply."""
+    async def handle(self, msg: ControlMessage, sender: str | None = None) -> ControlMessage:
+        """A control message to this member -> the reply. ``sender``: the agent that authenticated (None in the
+        open mode); plans, activations and goodbyes count only from this member's leader."""
         if isinstance(msg, Hello):  # a leader that learned of us through a static peer
             if msg.peer.role == "leader" and msg.peer.cluster == self.info.cluster:
                 self.peer_seen(msg.peer)
@@ -76,6 +77,8 @@ class MemberControl:
         if isinstance(msg, Activate):
             if leader is None:
                 raise ProtocolError("activate without a leader")
+            if sender is not None and sender != leader.id:
+                raise ProtocolError("activate from an agent that is not this member's leader")
             self.net.spawn(self._activate(msg.epoch), name="activate")
             return Ack(epoch=msg.epoch)
         if isinstance(msg, Bye):
@@ -124,7 +127,7 @@ class MemberControl:
                 await asyncio.sleep(membership_mod.HEARTBEAT_INTERVAL_S)
                 continue
             self.leader = leader
-            log.info("joined leader %s at %s", leader.id, leader.url)
+            log.info("joined cluster %r: leader %s (%s) at %s", self.info.cluster, leader.id, leader.name, leader.url)
             try:
                 await self._heartbeats(leader)
             finally:

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from ..model.weights import EMBED, HEAD, layer_tensor_names
 from ..types import FrozenModel, LayerRange, PeerId, Settings
 
 MB = 1024 * 1024
@@ -116,24 +117,36 @@ class Change(FrozenModel):
 
 def describe_model(source, *, context: int, name: str | None = None, fingerprint: str = "",
                    draft_params: int | None = None, dtype_bytes: int = 4, packed: bool = False,
-                   draft_extra_bytes: int = 0) -> ModelSizes:
-    """A ModelSizes from an open weight source's config (runtime sizes are parameters x ``dtype_bytes``).
-    ``packed``: stages keep a second, packed copy of their layers for tree forwards (shard.py), so a
-    layer (and the draft head's block, and the LM head) takes twice its bytes. ``draft_extra_bytes``: what the
-    leader's drafter holds beyond its head (HeadDrafter.extra_bytes: its reduced LM-head copy)."""
+                   draft_extra_bytes: int = 0, stored: bool = False) -> ModelSizes:
+    """A ModelSizes from an open weight source. Weights: ``stored`` (the native engine keeps every tensor in its
+    stored blocks) counts each layer's, the embedding's and the LM head's real bytes in the file; otherwise (the
+    torch engine) parameters x ``dtype_bytes``, and ``packed``: stages keep a second, packed copy of their layers
+    for tree forwards (shard.py), so a layer (and the draft head's block, and the LM head) takes twice its bytes.
+    The KV cache is ``dtype_bytes`` per element either way. ``draft_extra_bytes``: what the leader's drafter holds
+    beyond its head (HeadDrafter.extra_bytes: its reduced LM-head copy)."""
     cfg = source.config
     h, v = cfg.hidden_size, cfg.vocab_size
     layer = cfg.layer_params()
     if draft_params is None:  # EAGLE-1 head: fc 2H->H + one decoder block without the input norm
         draft_params = 2 * h * h + layer - h
+    if stored:
+        layer_bytes = tuple(sum(len(source.raw_bytes(n)) for n in layer_tensor_names(cfg, i))
+                            for i in range(cfg.num_layers))
+        embed_bytes = len(source.raw_bytes(EMBED))
+        head_bytes = len(source.raw_bytes(EMBED if cfg.tie_embeddings else HEAD)) + h * 4
+        packed = False
+    else:
+        layer_bytes = (layer * dtype_bytes * (2 if packed else 1),) * cfg.num_layers
+        embed_bytes = v * h * dtype_bytes
+        head_bytes = (v * h * (2 if packed else 1) + h) * dtype_bytes
     return ModelSizes(
         name=name or (getattr(source, "path", None) and source.path.name) or cfg.arch,
         fingerprint=fingerprint,
         num_layers=cfg.num_layers,
-        layer_bytes=(layer * dtype_bytes * (2 if packed else 1),) * cfg.num_layers,
-        embed_bytes=v * h * dtype_bytes,
+        layer_bytes=layer_bytes,
+        embed_bytes=embed_bytes,
         tied_embeddings=cfg.tie_embeddings,
-        head_bytes=(v * h * (2 if packed else 1) + h) * dtype_bytes,
+        head_bytes=head_bytes,
         norm_bytes=h * dtype_bytes,
         draft_bytes=(draft_params + (layer if packed else 0)) * dtype_bytes + draft_extra_bytes,  # block packed too
         kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),

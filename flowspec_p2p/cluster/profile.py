@@ -1,6 +1,7 @@
 """What a device can offer, measured when its agent starts: free memory, decoder-block throughput, threads.
 
-    memory_bytes   MEMORY_FRACTION of the memory available now (``MemAvailable``), or a configured cap
+    memory_bytes   MEMORY_FRACTION of the memory available now without swapping (psutil: ``MemAvailable`` on Linux,
+                   free + inactive pages on macOS, the available physical memory on Windows), or a configured cap
     gflops         effective GFLOP/s of one decoder block of the model (or of REFERENCE_CONFIG when the agent
                    has no model copy yet) on a BENCH_TOKENS-token segment over a BENCH_CONTEXT-token cache,
                    median of BENCH_REPEATS runs, divided by the emulated compute slowdown. The planner turns it
@@ -13,19 +14,23 @@ The benchmark runs on random weights: it measures the device, not the model's va
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 
+import psutil
 import torch
 from pydantic import Field
 
 from ..model.arch import ModelConfig
+from ..model.kv_cache import KVCache
+from ..model.load import set_threads, use_native
+from ..model.native_shard import benchmark_layer
+from ..model.shard import DecoderBlock, Rotary
 from ..types import FrozenModel
 
 log = logging.getLogger(__name__)
 
-MEMORY_FRACTION = 0.8  # of MemAvailable, leaving room for the OS, the Python runtime and other programs
+MEMORY_FRACTION = 0.8  # of the available memory, leaving room for the OS, the Python runtime and other programs
 BENCH_TOKENS = 16  # a FlowSpec segment
 BENCH_CONTEXT = 128  # tokens already in the KV cache
 BENCH_REPEATS = 5
@@ -50,18 +55,8 @@ class DeviceProfile(FrozenModel):
 
 
 def available_memory_bytes() -> int:
-    """Memory the OS could give us now without swapping."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 1 << 30
+    """Memory the OS could give us now without swapping (psutil works on Linux, macOS, Windows and the BSDs)."""
+    return int(psutil.virtual_memory().available)
 
 
 def block_flops(cfg: ModelConfig, tokens: int, context: int) -> float:
@@ -72,10 +67,10 @@ def block_flops(cfg: ModelConfig, tokens: int, context: int) -> float:
 
 def benchmark_block(cfg: ModelConfig, *, tokens: int = BENCH_TOKENS, context: int = BENCH_CONTEXT,
                     repeats: int = BENCH_REPEATS, dtype: torch.dtype = torch.float32) -> float:
-    """GFLOP/s of one decoder block with random weights (median of ``repeats``)."""
-    from ..model.kv_cache import KVCache
-    from ..model.shard import DecoderBlock, Rotary
-
+    """GFLOP/s of one decoder block with random weights (median of ``repeats``), on the engine the device's
+    stages will run (model.load.use_native: the native engine where it runs, else torch)."""
+    if use_native(dtype):
+        return block_flops(cfg, tokens, context) / benchmark_layer(cfg, tokens, context, repeats, BENCH_WARMUP) / 1e9
     block = DecoderBlock(cfg).to(dtype)
     block.reset_parameters()
     rot = Rotary(cfg, context + tokens, dtype)
@@ -105,9 +100,9 @@ def _round(x: float, digits: int = SCORE_DIGITS) -> float:
 def measure(model: ModelConfig | None = None, *, threads: int | None = None, memory_bytes: int | None = None,
             gflops: float | None = None, link_mbps: float | None = None, latency_ms: float = 0.0,
             slowdown: float = 1.0) -> DeviceProfile:
-    """Measure this device (or take the configured values). ``threads`` also sets torch's thread count."""
+    """Measure this device (or take the configured values). ``threads`` also sets the compute threads."""
     if threads:
-        torch.set_num_threads(threads)
+        set_threads(threads)
     threads = torch.get_num_threads()
     measured = memory_bytes is None and gflops is None
     if memory_bytes is None:

@@ -21,12 +21,15 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import psutil
 import torch
+from tqdm import tqdm
 
 from ..errors import FlowSpecError, PeerGone, ProtocolError
 from ..model.dtypes import parse_dtype
@@ -49,6 +52,9 @@ log = logging.getLogger(__name__)
 LINK_RETRY_S = 0.05  # first pause between attempts to open the successor link (doubles, up to 1 s)
 LINK_CONNECT_TIMEOUT_S = 15.0  # the successor must accept the new epoch within this
 CLOSE_TIMEOUT_S = 1.0  # closing an inbound link does not wait longer for the peer's close frame
+# worker and core counters that totals() sums over every epoch the agent served (stage_metrics.py)
+SUMMED = ("compute_s", "busy_s", "frames_in", "frames_out", "dropped_out", "forwards", "tokens", "prunes", "errors",
+          "sent_bytes")
 
 
 class TapQueue(asyncio.Queue):
@@ -128,6 +134,7 @@ class StageHost:
         self._tg: asyncio.TaskGroup | None = None
         self._prepare_task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._retired: Counter[str] = Counter()  # SUMMED counts of the workers of earlier epochs
 
     async def run(self) -> None:
         """Own the worker and loading tasks until cancelled; release everything on the way out."""
@@ -270,6 +277,7 @@ class StageHost:
             return
         a.task.cancel()
         await asyncio.wait([a.task])  # never swallows a cancellation of the caller itself
+        self._retired.update(_worker_counts(a.worker))
 
     async def _guard(self, worker: StageWorker) -> None:
         try:
@@ -283,7 +291,35 @@ class StageHost:
         a = self.active
         if a is None or a.worker is None:
             return None
-        return {"epoch": a.epoch, **a.worker.snapshot()}
+        sent = _worker_counts(a.worker)["sent_bytes"]
+        return {"epoch": a.epoch, **a.worker.snapshot(), "sent_bytes": sent, "cache_bytes": _cache_bytes(a.worker),
+                "rss_bytes": psutil.Process().memory_info().rss}
+
+    def totals(self) -> dict[str, float]:
+        """The stage's SUMMED counters over every epoch this agent served, and the current stage's gauges
+        (cache_bytes, open_requests, queued, stage)."""
+        out = dict(self._retired)
+        a = self.active
+        if a is not None and a.worker is not None:
+            for k, v in _worker_counts(a.worker).items():
+                out[k] = out.get(k, 0.0) + v
+            core = a.worker.core
+            out.update(cache_bytes=_cache_bytes(a.worker), open_requests=len(core.requests),
+                       queued=a.worker.inbox.qsize(), stage=core.index)
+        return out
+
+
+def _worker_counts(worker: StageWorker) -> dict[str, float]:
+    c = {**worker.core.counters, **worker.counters}
+    link = getattr(worker.successor, "counters", None)
+    c["sent_bytes"] = link.bytes if link is not None else 0
+    return {k: float(c.get(k, 0)) for k in SUMMED}
+
+
+def _cache_bytes(worker: StageWorker) -> int:
+    """Bytes of the tensors of every open request's K/V cache on this stage."""
+    caches = [st.cache for st in list(worker.core.requests.values()) if st.cache is not None]
+    return sum(t.nbytes for c in caches for t in vars(c).values() if isinstance(t, torch.Tensor))
 
 
 async def connect_with_retry(url: str, hello: RingHello, session: aiohttp.ClientSession, events: asyncio.Queue | None,
@@ -322,8 +358,10 @@ def build_shard(source, node: RingNode, dtype: torch.dtype, donors: list[Shard |
     freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
     shard = Shard(cfg, node.layers, embed=node.embed, head=node.head, dtype=dtype, rope_freqs=freqs)
     donors = [d for d in donors if isinstance(d, Shard) and d.dtype == dtype]
+    layers = tqdm(node.layers.indices(), desc=f"loading layers {node.layers}", unit="layer", disable=None,
+                  leave=False)  # a progress bar when stderr is a terminal
     with torch.no_grad():
-        for i, layer in enumerate(node.layers.indices()):
+        for i, layer in enumerate(layers):
             donor = next((d for d in donors if d.layers.start <= layer < d.layers.end), None)
             if donor is not None:
                 shard.blocks[i] = donor.blocks[layer - donor.layers.start]

@@ -20,12 +20,15 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import torch
 from aiohttp import web
 from pydantic import Field
+from tqdm import tqdm
 
 from ..errors import PeerGone, WeightsError
 from ..model.arch import ModelConfig
@@ -214,8 +217,11 @@ async def fetch_range(
     norm: bool,
     cache_dir: Path,
     expected_fingerprint: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[FetchedSource, int]:
-    """Fetch (or find in the cache) exactly the tensors of a range; verify them. -> (source, bytes transferred)"""
+    """Fetch (or find in the cache) exactly the tensors of a range; verify them. -> (source, bytes transferred).
+    A progress bar (bytes, rate, time left) goes to stderr when it is a terminal; ``progress(done, total)`` is
+    called as bytes arrive."""
     params = {"start": str(layers.start), "end": str(layers.end), "embed": "1" if embed else "0",
               "norm": "1" if norm else "0"}
     timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
@@ -229,32 +235,43 @@ async def fetch_range(
     verify_manifest(manifest, expected_fingerprint)
     folder = cache_dir / "tensors"
     folder.mkdir(parents=True, exist_ok=True)
-    files: dict[str, Path] = {}
+    files = {t.name: folder / f"{t.sha256}.bin" for t in manifest.tensors}
+    missing = await asyncio.to_thread(lambda: [t for t in manifest.tensors if not _cached(files[t.name], t.sha256)])
+    total = sum(t.nbytes for t in missing)
     transferred = 0
     sem = asyncio.Semaphore(FETCH_CONCURRENCY)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"fetching layers {layers}",
+               disable=None if total else True, leave=False)
+
+    def arrived(n: int) -> None:
+        nonlocal transferred
+        transferred += n
+        bar.update(n)
+        if progress is not None:
+            progress(transferred, total)
 
     async def one(entry: TensorEntry) -> None:
-        nonlocal transferred
-        path = folder / f"{entry.sha256}.bin"
-        if not await asyncio.to_thread(_cached, path, entry.sha256):
-            async with sem:
-                n = await _download(session, f"{base_url}/weights/tensor/{entry.name}", entry, path, timeout)
-            transferred += n
-        files[entry.name] = path
+        async with sem:
+            await _download(session, f"{base_url}/weights/tensor/{entry.name}", entry, files[entry.name], timeout,
+                            arrived)
 
+    t0 = time.perf_counter()
     try:
         async with asyncio.TaskGroup() as tg:
-            for entry in manifest.tensors:
+            for entry in missing:
                 tg.create_task(one(entry))
     except ExceptionGroup as eg:  # report the first failure as itself
         raise eg.exceptions[0] from None
-    log.info("range %s: %d tensors, %.1f MB, %.1f MB transferred", layers, len(files), manifest.nbytes / 1e6,
-             transferred / 1e6)
+    finally:
+        bar.close()
+    took = time.perf_counter() - t0
+    log.info("range %s: %d tensors, %.1f MB, %.1f MB transferred in %.2f s (%.1f MB/s)", layers, len(files),
+             manifest.nbytes / 1e6, transferred / 1e6, took, transferred / 1e6 / max(took, 1e-9))
     return FetchedSource(manifest, files), transferred
 
 
 async def _download(session: aiohttp.ClientSession, url: str, entry: TensorEntry, path: Path,
-                    client_timeout: aiohttp.ClientTimeout) -> int:
+                    client_timeout: aiohttp.ClientTimeout, arrived: Callable[[int], None]) -> int:
     buf = bytearray()
     try:
         async with session.get(url, timeout=client_timeout) as r:
@@ -262,6 +279,7 @@ async def _download(session: aiohttp.ClientSession, url: str, entry: TensorEntry
                 raise WeightsError(f"{url}: {r.status} {await r.text()}")
             async for chunk in r.content.iter_chunked(CHUNK_BYTES):
                 buf += chunk
+                arrived(len(chunk))
                 if len(buf) > entry.nbytes:
                     raise WeightsError(f"tensor {entry.name}: more than the {entry.nbytes} bytes announced")
     except (aiohttp.ClientError, OSError, TimeoutError) as e:

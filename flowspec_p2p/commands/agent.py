@@ -9,10 +9,14 @@ import faulthandler
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .. import config as config_mod
 from .. import env
 from . import run_async
+from .activity import show_activity
+
+if TYPE_CHECKING:
+    from ..config import AgentConfig
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run an agent of a cluster on this device",
         description="Start an agent: it measures what this device can offer, advertises it over mDNS, finds the "
         "other agents of its cluster and runs whatever pipeline stage the leader plans for it. One agent per "
-        "cluster runs with --leader: it plans, serves the weights and the OpenAI-compatible API. "
-        f"The shared secret is best given as ${env.SECRET}.",
+        "cluster runs with --leader: it plans, serves the weights and the OpenAI-compatible API. Every link between "
+        "agents is TLS, mutually authenticated with the cluster key: the leader makes one on its first start and "
+        f"prints the line members need (${env.CLUSTER_KEY}); --insecure runs an open cluster instead.",
     )
     p.add_argument("--config", type=Path, default=None, help="agent profile TOML (e.g. agents/leader.toml)")
     p.add_argument("--cluster", default=None, help="cluster name (default 'default')")
@@ -45,12 +50,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="agent server port (default 0 = any)")
     p.add_argument("--api-host", default=None, help="leader API address (default 127.0.0.1)")
     p.add_argument("--api-port", type=int, default=None,
-                   help=f"leader API port (default {config_mod.DEFAULT_API_PORT})")
+                   help=f"leader API port (default {env.DEFAULT_API_PORT})")
     p.add_argument("--state-dir", type=Path, default=None,
                    help=f"keeps the agent id and fetched weights (default ${env.STATE_DIR} or "
-                   f"{config_mod.DEFAULT_STATE_DIR})")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's cores)")
+                   f"{env.DEFAULT_STATE_DIR})")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's physical cores)")
     p.add_argument("--secret", default=None, help=f"shared secret (prefer ${env.SECRET})")
+    p.add_argument("--cluster-key-file", type=Path, default=None, metavar="PATH",
+                   help=f"the cluster key (default ${env.CLUSTER_KEY}, else the state folder's cluster.key; the "
+                   "leader makes one there on its first start; `flowspec keygen` makes one; a --secret passphrase "
+                   "derives one instead)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="no cluster key: an open cluster (plain http; anyone on the network may join). Lab only")
+    p.add_argument("--api-key", default=None,
+                   help=f"(leader) the API's Bearer token, asked on every route but /health (prefer ${env.API_KEY})")
+    p.add_argument("--api-insecure", action="store_true", default=None,
+                   help="(leader) serve the API beyond loopback without a key")
+    p.add_argument("--api-cors", action="append", default=None, metavar="ORIGIN",
+                   help="(leader) a browser origin the API answers cross-origin (repeatable; '*' for any)")
     p.add_argument("--context", type=int, default=None, help="(leader) KV tokens per request on every stage")
     p.add_argument("--stages", type=int, default=None, help="(leader) force exactly N layer-holding stages")
     p.add_argument("--leader-layers", choices=["auto", "always", "never"], default=None,
@@ -73,12 +90,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def config_from_args(args: argparse.Namespace) -> config_mod.AgentConfig:
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    from .. import config as config_mod  # here: the agent's modules stay unimported for the other commands
+
     overrides = {
         "cluster": args.cluster, "name": args.name, "leader": args.leader, "model": args.model, "draft": args.draft,
         "interfaces": args.interfaces, "peers": args.peers, "mdns": args.mdns, "port": args.port,
         "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
-        "secret": args.secret, "wire_dtype": args.wire_dtype, "decoding": args.decoding,
+        "secret": args.secret, "cluster_key_file": args.cluster_key_file, "insecure": args.insecure,
+        "api_key": args.api_key, "api_insecure": args.api_insecure, "api_cors": args.api_cors,
+        "wire_dtype": args.wire_dtype, "decoding": args.decoding,
         "flowspec": config_mod.json_object(args.flowspec_config, "--flowspec-config"),
         "planning": {"context": args.context, "stages": args.stages, "leader_layers": args.leader_layers},
         "profile": {"memory_mb": args.memory_mb, "gflops": args.gflops},
@@ -88,7 +109,7 @@ def config_from_args(args: argparse.Namespace) -> config_mod.AgentConfig:
     return config_mod.load(args.config, overrides)
 
 
-async def serve(cfg: config_mod.AgentConfig) -> None:
+async def serve(cfg: AgentConfig) -> None:
     """Run an agent until SIGINT/SIGTERM, then stop it cleanly."""
     from ..agent import Agent
 
@@ -106,5 +127,6 @@ async def serve(cfg: config_mod.AgentConfig) -> None:
 def run(args: argparse.Namespace) -> int:
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every stack to stderr
+    show_activity(args)
     run_async(serve(config_from_args(args)))
     return 0

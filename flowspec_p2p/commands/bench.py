@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flowspec-config", default=None, metavar="JSON",
                    help="FlowSpec settings that differ from the defaults, as JSON of FlowSpecConfig fields, e.g. "
                    "'{\"segment_cap\": 1}' (A/B one setting against ar in its own run; recorded in the setup)")
+    p.add_argument("--insecure", action="store_true",
+                   help="link the agents over plain http/ws (the open mode) instead of TLS with a cluster key, e.g. "
+                   "to measure what TLS costs (recorded in the setup)")
     p.add_argument("--resume", action="store_true", help="continue the records in --out (skip finished requests)")
     p.add_argument("--report-only", action="store_true", help="rebuild the reports from --out's records; run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                   "modes": _names(args.modes), "wire_dtype": args.wire_dtype, "threads": args.threads,
                   "context": args.context, "model": args.model, "draft": args.draft, "out": args.out,
                   "resume": args.resume, "progress": not args.no_progress,
-                  "flowspec": json_object(args.flowspec_config, "--flowspec-config")}
+                  "flowspec": json_object(args.flowspec_config, "--flowspec-config"), "insecure": args.insecure}
         if args.datasets:
             fields["datasets"] = _names(args.datasets)
         if args.data:

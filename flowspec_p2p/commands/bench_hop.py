@@ -15,13 +15,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench-hop",
         help="measure the overhead of one pipeline hop (encode + websocket + decode) on loopback",
         description="Time encode + loopback websocket + decode of one Forward segment (default: 16 tokens of "
-        "hidden 576 in float16, SmolLM2-135M's shape). Prints a table; writes hop.json/.md/.png to --out.",
+        "hidden 576 in float16, SmolLM2-135M's shape), over plain websockets (ws: the --insecure mode) and TLS with "
+        "a keyed cluster's authenticated session (wss: the default), hops interleaved. Prints a table; writes "
+        "hop.json/.md/.png to --out.",
     )
     p.add_argument("--tokens", type=int, action="append", help="segment sizes (repeatable; default 1, 16, 64)")
     p.add_argument("--hidden", type=int, default=576, help="hidden size (default 576)")
     p.add_argument("--dtype", action="append", choices=["float16", "bfloat16", "float32"],
                    help="activation wire dtypes (repeatable; default float16 and bfloat16)")
     p.add_argument("--iters", type=int, default=500, help="timed hops per setting (default 500)")
+    p.add_argument("--transport", action="append", choices=["ws", "wss"],
+                   help="ws (plain, --insecure) and/or wss (TLS, authenticated) (repeatable; default both)")
     p.add_argument("--out", type=Path, default=Path("bench/hop"), help="output folder (default bench/hop)")
     p.set_defaults(func=run_hop)
 
@@ -55,17 +59,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_hop(args: argparse.Namespace) -> int:
     from ..bench import hop as bench_hop
 
+    transports = tuple(dict.fromkeys(args.transport or bench_hop.TRANSPORTS))
+
     async def main():
-        return [await bench_hop.bench_hop(t, args.hidden, d, iters=args.iters)
-                for d in (args.dtype or ["float16", "bfloat16"]) for t in (args.tokens or [1, 16, 64])]
+        return [r for d in (args.dtype or ["float16", "bfloat16"]) for t in (args.tokens or [1, 16, 64])
+                for r in await bench_hop.bench_hops(t, args.hidden, d, iters=args.iters, transports=transports)]
 
     results = run_async(main())
     bench_hop.write_hop_report(results, args.out)
     sys.stdout.write((args.out / "hop.md").read_text())
+    plain = {(r["tokens"], r["dtype"]): r for r in results if r["transport"] == "ws"}
     for r in results:
         if r["tokens"] == 16:
-            sys.stdout.write(f"16-token {r['dtype']} segment: median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} "
-                             f"ms (goal < {bench_hop.HOP_GOAL_MS:g} ms: {'met' if r['meets_goal'] else 'MISSED'})\n")
+            sys.stdout.write(f"16-token {r['dtype']} segment over {r['transport']}: median {r['median_ms']:.3f} ms, "
+                             f"p90 {r['p90_ms']:.3f} ms (goal < {bench_hop.HOP_GOAL_MS:g} ms: "
+                             f"{'met' if r['meets_goal'] else 'MISSED'})\n")
+    for r in results:
+        base = plain.get((r["tokens"], r["dtype"]))
+        if r["transport"] == "wss" and base is not None:
+            extra = r["median_ms"] - base["median_ms"]
+            sys.stdout.write(f"TLS per hop, {r['tokens']}-token {r['dtype']}: {extra:+.3f} ms median "
+                             f"({r['median_ms'] / base['median_ms']:.2f}x ws)\n")
     return 0
 
 

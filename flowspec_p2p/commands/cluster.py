@@ -15,12 +15,13 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
-
-from ..cluster.local_cluster import ClusterOptions, LocalCluster
-from ..config import json_object
 from ..errors import ConfigError
+from .activity import LogFollower
+
+if TYPE_CHECKING:
+    from ..cluster.local_cluster import ClusterOptions, LocalCluster
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="the leader's model (default: packaged SmolLM2-135M)")
     p.add_argument("--members-have-model", action="store_true",
                    help="give members their own model copy (default: they fetch their layers from the leader)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads per agent (default: cores / N)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads per agent (default: physical cores / N)")
     p.add_argument("--link-mbps", type=float, default=None, help="emulated link bandwidth per agent (Mbit/s)")
     p.add_argument("--link-latency-ms", type=float, default=None, help="emulated one-way link latency (ms)")
     p.add_argument("--slowdown", type=float, default=None, help="emulated compute slowdown per agent")
@@ -70,15 +71,22 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the leader's FlowSpec settings that differ from the defaults, as a JSON object of "
                    "FlowSpecConfig fields, e.g. '{\"segment_cap\": 6}' (see flowspec_p2p/decoding/flowspec.py)")
     p.add_argument("--state-dir", type=Path, default=None, help="keep agents' state and logs here (default: temp)")
+    p.add_argument("--insecure", action="store_true",
+                   help="an open cluster: no cluster key, plain http between agents (default: a fresh key, TLS)")
 
 
 def _options(args: argparse.Namespace) -> ClusterOptions:
+    from pydantic import ValidationError  # here: the agent's modules stay unimported for the other commands
+
+    from ..cluster.local_cluster import ClusterOptions
+    from ..config import json_object
+
     try:
         return ClusterOptions(api_port=args.api_port, model=args.model, members_have_model=args.members_have_model,
                               threads=args.threads, link_mbps=args.link_mbps, link_latency_ms=args.link_latency_ms,
                               slowdown=args.slowdown, stages=args.stages, leader_layers=args.leader_layers,
                               context=args.context, wire_dtype=args.wire_dtype, state_root=args.state_dir,
-                              decoding=args.decoding,
+                              decoding=args.decoding, insecure=args.insecure,
                               flowspec=json_object(args.flowspec_config, "--flowspec-config"))
     except ValidationError as e:
         raise ConfigError(f"invalid cluster options: {e}") from None
@@ -96,9 +104,13 @@ def _wait_for_signal() -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    from ..cluster.local_cluster import LocalCluster
+
     cluster = LocalCluster(args.n, _options(args))
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM,)}
+    follower = None if args.quiet else LogFollower({f"agent{a.index}": a.log_path for a in cluster.agents},
+                                                   sys.stderr, everything=args.verbose > 0).start()
     try:
         log.warning("starting %d agents of cluster %r (logs under %s) ...", args.n, cluster.name, cluster.root)
         cluster.start()
@@ -110,6 +122,7 @@ def run_up(args: argparse.Namespace) -> int:
         out.write(f"\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                   "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
                   "\"max_tokens\": 64, \"temperature\": 0}'\n\n"
+                  f"  dashboard: {url}/   metrics: {url}/metrics   chat: flowspec chat --url {url}\n"
                   f"  {url}/cluster shows members, the plan and per-stage counters. Ctrl-C stops the cluster.\n")
         out.flush()
         if not stop.is_set():
@@ -121,6 +134,8 @@ def run_up(args: argparse.Namespace) -> int:
             signal.signal(s, h)
         log.warning("stopping the cluster ...")
         cluster.stop()
+        if follower is not None:
+            follower.stop()
     return 0
 
 
@@ -207,6 +222,8 @@ def run_recovery(args: argparse.Namespace) -> int:
     if args.n < 2:
         log.error("recovery needs at least 2 agents")
         return 2
+    from ..cluster.local_cluster import LocalCluster
+
     cluster = LocalCluster(args.n, _options(args))
     victim = args.n - 1
     results: dict[str, list[float]] = {"graceful": [], "killed": [], "join": []}

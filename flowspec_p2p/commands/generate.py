@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--raw", action="store_true", help="no chat template: continue PROMPT as plain text")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32 (default), float64, bfloat16")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's cores)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's physical cores)")
     p.add_argument("--engine", choices=["auto", "native", "torch"], default=None,
                    help="auto (default): the native quantized engine where it runs (float32), else torch")
     p.add_argument("--quantize", choices=["Q8_0"], default=None,

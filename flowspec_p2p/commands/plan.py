@@ -7,13 +7,12 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .. import config as config_mod
-from ..cluster.planner import plan
-from ..cluster.plans import Device, PlanOptions, describe_model, render
-from ..cluster.profile import measure
 from ..errors import ConfigError
-from ..model.shard import packing_enabled
+
+if TYPE_CHECKING:
+    from ..cluster.plans import Device
 
 log = logging.getLogger(__name__)
 MB = 1024 * 1024
@@ -40,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def device_from_profile(path: Path) -> Device:
+    from .. import config as config_mod  # here: the planner's modules stay unimported for the other commands
+    from ..cluster.plans import Device
+    from ..cluster.profile import measure
+
     cfg = config_mod.load(path)
     o = cfg.profile
     measured = None
@@ -56,13 +59,20 @@ def device_from_profile(path: Path) -> Device:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..cluster.planner import plan
+    from ..cluster.plans import PlanOptions, describe_model, render
+    from ..model.load import use_native
+    from ..model.shard import packing_enabled
     from ..model.weights import open_source
 
     devices = [device_from_profile(p) for p in args.profiles]
     if sum(d.leader for d in devices) != 1:
         raise ConfigError("exactly one profile must say leader = true")
     source = open_source(args.model)
-    model = describe_model(source, context=args.context, packed=packing_enabled())
+    native = use_native(torch.float32)
+    model = describe_model(source, context=args.context, packed=packing_enabled() and not native, stored=native)
     opts = PlanOptions(tokens_per_step=args.tokens_per_step, stages=args.stages, leader_layers=args.leader_layers)
     result = plan(devices, model, opts)
     text = render(result, devices)

@@ -13,7 +13,7 @@ async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
     stats = ctx.stats
     t0 = time.perf_counter()
     feats = await prefill(ctx)
-    token = await ctx.compute(ctx.choose, feats[-1])
+    token = await ctx.compute(ctx.next_token, feats[-1])
     stats.prefill_s = time.perf_counter() - t0
     stats.steps, stats.new_tokens = 1, 1
     t1 = time.perf_counter()
@@ -23,7 +23,7 @@ async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
         while stats.new_tokens < ctx.max_new_tokens and token not in ctx.stop_ids:
             await ctx.forward(parents=[-1], positions=[pos], tokens=[token], commit=True)
             _, tensors = await ctx.recv_forward()
-            token = await ctx.compute(ctx.choose, ctx.features(tensors)[-1])
+            token = await ctx.compute(ctx.next_token, ctx.features(tensors)[-1])
             pos += 1
             stats.steps += 1
             stats.new_tokens += 1

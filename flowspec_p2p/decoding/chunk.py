@@ -24,7 +24,7 @@ import torch
 
 from ..spec.drafter import TreeShape
 from ..spec.tree import DraftTree, segment_bounds, split_lengths
-from ..spec.verify import LazyRows, Verdict, verify_tree
+from ..spec.verify import Verdict, verify_tree, walk_rows
 from .context import DecodingMode, ModeContext, prefill
 
 # The pipeline's tree is not the single-device one (spec.decoder.DEFAULT_TREE, tuned for one forward on one CPU): here
@@ -35,8 +35,10 @@ CHUNK_TREE = TreeShape(total_tokens=24, depth=6, top_k=4)
 
 def _verify(ctx: ModeContext, tree: DraftTree, f: torch.Tensor) -> Verdict:
     """f: [n, hidden] target features of the whole tree. LM-head rows only where the walk goes."""
-    return verify_tree(tree, LazyRows(len(tree), lambda i: ctx.logits(f[i])), ctx.params, ctx.gen,
-                       stop_ids=ctx.stop_ids)
+    rows = walk_rows(tree, len(tree), lambda idx: ctx.logits(f[idx]))
+    verdict = verify_tree(tree, rows, ctx.params, ctx.gen, stop_ids=ctx.stop_ids)
+    ctx.note_walk(rows, verdict, verdict.emitted(tree))
+    return verdict
 
 
 def _commit(ctx: ModeContext, tree: DraftTree, f: torch.Tensor, verdict: Verdict, more: bool) -> None:
@@ -54,7 +56,7 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
     segments = segments or ctx.pipeline.stages + 1
     t0 = time.perf_counter()
     feats = await prefill(ctx)  # [P, hidden]
-    token = await ctx.compute(ctx.choose, feats[-1])
+    token = await ctx.compute(ctx.next_token, feats[-1])
     drafter.reset(len(ctx.prompt) + budget + shape.draft_slots())
     await ctx.compute(drafter.feed, ctx.prompt, feats, token)
     stats.prefill_s = time.perf_counter() - t0
@@ -73,6 +75,7 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
             # 2. all segments down the pipeline, back to back
             parents, positions = tree.parent_list, tree.positions(committed).tolist()
             bounds = segment_bounds(split_lengths(len(tree), segments))
+            ctx.drafted(len(tree) - 1)  # node 0 is the decided root
             for k, (a, b) in enumerate(bounds):
                 await ctx.forward(first=a, parents=parents[a:b], positions=positions[a:b], tokens=tree.tokens[a:b],
                                   tag=k)
@@ -82,6 +85,7 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
             await ctx.prune(len(verdict.accepted), verdict.accepted)
             committed += len(verdict.accepted)
             out = verdict.emitted(tree)[:remaining]
+            ctx.walked(verdict, len(out))
             stats.steps += 1
             stats.new_tokens += len(out)
             nodes += len(tree)

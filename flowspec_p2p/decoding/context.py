@@ -9,7 +9,7 @@ Writing a mode (the built-in modes plug in the same way; ar.py is the simplest):
         await ctx.forward(parents=[-1, 0], positions=[0, 1], tokens=ctx.prompt[:2], commit=True)
         msg, tensors = await ctx.recv()                   # this request's next returned message, in order
         feats = ctx.features(tensors)                      # [m, hidden] final-normed, head dtype
-        token = await ctx.compute(ctx.choose, feats[-1])   # heavy work on the leader's compute thread
+        token = await ctx.compute(ctx.next_token, feats[-1])  # heavy work on the leader's compute thread
         ctx.stats.steps += 1; ctx.stats.new_tokens += 1
         yield [token]                                      # committed tokens, streamed to the client at once
 
@@ -17,12 +17,18 @@ Writing a mode (the built-in modes plug in the same way; ar.py is the simplest):
 
 A mode must not send ``Release``: the leader does, in order, when the mode ends (or is closed early because the
 client left or a stop string matched). Prefill belongs to the mode (``prefill`` is the shared helper).
+
+What a mode reports (``ctx.trace``, trace.py; the dashboard and /metrics read it): a token decided from one position
+comes from ``next_token``, which also notes its logprobs when the request asked for them; a speculative mode calls
+``note_walk`` after each verification (on the compute thread: it reads the walk's logits rows), ``walked`` with what
+the walk emitted, and ``drafted`` with the draft nodes it sends. Sending and receiving note the rest themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,7 +44,9 @@ from ..pipeline.codec import wire_dtype
 from ..pipeline.messages import DataMessage, Forward, Prune, StageError
 from ..pipeline.transport import Frame, Sender
 from ..spec.drafter import Drafter
+from ..spec.verify import Rows, Verdict
 from .settings import LeaderSettings
+from .trace import RequestTrace, TokenLogprob, token_logprobs
 
 T = TypeVar("T")
 Tensors = dict[str, torch.Tensor]
@@ -123,7 +131,8 @@ class ModeContext:
     """One request's view of the pipeline and the leader's parts (see the module docstring)."""
 
     def __init__(self, parts: LeaderParts, pipeline: Pipeline, request_id: str, prompt: list[int],
-                 params: SamplingParams, max_new_tokens: int, stop_ids: frozenset[int], stats: GenStats):
+                 params: SamplingParams, max_new_tokens: int, stop_ids: frozenset[int], stats: GenStats,
+                 trace: RequestTrace | None = None):
         self.parts = parts
         self.pipeline = pipeline
         self.request_id = request_id
@@ -142,6 +151,10 @@ class ModeContext:
         self.returned = 0  # forward results queued here, not yet taken by recv()
         self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
         self.busy: list[tuple[float, float]] = []  # time.time() (start, end) of each compute, emulated wait included
+        self.trace = trace if trace is not None else RequestTrace(mode=stats.mode)
+        self.pending_logprobs: list[TokenLogprob] = []  # for the next chunk the mode yields (the leader takes them)
+        self._sent_at: deque[float] = deque()  # time.perf_counter() of each Forward in flight, oldest first
+        self._mark: float | None = None  # time.perf_counter() up to which the request's window is counted
 
     def fail(self, error: BaseException) -> None:
         if self.error is None:
@@ -163,10 +176,15 @@ class ModeContext:
         self.seq += 1
         if isinstance(msg, Forward):
             self.in_flight += 1
+            self._sent_at.append(time.perf_counter())
+            self._mark = self._mark or self._sent_at[-1]
+        counters = getattr(self.pipeline.sender, "counters", None)
+        before = counters.bytes if counters is not None else 0
         try:
             await self.pipeline.sender.send(msg, tensors)
         except PeerGone as e:
             raise PeerGone(f"pipeline broke while sending: {e}") from e
+        self.trace.sent_bytes += (counters.bytes - before) if counters is not None else 0
 
     async def forward(self, *, first: int = 0, parents: Sequence[int], positions: Sequence[int],
                       tokens: Sequence[int] | torch.Tensor, commit: bool = False, tag: int = 0) -> None:
@@ -204,7 +222,18 @@ class ModeContext:
         if isinstance(msg, Forward):
             self.in_flight -= 1
             self.returned -= 1
+            self._returned(msg, item.tensors)
         return msg, item.tensors
+
+    def _returned(self, msg: Forward, tensors: Tensors) -> None:
+        now, trace = time.perf_counter(), self.trace
+        if self._sent_at:
+            trace.trips_s.append(now - self._sent_at.popleft())
+        if self._mark is not None:
+            trace.window_s += now - self._mark
+            self._mark = now
+        trace.returned(msg.stage_s)
+        trace.returned_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
 
     async def recv_forward(self) -> tuple[Forward, Tensors]:
         """The next returned Forward, skipping acks of prunes."""
@@ -240,12 +269,40 @@ class ModeContext:
         """The next token at one position. features: [hidden]"""
         return choose(self.logits(features), self.params, self.gen)
 
+    def next_token(self, features: torch.Tensor) -> int:
+        """``choose``, for a token the mode commits: its logprobs are noted when the request asked. features:
+        [hidden]"""
+        logits = self.logits(features)  # [vocab]
+        token = choose(logits, self.params, self.gen)
+        if self.trace.top_logprobs is not None:
+            self.pending_logprobs.append(token_logprobs(logits, token, self.trace.top_logprobs))
+        return token
+
+    def note_walk(self, rows: Rows, verdict: Verdict, emitted: Sequence[int]) -> None:
+        """After a verification walk over ``rows`` (target logits per tree node) that emitted ``emitted``: the
+        logprobs of each emitted token, from the row of the accepted node before it (rows the walk already read)."""
+        n = self.trace.top_logprobs
+        if n is not None:
+            self.pending_logprobs += [token_logprobs(rows[verdict.accepted[j]], t, n) for j, t in enumerate(emitted)]
+
+    def walked(self, verdict: Verdict, emitted: int) -> None:
+        """A walk ended in ``verdict`` and emitted ``emitted`` tokens (after any budget cut). The target confirmed
+        the draft as deep as the accepted path went, one level more when the token after it is a drafted child not
+        verified yet (FlowSpec continues there)."""
+        confirmed = len(verdict.accepted) - 1 + (verdict.next_child is not None)
+        self.trace.walked(emitted, min(confirmed, emitted))
+
+    def drafted(self, nodes: int) -> None:
+        """``nodes`` drafted tokens go down the pipeline to be verified."""
+        self.trace.drafted += nodes
+
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` where the leader computes (``LeaderParts.compute``); the interval, an emulated
         device's wait included, is recorded in ``busy``."""
         start = time.time()
         out = await self.parts.compute.run(fn, *args)
         self.busy.append((start, time.time()))
+        self.trace.leader_busy.append(self.busy[-1])
         return out
 
 

@@ -55,7 +55,7 @@ from pydantic import Field
 from ..pipeline.messages import Forward
 from ..spec.drafter import TreeShape
 from ..spec.tree import DraftTree
-from ..spec.verify import LazyRows, Verdict, verify_tree
+from ..spec.verify import Verdict, verify_tree, walk_rows
 from ..types import Settings
 from .context import DecodingMode, ModeContext, prefill
 from .flowstate import Calibration, FlowState, StageCost, best_segment, segment_value
@@ -104,8 +104,10 @@ class FlowSpecConfig(Settings):
 
 def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
     """Verify the verified prefix of the current tree from its root (LM-head rows only where the walk goes)."""
-    rows = LazyRows(state.verified, lambda i: ctx.logits(state.feats[i]))
-    return verify_tree(state.tree, rows, ctx.params, ctx.gen, verified_end=state.verified, stop_ids=ctx.stop_ids)
+    rows = walk_rows(state.tree, state.verified, lambda idx: ctx.logits(torch.stack([state.feats[i] for i in idx])))
+    verdict = verify_tree(state.tree, rows, ctx.params, ctx.gen, verified_end=state.verified, stop_ids=ctx.stop_ids)
+    ctx.note_walk(rows, verdict, verdict.emitted(state.tree))
+    return verdict
 
 
 def _next_level(levels: Iterator[DraftTree]) -> DraftTree | None:
@@ -226,6 +228,7 @@ class _TreeLoop:
                 return
             tag, a, b = state.next_segment(n)
             self.stats.sent(tag, b - a)
+            self.ctx.drafted(b - a - (a == 0))  # node 0 is the decided root
             t = state.tree
             await self.ctx.forward(first=a, parents=t.parent_list[a:b], positions=t.positions(state.committed)[a:b]
                                    .tolist(), tokens=t.tokens[a:b], tag=tag)
@@ -253,6 +256,7 @@ class _TreeLoop:
         stats.walked()
         ctx.stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
         out = verdict.emitted(state.tree)[: self.budget()]
+        ctx.walked(verdict, len(out))
         ctx.stats.new_tokens += len(out)
         if verdict.stopped or self.budget() <= 0 or out[-1] in ctx.stop_ids:
             return out, True
@@ -288,7 +292,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
     in_flight = in_flight or ctx.pipeline.stages + 1
     t0 = time.perf_counter()
     feats = await prefill(ctx)  # [P, hidden]
-    token = await ctx.compute(ctx.choose, feats[-1])
+    token = await ctx.compute(ctx.next_token, feats[-1])
     drafter.reset(len(ctx.prompt) + budget + draft_slots)
     await ctx.compute(drafter.feed, ctx.prompt, feats, token)
     stats.prefill_s = time.perf_counter() - t0

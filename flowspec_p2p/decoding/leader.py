@@ -37,6 +37,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -50,8 +51,11 @@ from ..spec.drafter import Drafter
 from .ar import AR
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
 from .settings import LeaderSettings
+from .trace import RequestTrace
 
 log = logging.getLogger(__name__)
+
+TRACES_KEPT = 16  # recent requests' traces (RequestTrace) kept for the dashboard
 
 
 def _decode_window(stats: GenStats, busy: list[tuple[float, float]]) -> None:
@@ -96,6 +100,7 @@ class _Job:
     stops: frozenset[int]
     stats: GenStats  # the caller's: summed over the attempts
     timeline: list[tuple[float, float]] | None
+    trace: RequestTrace
     committed: list[int] = field(default_factory=list)
     prior: GenStats = field(default_factory=lambda: GenStats(mode=""))  # the attempts before the current one
     current: GenStats = field(default_factory=lambda: GenStats(mode=""))
@@ -135,6 +140,7 @@ class Leader:
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "busy": 0, "not_ready": 0,
                          "dropped": 0, "resumed": 0}
         self.last_stats: dict | None = None
+        self.traces: deque[RequestTrace] = deque(maxlen=TRACES_KEPT)  # the request in flight is the last one
 
     # ---------------------------------------------------------------------------------------- modes
 
@@ -234,21 +240,27 @@ class Leader:
         mode: str | None = None,
         stats: GenStats | None = None,
         timeline: list[tuple[float, float]] | None = None,
+        trace: RequestTrace | None = None,
     ) -> AsyncIterator[list[int]]:
         """Decode ``prompt`` through the pipeline: an async generator of committed-token chunks. ``stats`` is
         filled as it goes (mode, tokens, steps, tau, prefill_s, decode_s; extras ``decode_started_at`` and
         ``decode_finished_at``, the decode window in time.time(), and ``leader_busy_s``, the leader's compute within
         it). ``timeline``: if given, receives the leader's compute intervals (time.time() start, end). Close it to
         stop early. A broken pipeline is survived as the module docstring says (``resumed`` in the extras: how often;
-        counts and times are summed over the attempts, the other extras are the last attempt's)."""
+        counts and times are summed over the attempts, the other extras are the last attempt's). ``trace``: what
+        the request did as it happens (trace.py; a fresh one by default), kept in ``traces`` once its turn came."""
         spec, budget = self.check(len(prompt), max_tokens, mode)
         stats = stats if stats is not None else GenStats(mode=spec.name)
         stats.mode = spec.name
         stats.prompt_tokens = len(prompt)
         stop_ids = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer is not None else stop_ids
         self.counters["requests"] += 1
-        job = _Job(spec, list(prompt), params, budget, frozenset(stop_ids or ()), stats, timeline)
+        trace = trace if trace is not None else RequestTrace()
+        trace.mode, trace.prompt_tokens = spec.name, len(prompt)
+        job = _Job(spec, list(prompt), params, budget, frozenset(stop_ids or ()), stats, timeline, trace)
         await self._take_turn()
+        self.traces.append(trace)
+        outcome = "failed"
         try:
             pipeline = await self._wait_ready()
             for attempt in itertools.count():
@@ -256,6 +268,7 @@ class Leader:
                     async with contextlib.aclosing(self._attempt(job, pipeline, attempt)) as chunks:
                         async for chunk in chunks:
                             yield chunk
+                    outcome = "completed"
                     return
                 except PeerGone as broken:
                     if attempt >= self.settings.resume_attempts:
@@ -264,7 +277,12 @@ class Leader:
                                 len(job.committed))
                     pipeline = await self._next_pipeline(pipeline, broken)
                     job.prior = _sum(job.prior, job.current)
+                    trace.resumes += 1
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "cancelled"
+            raise
         finally:
+            trace.finish(outcome)
             self._turn.release()
 
     async def _attempt(self, job: _Job, pipeline: Pipeline, attempt: int) -> AsyncIterator[list[int]]:
@@ -273,7 +291,8 @@ class Leader:
         job.current = cur = GenStats(mode=job.spec.name)
         rid = uuid.uuid4().hex[:16]
         ctx = ModeContext(self.parts, pipeline, rid, [*job.prompt, *job.committed],
-                          _attempt_params(job.params, attempt), job.budget - len(job.committed), job.stops, cur)
+                          _attempt_params(job.params, attempt), job.budget - len(job.committed), job.stops, cur,
+                          job.trace)
         self._active[rid] = ctx
         self.idle.clear()
         outcome: str | None = "failed"
@@ -282,6 +301,7 @@ class Leader:
                 async with contextlib.aclosing(job.spec.run(ctx)) as chunks:
                     async for chunk in chunks:
                         job.committed += chunk
+                        job.trace.committed(chunk, ctx.pending_logprobs)
                         yield chunk
             outcome = "completed"
         except PeerGone:

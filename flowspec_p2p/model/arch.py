@@ -163,7 +163,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size")
     if vocab is None:
-        vocab = len(meta["tokenizer.ggml.tokens"])
+        vocab = meta["tokenizer.ggml.tokens.count"] if "tokenizer.ggml.tokens.count" in meta \
+            else len(meta["tokenizer.ggml.tokens"])
     scaling = None
     kind = get("rope.scaling.type")
     if kind == "linear":

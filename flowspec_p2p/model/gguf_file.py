@@ -47,7 +47,9 @@ _GGUF_PLAIN_NP = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "i
 _GGUF_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 # Big tokenizer arrays we never read (the tokenizer comes from transformers); skipped without decoding.
-_GGUF_SKIP = ("tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+_GGUF_SKIP = ("tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.tokens")
+# (the tokenizer is built from the file by transformers, once, and cached; of a skipped array only its length is
+# kept, as "<key>.count")
 
 
 class _Cursor:
@@ -104,6 +106,9 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict, list[GGUFTensor]]:
         key = cur.string()
         (vtype,) = cur.unpack("<I")
         keep = key not in _GGUF_SKIP
+        if not keep and vtype == _GGUF_ARRAY:
+            _, count = struct.unpack_from("<IQ", buf, cur.pos)
+            meta[f"{key}.count"] = count
         value = cur.value(vtype, keep)
         if keep:
             meta[key] = value

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,21 +38,25 @@ class LoadedModel:
         return model_fingerprint(self.source)
 
 
-def physical_cores() -> int:
-    """This device's physical cores (psutil where installed; else the CPUs this process may run on)."""
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
     try:
-        import psutil
-    except ImportError:  # psutil is optional here: the count of usable CPUs is the next best guess
-        psutil = None
-    cores = psutil.cpu_count(logical=False) if psutil is not None else None
-    if not cores:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores or 1)
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+def release_heap() -> None:
+    """Give the C heap's free memory back to the OS (glibc keeps freed blocks: a tokenizer's or a load's
+    temporaries would otherwise stay in the resident set)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def set_threads(n: int | None) -> int:
     """Compute threads for torch and the native engine: ``n``, or this device's physical cores. -> the count."""
-    n = n or physical_cores()
+    n = n or env.physical_cores()
     torch.set_num_threads(n)
     native_shard.set_threads(n)
     return n
@@ -107,8 +112,11 @@ def load_model(
     source = open_source(path)
     cfg = source.config
     rng = layers or LayerRange(start=0, end=cfg.num_layers)
-    shard = load_shard(source, rng, embed=True, head=True, dtype=dtype, engine=engine, quantize=quantize)
+    # the tokenizer first: what its loading leaves free goes back to the OS before the weights arrive
     tok = Tokenizer.load(source.path, cfg.eos_token_ids) if tokenizer else None
+    release_heap()
+    shard = load_shard(source, rng, embed=True, head=True, dtype=dtype, engine=engine, quantize=quantize)
+    release_heap()
     log.info("loaded %s (%s, %d layers, %s, %s engine) in %.1f s", source.path.name, cfg.arch, len(rng), dtype,
              "native" if isinstance(shard, NativeShard) else "torch", time.perf_counter() - t0)
     return LoadedModel(source, shard, tok)  # type: ignore[arg-type]

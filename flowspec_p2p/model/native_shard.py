@@ -22,7 +22,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,8 +37,17 @@ from ..types import LayerRange
 from . import native
 from .arch import ModelConfig
 from .kv_cache import KVCache
-from .shard import RMSNorm, Rotary
-from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, gguf_tensor_from_raw, unpermute_rows
+from .shard import Rotary
+from .weights import (
+    EMBED,
+    HEAD,
+    NORM,
+    ROPE_FREQS,
+    WeightSource,
+    gguf_tensor_from_raw,
+    layer_tensor_names,
+    unpermute_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,8 @@ _HF = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "sel
        "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
        "down": "mlp.down_proj.weight"}
 QUANTIZE = ("Q8_0",)
+ROTARY_CHUNK = 1024  # positions the rotary tables grow by
+CHUNK_ROWS = 2048  # rows of a big tensor packed at a time (a multiple of the engine's 16-row panels)
 
 
 @functools.cache
@@ -128,10 +141,51 @@ def _stored_bytes(source: WeightSource, t: _Tensor, cfg: ModelConfig, quantize: 
     return np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8)
 
 
-def _release(source: WeightSource, name: str) -> None:
+def _release(source: WeightSource, name: str, start: int = 0, end: int | None = None) -> None:
     release = getattr(source, "release", None)
     if release is not None:
-        release(name)
+        release(name, start, end)
+
+
+def _pack(source: WeightSource, t: _Tensor, cfg: ModelConfig, quantize: str | None,
+          arena: native.WeightArena) -> native.QMatrix:
+    """``t`` packed into ``arena``. A big GGUF tensor packed as stored goes in chunks of CHUNK_ROWS rows, each
+    chunk's file pages dropped before the next is read, so loading never holds a whole embedding table twice."""
+    info = source.raw_info(t.name)
+    permuted = cfg.arch in ("llama", "mistral") and t.name.endswith(("q_proj.weight", "k_proj.weight"))
+    if info["format"] == "gguf" and t.type_name == t.stored and not permuted and t.rows > CHUNK_ROWS:
+        raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)  # [rows, row bytes]
+        row_bytes = raw.shape[1]
+
+        def chunks():
+            for a in range(0, t.rows, CHUNK_ROWS):
+                yield raw[a : a + CHUNK_ROWS]
+                _release(source, t.name, a * row_bytes, min(t.rows, a + CHUNK_ROWS) * row_bytes)
+
+        return native.QMatrix.from_row_chunks(t.type_name, t.rows, t.cols, chunks(), arena)
+    m = native.QMatrix.from_gguf_bytes(t.type_name, t.rows, t.cols, _stored_bytes(source, t, cfg, quantize), arena)
+    _release(source, t.name)
+    return m
+
+
+def names_read(cfg: ModelConfig, layers: LayerRange, *, embed: bool, head: bool, tensors) -> list[str]:
+    """Every stored tensor a shard of these layers reads: its matrices (``tensors``), norms, biases, rope factors."""
+    names = [*tensors, *(n for i in layers.indices() for n in layer_tensor_names(cfg, i) if n not in tensors)]
+    if head:
+        names.append(NORM)
+    return names
+
+
+class _Norm:
+    """The final RMSNorm on the engine: [..., hidden] -> [..., hidden] float32."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight = weight.to(torch.float32).contiguous()  # [hidden]
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.to(torch.float32).reshape(-1, x.shape[-1])
+        return native.rmsnorm(flat, self.weight, self.eps).view(x.shape)
 
 
 class _Embedding:
@@ -152,23 +206,19 @@ class NativeShard:
 
     def __init__(self, cfg: ModelConfig, layers: LayerRange, stack: native.LayerStack, *,
                  embed: native.QMatrix | None, norm: torch.Tensor | None, lm_head: native.QMatrix | None,
-                 rotary: Rotary, max_position: int, specs: Sequence[native.LayerSpec]):
+                 rope_freqs: torch.Tensor | None, max_position: int, specs: Sequence[native.LayerSpec]):
         self.cfg = cfg
         self.layers = layers
         self.stack = stack
         self.specs = list(specs)  # per layer: what a later shard of the same model may share (a re-plan)
         self.embed_matrix = embed
         self.embed = None if embed is None else _Embedding(embed)
-        self.norm: RMSNorm | None = None
-        if norm is not None:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-            with torch.no_grad():
-                self.norm.weight.copy_(norm)
+        self.norm = None if norm is None else _Norm(norm, cfg.rms_eps)
         self.lm_head = lm_head
-        self.rotary = rotary
+        self.head_source: tuple[WeightSource, _Tensor] | None = None  # where the LM head's rows are stored
+        self.rope_freqs = rope_freqs
         self.max_position = max_position
-        self.cos = rotary.cos.to(torch.float32).contiguous()  # [max_pos, head_dim]
-        self.sin = rotary.sin.to(torch.float32).contiguous()
+        self.rotary = Rotary(cfg, min(max_position, ROTARY_CHUNK), torch.float32, rope_freqs)  # grown on demand
 
     @property
     def has_embed(self) -> bool:
@@ -216,10 +266,7 @@ class NativeShard:
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"packing layers {layers}", leave=False,
                   disable=None if progress else True, file=sys.stderr) as bar:
             for name, t in tensors.items():
-                raw = _stored_bytes(source, t, cfg, quantize)
-                packed[name] = native.QMatrix.from_gguf_bytes(t.type_name, t.rows, t.cols, raw, arena)
-                del raw
-                _release(source, name)
+                packed[name] = _pack(source, t, cfg, quantize, arena)
                 bar.update(len(source.raw_bytes(name)))
         specs = []
         for i in layers.indices():
@@ -240,11 +287,14 @@ class NativeShard:
         if lm_head:
             head_m = emb if tied and embed else packed[EMBED if tied else HEAD]
         freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
-        max_position = max_position or cfg.max_position
-        rotary = Rotary(cfg, max_position, torch.float32, freqs)
         norm = source.load(NORM).float() if head else None
-        return cls(cfg, layers, stack, embed=emb, norm=norm, lm_head=head_m, rotary=rotary,
-                   max_position=max_position, specs=specs)
+        for name in names_read(cfg, layers, embed=embed, head=head, tensors=tensors):
+            _release(source, name)  # the norms' (and biases') pages too: everything is packed or copied now
+        shard = cls(cfg, layers, stack, embed=emb, norm=norm, lm_head=head_m, rope_freqs=freqs,
+                    max_position=max_position or cfg.max_position, specs=specs)
+        if lm_head:
+            shard.head_source = (source, tensors[EMBED if tied else HEAD])
+        return shard
 
     # ------------------------------------------------------------------------------------------- running
 
@@ -287,17 +337,24 @@ class NativeShard:
             cache.advance(n)
             raise ForwardStopped(f"stopped before layer 0 of {len(self.layers)}")
         rows = h.view(n, -1)  # [n, hidden]
-        done = self.stack.forward(rows, pos, self.cos, self.sin, cache.k[:, 0], cache.v[:, 0], start,
+        rot = self._rotary_upto(last + 1)
+        done = self.stack.forward(rows, pos, rot.cos, rot.sin, cache.k[:, 0], cache.v[:, 0], start,
                                   None if mask is None else mask[0], flag) if len(self.layers) else 0
         cache.advance(n)
         if done < len(self.layers):
             raise ForwardStopped(f"stopped before layer {done} of {len(self.layers)}")
         if self.norm is not None:
-            with torch.inference_mode():
-                h = self.norm(h)
+            h = self.norm(h)
         return h
 
     forward = __call__
+
+    def _rotary_upto(self, positions: int) -> Rotary:
+        """The rotary tables, grown (in ROTARY_CHUNK steps, up to max_position) to cover ``positions``."""
+        if positions > self.rotary.cos.shape[0]:
+            size = min(self.max_position, -(-positions // ROTARY_CHUNK) * ROTARY_CHUNK)
+            self.rotary = Rotary(self.cfg, size, torch.float32, self.rope_freqs)
+        return self.rotary
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., hidden] -> [..., vocab]"""
@@ -305,13 +362,23 @@ class NativeShard:
         return self.lm_head.matmul(features.to(torch.float32))
 
     def head_rows(self, rows: torch.Tensor | None, dtype: torch.dtype | None = None) -> native.QMatrix:
-        """The LM head restricted to ``rows`` (a draft vocabulary of target ids; None: all): a packed Q8_0
-        matrix of those rows (the draft head scores its vocabulary with it; float32 in, float32 out)."""
+        """The LM head restricted to ``rows`` (a draft vocabulary of target ids; None: all): a packed matrix of
+        those rows in the head's stored type (Q8_0 for a float head), which the draft head scores its
+        vocabulary with (float32 in, float32 out)."""
         assert self.lm_head is not None, "this shard holds no LM head"
         if rows is None:
             return self.lm_head
-        w = self.lm_head.rows_f32(rows.to(torch.long))  # [V_d, hidden]
-        return native.quantize_q8_0(w)
+        ids = rows.to(torch.long).numpy()  # [V_d]
+        if self.head_source is not None:
+            source, t = self.head_source
+            if source.raw_info(t.name)["format"] == "gguf" and t.type_name == t.stored:
+                raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)
+                picked = np.ascontiguousarray(raw[ids])  # [V_d, row bytes]: the rows as stored, no requantizing
+                _release(source, t.name)
+                return native.QMatrix.from_gguf_bytes(t.type_name, len(ids), t.cols, picked)
+        chunks = (native.q8_0_bytes(self.lm_head.rows_f32(torch.from_numpy(ids[a : a + CHUNK_ROWS])))
+                  for a in range(0, len(ids), CHUNK_ROWS))  # a float head: Q8_0, a chunk at a time
+        return native.QMatrix.from_row_chunks("Q8_0", len(ids), self.cfg.hidden_size, chunks)
 
     def warm_up(self, max_rows: int = 8) -> None:
         """One forward of each size 1..max_rows through a scratch cache: the engine's scratch buffers and the
@@ -323,3 +390,32 @@ class NativeShard:
             mask = torch.eye(m, dtype=torch.bool)[None]  # [1, m, m]: each node sees itself
             self(x, cache, positions=torch.zeros(1, m, dtype=torch.long), mask=mask)
             cache.keep([])
+
+
+def benchmark_layer(cfg: ModelConfig, tokens: int, context: int, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of one decoder layer of ``cfg``'s shape on the engine: ``tokens`` rows over ``context``
+    cached ones, random Q4_1 weights (the default model's type: the device's speed, not a model's values)."""
+    rng = np.random.default_rng(0)
+
+    def q4_1(rows: int, cols: int) -> native.QMatrix:
+        blocks = rng.integers(0, 256, (rows * cols // 32, 20), dtype=np.uint8)
+        scales = rng.uniform(0.001, 0.01, (blocks.shape[0], 2)).astype(np.float16)
+        blocks[:, :4] = scales.view(np.uint8)
+        return native.QMatrix.from_gguf_bytes("Q4_1", rows, cols, blocks)
+
+    h, q, kv, inter = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    spec = native.LayerSpec(q=q4_1(q, h), k=q4_1(kv, h), v=q4_1(kv, h), o=q4_1(h, q), gate=q4_1(inter, h),
+                            up=q4_1(inter, h), down=q4_1(h, inter), mlp_norm=torch.ones(h), attn_norm=torch.ones(h))
+    stack = native.LayerStack([spec], hidden=h, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                              head_dim=cfg.head_dim, intermediate=inter, eps=cfg.rms_eps)
+    rotary = Rotary(cfg, context + tokens, torch.float32)
+    k, v = stack.new_cache(context + tokens)
+    pos = torch.arange(context, context + tokens)
+    times = []
+    for i in range(warmup + repeats):
+        x = torch.randn(tokens, h)  # [tokens, hidden]
+        t0 = time.perf_counter()
+        stack.forward(x, pos, rotary.cos, rotary.sin, k, v, context)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -1,22 +1,34 @@
 """Tokenizer and chat template from the model's own source, and incremental detokenisation with stop strings.
 
-transformers reads both from a GGUF file (slowly: ~6 s); the converted tokenizer is cached under
-``~/.cache/flowspec_p2p/tokenizers`` so later starts take well under a second.
+The tokenizer runs on the ``tokenizers`` library (transformers' own wrapper keeps tens of MB of Python-side
+vocabulary we never use); the chat template renders with jinja2 in a sandbox set up as transformers sets up its
+own. transformers converts a GGUF file's tokenizer once (slowly: ~6 s); the converted files are cached under
+the cache folder's ``tokenizers/`` so later starts take well under a second. A checkpoint folder without a
+``tokenizer.json`` falls back to transformers' tokenizer. ``tokenizers`` and jinja2 are imported when a tokenizer
+is loaded (5 MB of a member stage's resident set otherwise: members never tokenize).
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import env
 from ..errors import ConfigError
 
+if TYPE_CHECKING:
+    import jinja2
+    import tokenizers
+
 log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 def _source_key(path: Path) -> str:
@@ -24,56 +36,117 @@ def _source_key(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
-class Tokenizer:
-    """Thin wrapper over a transformers tokenizer: encode, chat template, decode, stop ids."""
+def _raise(message: str):
+    import jinja2
 
-    def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int] = ()):
-        self.hf = hf_tokenizer
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template in the environment transformers renders them in (sandboxed, trimmed blocks, loop controls,
+    tojson, raise_exception, strftime_now)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    jenv = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    jenv.filters["tojson"] = _tojson
+    jenv.globals["raise_exception"] = _raise
+    jenv.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return jenv.from_string(source)
+
+
+def _special(value) -> str | None:
+    """A special token as tokenizer_config.json writes it (a string, or an AddedToken-like dict)."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    """encode, chat template, decode and stop ids over a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, chat_template: str | None = None,
+                 special: dict[str, str | None] | None = None, eos_token_ids: Sequence[int] = ()):
+        self.backend = backend
+        self.special = {k: v for k, v in (special or {}).items() if v is not None}
+        self.template_source = chat_template
+        self._template = compile_chat_template(chat_template) if chat_template else None
         stop = set(eos_token_ids)
-        if hf_tokenizer.eos_token_id is not None:
-            stop.add(int(hf_tokenizer.eos_token_id))
+        eos = self.special.get("eos_token")
+        if eos is not None and backend.token_to_id(eos) is not None:
+            stop.add(backend.token_to_id(eos))
         self.stop_ids: frozenset[int] = frozenset(stop)
 
     @classmethod
-    def load(cls, model_path: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
-        from transformers import AutoTokenizer
+    def from_folder(cls, folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """From a folder holding tokenizer.json and tokenizer_config.json (and chat_template.jinja, if the template
+        is not in the config)."""
+        config = json.loads((folder / "tokenizer_config.json").read_text()) \
+            if (folder / "tokenizer_config.json").is_file() else {}
+        template = config.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        import tokenizers
 
+        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return cls(backend, chat_template=template, special={k: _special(config.get(k)) for k in SPECIAL_TOKENS},
+                   eos_token_ids=eos_token_ids)
+
+    @classmethod
+    def load(cls, model_path: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
         p = Path(model_path)
         if p.is_dir():
-            tok = AutoTokenizer.from_pretrained(p)
             gen_cfg = p / "generation_config.json"
             if gen_cfg.is_file():
                 eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
                 if eos is not None:
                     eos_token_ids = (*eos_token_ids, *([eos] if isinstance(eos, int) else eos))
-            return cls(tok, eos_token_ids)
+            if (p / "tokenizer.json").is_file():
+                return cls.from_folder(p, eos_token_ids)
+            return _converted(p, env.cache_dir() / "tokenizers" / _source_key(p), eos_token_ids)
         cached = env.cache_dir() / "tokenizers" / _source_key(p)
-        if (cached / "tokenizer_config.json").is_file():
+        if (cached / "tokenizer.json").is_file():
             try:
-                return cls(AutoTokenizer.from_pretrained(cached), eos_token_ids)
-            except Exception:  # a stale or partial cache: rebuild it
+                return cls.from_folder(cached, eos_token_ids)
+            except Exception:  # a stale or partial cache (any reader error): rebuild it
                 log.warning("tokenizer cache %s unreadable; rebuilding", cached, exc_info=True)
         log.info("converting the tokenizer from %s (cached afterwards)", p.name)
-        tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-        try:
-            cached.mkdir(parents=True, exist_ok=True)
-            tok.save_pretrained(cached)
-        except OSError:
-            log.warning("could not cache the tokenizer at %s", cached, exc_info=True)
-        return cls(tok, eos_token_ids)
+        return _converted(p, cached, eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """``messages`` rendered by the model's chat template (as text)."""
+        if self._template is None:
+            raise ConfigError("this model has no chat template; use a raw completion prompt instead")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                     documents=None, **self.special)
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of ``messages`` rendered by the model's chat template, ready for the assistant's reply."""
-        if not self.hf.chat_template:
-            raise ConfigError("this model has no chat template; use a raw completion prompt instead")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.encode(text)
+        return self.encode(self.render(messages))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+
+def _converted(source: Path, folder: Path, eos_token_ids: Sequence[int]) -> Tokenizer:
+    """transformers' tokenizer of ``source`` (a GGUF file, or a folder without tokenizer.json), saved to ``folder``
+    and read back from there."""
+    from transformers import AutoTokenizer  # only to convert, once per model file
+
+    tok = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name) if source.is_file() \
+        else AutoTokenizer.from_pretrained(source)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(folder)
+    except OSError:
+        log.warning("could not cache the tokenizer at %s", folder, exc_info=True)
+    if not (folder / "tokenizer.json").is_file():
+        raise ConfigError(f"{source}: its tokenizer has no fast (tokenizer.json) form")
+    return Tokenizer.from_folder(folder, eos_token_ids)
 
 
 @dataclass

@@ -186,13 +186,16 @@ class GGUFSource:
         raw = torch.frombuffer(self._mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset)  # [nbytes] view
         return _unpermute_for(self.config, name, dequantize(raw, t.qtype, t.shape))
 
-    def release(self, name: str) -> None:
-        """Drop ``name``'s file pages from this process's memory (after packing it; read again if used)."""
+    def release(self, name: str, start: int = 0, end: int | None = None) -> None:
+        """Drop the file pages of ``name``'s bytes [start, end) from this process's memory (after packing them;
+        they are read again if used)."""
         t = self._tensor(name)
+        end = t.nbytes if end is None else end
         page = mmap.PAGESIZE
-        start = t.offset // page * page
-        end = -(-(t.offset + t.nbytes) // page) * page
-        self._mm.madvise(mmap.MADV_DONTNEED, start, min(end, len(self._mm)) - start)
+        a = (t.offset + start) // page * page
+        b = min(-(-(t.offset + end) // page) * page, len(self._mm))
+        if b > a:
+            self._mm.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
 def _unpermute_for(cfg: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -293,7 +296,12 @@ def open_source(path: str | Path | None = None) -> GGUFSource | SafetensorsSourc
 
 
 def tensor_digest(source: WeightSource, name: str) -> str:
-    return hashlib.sha256(source.raw_bytes(name)).hexdigest()
+    """SHA-256 of a tensor's stored bytes (a GGUF file's pages are dropped from memory again after hashing)."""
+    digest = hashlib.sha256(source.raw_bytes(name)).hexdigest()
+    release = getattr(source, "release", None)
+    if release is not None:
+        release(name)
+    return digest
 
 
 def fingerprint(config: ModelConfig, digests: dict[str, str]) -> str:

@@ -2,6 +2,9 @@
 
 An accepted link's decoded frames go to the owner's inbox in arrival order, followed by a ``LinkDown`` when the link
 ends; a frame that fails validation closes that link (``CLOSE_BAD_FRAME``) with a logged reason, never the agent.
+
+Where the agent authenticates its peers (``authenticated``: the sender a request proved, cluster/guard.py), a
+link's sender is that authenticated agent: a hello naming another sender is refused.
 """
 
 from __future__ import annotations
@@ -52,12 +55,14 @@ class RingServer:
     ``LinkDown`` when the link ends. ``install(app)`` adds the route and closes the links on shutdown."""
 
     def __init__(self, agent_id: str, cluster: str, *, epoch: int = 0, inbox: asyncio.Queue | None = None,
-                 allowed: Callable[[RingHello], bool] | None = None, max_frame_bytes: int = codec.MAX_FRAME_BYTES):
+                 allowed: Callable[[RingHello], bool] | None = None, max_frame_bytes: int = codec.MAX_FRAME_BYTES,
+                 authenticated: Callable[[web.Request], str | None] | None = None):
         self.agent_id = agent_id
         self.cluster = cluster
         self.epoch = epoch
         self.inbox = inbox
         self.allowed = allowed  # optional extra check (e.g. "is the sender my planned predecessor?")
+        self.authenticated = authenticated  # the agent id a request proved (None: the hello's word is taken)
         self.max_frame_bytes = max_frame_bytes
         self.links: dict[int, _Inbound] = {}
         self.refused = 0
@@ -82,7 +87,9 @@ class RingServer:
         for link in list(self.links.values()):
             await link.ws.close(code=CLOSE_SHUTDOWN, message=b"agent stopping")
 
-    def _refusal(self, hello: RingHello) -> tuple[int, str] | None:
+    def _refusal(self, hello: RingHello, sender: str | None) -> tuple[int, str] | None:
+        if self.authenticated is not None and hello.sender != sender:
+            return CLOSE_REFUSED, f"the hello names sender {hello.sender}, the link authenticated as {sender}"
         if hello.protocol != PROTOCOL_VERSION:
             return CLOSE_REFUSED, f"protocol {hello.protocol} != {PROTOCOL_VERSION}"
         if hello.cluster != self.cluster:
@@ -109,7 +116,7 @@ class RingServer:
             log.warning("ring: refused a link from %s: bad hello (%s)", peer, str(e).splitlines()[0])
             await ws.close(code=CLOSE_REFUSED, message=b"bad hello")
             return ws
-        refusal = self._refusal(hello)
+        refusal = self._refusal(hello, self.authenticated(request) if self.authenticated is not None else None)
         if refusal is not None:
             self.refused += 1
             log.warning("ring: refused a link from %s (%s): %s", hello.sender, peer, refusal[1])

@@ -23,12 +23,14 @@ import torch
 from .. import env
 from ..errors import ConfigError
 from ..model.generate import GenStats, check_context, prefill_features
+from ..model.native_shard import NativeShard
 from ..model.sampling import SamplingParams, choose
 from ..model.shard import Shard
 from .drafter import Drafter, HeadDrafter, TreeShape
 from .head import DraftBundle, find_draft
+from .native_head import NativeDraftHead
 from .ngram import LookupDrafter
-from .verify import LazyRows, verify_tree
+from .verify import verify_tree, walk_rows
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +69,15 @@ def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | Non
             f"no draft head for this model (fingerprint {target_fingerprint}); "
             "train one with `flowspec draft train` or pass --draft PATH"
         )
-    bundle = DraftBundle.load(stem, dtype=target.dtype)
-    if bundle.meta.get("target_fingerprint") != target_fingerprint:
+    if isinstance(target, NativeShard):  # the head on the engine too, its weights in their stored 16 bits
+        cfg, state, vocab, meta = DraftBundle.read(stem)
+        head = NativeDraftHead(cfg, state, target.max_position)
+    else:
+        bundle = DraftBundle.load(stem, dtype=target.dtype)
+        head, vocab, meta = bundle.head, bundle.draft_vocab, bundle.meta
+    if meta.get("target_fingerprint") != target_fingerprint:
         log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
-    return LookupDrafter(HeadDrafter(bundle.head, target, bundle.draft_vocab)), bundle.meta
+    return LookupDrafter(HeadDrafter(head, target, vocab)), meta
 
 
 class SpecDecoder:
@@ -124,7 +131,7 @@ class SpecDecoder:
                 pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
                 f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
                 # 3. verify; keep the accepted path's K/V
-                rows = LazyRows(len(tree), lambda i, f=f: model.logits(f[i]))  # LM head only where the walk goes
+                rows = walk_rows(tree, len(tree), lambda idx, f=f: model.logits(f[idx]))  # where the walk goes
                 verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids)
                 cache.keep(verdict.accepted)
                 cache.commit(len(verdict.accepted))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from pydantic import Field
@@ -35,6 +35,9 @@ from ..model.shard import Shard
 from ..types import Settings
 from .head import DraftHead
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .native_head import NativeDraftHead
 
 
 class TreeShape(Settings):
@@ -176,11 +179,11 @@ class TreeDrafter(ABC):
 class HeadDrafter(TreeDrafter):
     """EAGLE head drafting: pairs (feature, next token) -> predicted feature -> logits via the target's LM head."""
 
-    def __init__(self, head: DraftHead, target: Shard, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, head: DraftHead | NativeDraftHead, target: Shard, draft_vocab: torch.Tensor | None = None):
         assert target.embed is not None, "needs the target's embedding"
         self.head = head
         self.embed = target.embed
-        self.dtype = head.fc.weight.dtype
+        self.dtype = head.dtype
         self.draft_vocab = None if draft_vocab is None else draft_vocab.to(torch.long)  # [V_d] target ids
         self.lm_head = target.head_rows(self.draft_vocab, self.dtype)  # the target's LM head, draft rows
         self.vocab_size = self.lm_head.rows

@@ -65,15 +65,19 @@ class DraftHead(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
     def rotary(self) -> Rotary:
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         if self._rotary is None or self._rotary.cos.dtype != dtype:
             self._rotary = Rotary(self.cfg, self.max_position, dtype)
         return self._rotary
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         c = self.cfg
-        return KVCache(1, c.num_kv_heads, c.head_dim, capacity, batch=batch, dtype=self.fc.weight.dtype)
+        return KVCache(1, c.num_kv_heads, c.head_dim, capacity, batch=batch, dtype=self.dtype)
 
     def forward(
         self,
@@ -125,8 +129,10 @@ class DraftBundle:
                 "target_config": json.loads(self.head.cfg.canonical_json())}
         stem.with_suffix(".json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
-    @classmethod
-    def load(cls, stem: Path, dtype: torch.dtype = torch.float32) -> DraftBundle:
+    @staticmethod
+    def read(stem: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], torch.Tensor | None, dict]:
+        """The stored bundle as it is on disk: (target config, head state_dict in its stored dtype, draft
+        vocabulary or None, metadata)."""
         stem = Path(stem)
         if stem.suffix in (".json", ".safetensors"):
             stem = stem.with_suffix("")
@@ -134,9 +140,13 @@ class DraftBundle:
         if not meta_path.is_file():
             raise WeightsError(f"draft head metadata {meta_path} not found")
         meta = json.loads(meta_path.read_text())
-        cfg = ModelConfig(**meta["target_config"])
         tensors = load_file(str(stem.with_suffix(".safetensors")))
         vocab = tensors.pop("draft_vocab", None)
+        return ModelConfig(**meta["target_config"]), tensors, vocab, meta
+
+    @classmethod
+    def load(cls, stem: Path, dtype: torch.dtype = torch.float32) -> DraftBundle:
+        cfg, tensors, vocab, meta = cls.read(stem)
         head = DraftHead(cfg)
         head.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
         return cls(head.to(dtype).eval(), vocab, meta)

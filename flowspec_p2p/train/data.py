@@ -160,9 +160,8 @@ def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureSt
                     continue
                 bar.update(1)
                 prompt = tok.chat([{"role": "user", "content": p.text}])
-                text = tok.hf.apply_chat_template([{"role": "user", "content": p.text},
-                                                   {"role": "assistant", "content": answers[p.key]}],
-                                                  tokenize=False, add_generation_prompt=False)
+                text = tok.render([{"role": "user", "content": p.text},
+                                   {"role": "assistant", "content": answers[p.key]}], add_generation_prompt=False)
                 ids = tok.encode(text)
                 if len(prompt) > cfg.max_prompt_tokens or ids[: len(prompt)] != prompt:
                     continue

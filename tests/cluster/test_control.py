@@ -1,4 +1,4 @@
-"""Control-plane messages round-trip, reject malformed or foreign-version input; request signatures."""
+"""Control-plane messages round-trip, reject malformed or foreign-version input, and name their senders."""
 
 import pytest
 
@@ -10,11 +10,9 @@ from flowspec_p2p.cluster.control import (
     Hello,
     PeerInfo,
     StageStatus,
-    auth_tag,
-    check_signature,
+    claimed_sender,
     decode_message,
     encode_message,
-    sign,
 )
 from flowspec_p2p.cluster.profile import DeviceProfile
 from flowspec_p2p.errors import ProtocolError
@@ -44,22 +42,11 @@ def test_malformed_and_foreign_messages_are_refused():
         decode_message(b" " * (control.MAX_CONTROL_BYTES + 1))
 
 
-def test_signatures_bind_secret_method_path_body_and_time():
-    secret = b"correct horse battery"
-    h = sign(secret, "POST", "/control", b"{}", now=1000.0)
-    check_signature(secret, h, "POST", "/control", b"{}", now=1001.0)
-    for args in [(b"wrong secret!", h, "POST", "/control", b"{}"), (secret, h, "GET", "/control", b"{}"),
-                 (secret, h, "POST", "/ring", b"{}"), (secret, h, "POST", "/control", b"{ }")]:
-        with pytest.raises(ProtocolError, match="bad signature"):
-            check_signature(*args, now=1001.0)
-    with pytest.raises(ProtocolError, match="clock"):
-        check_signature(secret, h, "POST", "/control", b"{}", now=1000.0 + control.MAX_CLOCK_SKEW_S + 1)
-    with pytest.raises(ProtocolError, match="missing"):
-        check_signature(secret, None, "POST", "/control", b"{}")
-
-
-def test_auth_tags_match_only_for_the_same_secret_and_cluster():
-    assert auth_tag(b"s3cret-one", "home") == auth_tag(b"s3cret-one", "home")
-    assert auth_tag(b"s3cret-one", "home") != auth_tag(b"s3cret-two", "home")
-    assert auth_tag(b"s3cret-one", "home") != auth_tag(b"s3cret-one", "work")
-    assert auth_tag(None, "home") == ""
+def test_messages_name_their_senders_and_urls_say_whether_the_agent_speaks_tls():
+    keyed = ME.model_copy(update={"identity": "a" * 64})
+    assert claimed_sender(Hello(peer=keyed)) == ("abc", "a" * 64)
+    assert claimed_sender(Bye(agent_id="abc")) == ("abc", None)
+    assert claimed_sender(Heartbeat(agent_id="abc", epoch=1, state="idle")) == ("abc", None)
+    assert claimed_sender(Ack()) == (None, None)
+    assert ME.url == "http://127.0.0.1:4242"
+    assert keyed.url == "https://127.0.0.1:4242"

@@ -1,9 +1,12 @@
-"""Discovery on the loopback interface: agents of one cluster (and one secret) find each other, others are
-ignored, and a stopped agent's mDNS removal is reported. Static peers work without multicast."""
+"""Discovery on the loopback interface: agents of one cluster (and one key) find each other, others are ignored,
+and a stopped agent's mDNS removal is reported. With a key, adverts are sealed: unproven, foreign or stale ones
+are ignored (and logged once), a leadership claim counts only once the claimant confirms it, and so does a
+removal. Static peers work without multicast."""
 
 import asyncio
 import contextlib
 import itertools
+import re
 
 import pytest
 
@@ -17,6 +20,8 @@ from flowspec_p2p.cluster.discovery import (
     resolve_interfaces,
     to_properties,
 )
+from flowspec_p2p.cluster.handshake import AdvertSeal
+from flowspec_p2p.cluster.keys import ClusterKey
 from flowspec_p2p.cluster.profile import DeviceProfile
 from flowspec_p2p.errors import ConfigError
 
@@ -24,10 +29,10 @@ LOOPBACK = ["127.0.0.1"]
 _ports = itertools.count(20000)
 
 
-def peer(aid: str, cluster: str = "t", role: str = "member") -> PeerInfo:
+def peer(aid: str, cluster: str = "t", role: str = "member", identity: str = "") -> PeerInfo:
     return PeerInfo(id=aid, cluster=cluster, role=role, host="127.0.0.1", port=next(_ports), pid=1, started=1.5,
                     profile=DeviceProfile(memory_bytes=1 << 30, gflops=9.5, threads=2, link_mbps=100.0),
-                    model="f" * 32)
+                    model="f" * 32, identity=identity)
 
 
 @contextlib.asynccontextmanager
@@ -52,8 +57,8 @@ async def next_event(q: asyncio.Queue, kind, wait_s: float = 8.0):
 
 
 def test_txt_properties_round_trip():
-    me = peer("abc")
-    props = {k.encode(): v.encode() for k, v in to_properties(me, "tag").items()}
+    me = peer("abc", identity="e" * 64)
+    props = {k.encode(): v.encode() for k, v in to_properties(me).items()}
     assert from_properties(props, me.host, me.port) == me
 
 
@@ -70,8 +75,8 @@ async def test_agents_of_one_cluster_find_each_other_and_see_removal():
     da = Discovery(a, qa, addresses=LOOPBACK, interfaces=LOOPBACK)
     db = Discovery(b, qb, addresses=LOOPBACK, interfaces=LOOPBACK)
     other_cluster = Discovery(peer("c", cluster="other"), qc, addresses=LOOPBACK, interfaces=LOOPBACK)
-    other_secret = Discovery(peer("d"), qd, addresses=LOOPBACK, interfaces=LOOPBACK, auth="different")
-    async with running(da, other_cluster, other_secret):
+    keyed = Discovery(peer("d"), qd, addresses=LOOPBACK, interfaces=LOOPBACK, seal=AdvertSeal(ClusterKey.generate()))
+    async with running(da, other_cluster, keyed):
         async with running(db):
             seen_by_a = await next_event(qa, PeerSeen)
             seen_by_b = await next_event(qb, PeerSeen)
@@ -86,7 +91,76 @@ async def test_agents_of_one_cluster_find_each_other_and_see_removal():
             ev = qa.get_nowait()
             if isinstance(ev, PeerSeen):
                 seen.add(ev.info.id)
-        assert seen <= {"b"}  # never the other cluster's or the other secret's agent
+        assert seen <= {"b"}  # never the other cluster's, nor a keyed cluster's agent (a's is open)
+
+
+class StaleSeal(AdvertSeal):
+    """Seals as if its clock were an hour behind (a recorded advert, replayed)."""
+
+    def seal(self, props, port, now):
+        return super().seal(props, port, now - 3600)
+
+
+async def test_sealed_adverts_are_found_and_unproven_foreign_or_stale_ones_ignored_and_logged_once(caplog):
+    key = ClusterKey.generate()
+    qa, qb, qx = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
+    a, b = peer("a", identity="a" * 64), peer("b", identity="b" * 64)
+    da = Discovery(a, qa, addresses=LOOPBACK, interfaces=LOOPBACK, seal=AdvertSeal(key))
+    db = Discovery(b, qb, addresses=LOOPBACK, interfaces=LOOPBACK, seal=AdvertSeal(key))
+    other = AdvertSeal(ClusterKey.generate())
+    strangers = [
+        Discovery(peer("other-key"), qx, addresses=LOOPBACK, interfaces=LOOPBACK, seal=other),
+        Discovery(peer("unsealed"), qx, addresses=LOOPBACK, interfaces=LOOPBACK),
+        Discovery(peer("stale"), qx, addresses=LOOPBACK, interfaces=LOOPBACK, seal=StaleSeal(key)),
+    ]
+    async with running(da, db, *strangers):
+        seen = await next_event(qa, PeerSeen)
+        assert seen.info == b
+        await asyncio.sleep(1.0)
+        logged = sum("mDNS: ignoring" in r.message for r in caplog.records)
+        for d in (db, *strangers):  # a re-seal re-announces: nothing new is let in, nothing is logged again
+            await d.update(d.me)
+        await asyncio.sleep(1.0)
+        assert sum("mDNS: ignoring" in r.message for r in caplog.records) == logged
+    ids = {ev.info.id for ev in _drain(qa) if isinstance(ev, PeerSeen)}
+    assert ids == {"b"}
+    why = {name.split(".")[0]: reason for name, reason in da.ignored.items()}
+    assert why.keys() == {"t-other-key", "t-unsealed", "t-stale"}
+    assert "does not match" in why["t-other-key"]
+    assert "no proof" in why["t-unsealed"]
+    assert re.search(r"sealed 36\d\d s ago", why["t-stale"])
+
+
+def _drain(q: asyncio.Queue) -> list:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+async def test_leadership_claims_and_removals_count_only_when_the_claimant_confirms_them():
+    key = ClusterKey.generate()
+    real, forged = peer("real", role="leader", identity="1" * 64), peer("forged", role="leader", identity="2" * 64)
+    asked = []
+
+    async def confirm(claim: PeerInfo) -> PeerInfo | None:
+        asked.append(claim.id)
+        return claim if claim.id == "real" else None
+
+    q = asyncio.Queue()
+    me = Discovery(peer("m"), q, addresses=LOOPBACK, interfaces=LOOPBACK, seal=AdvertSeal(key), confirm=confirm)
+    both = [Discovery(x, asyncio.Queue(), addresses=LOOPBACK, interfaces=LOOPBACK, seal=AdvertSeal(key))
+            for x in (real, forged)]
+    async with running(me):
+        async with running(*both):
+            ev = await next_event(q, PeerSeen)
+            assert ev.info.id == "real"
+            await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # both are removed; "real" still confirms it is there, so it stays
+    events = _drain(q)
+    assert not [e for e in events if isinstance(e, PeerSeen) and e.info.id == "forged"]
+    assert not [e for e in events if isinstance(e, PeerLost)]
+    assert {"real", "forged"} <= set(asked)
 
 
 async def test_static_peers_work_without_multicast(monkeypatch):

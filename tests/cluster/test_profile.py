@@ -29,3 +29,13 @@ def test_configured_values_replace_measurements(monkeypatch):
 
 def test_available_memory_is_plausible():
     assert profile.available_memory_bytes() > 16 * 1024 * 1024
+
+
+def test_the_memory_offered_is_a_fraction_of_what_psutil_says_is_available(monkeypatch):
+    from collections import namedtuple
+
+    mem = namedtuple("svmem", "total available")(total=16 << 30, available=6 << 30)  # as psutil reports on macOS too
+    monkeypatch.setattr(profile.psutil, "virtual_memory", lambda: mem)
+    monkeypatch.setattr(profile, "benchmark_block", lambda cfg, **kw: 40.0)
+    assert profile.available_memory_bytes() == 6 << 30
+    assert measure().memory_bytes == int((6 << 30) * profile.MEMORY_FRACTION)

@@ -130,3 +130,19 @@ def test_a_rebuilt_shard_shares_the_blocks_it_already_had_and_loads_the_rest(tin
     ref = Shard.from_source(source, node.layers, embed=False, head=True, dtype=torch.float64)
     x = torch.randn(1, 3, 64, dtype=torch.float64)
     assert torch.equal(new(x, None), ref(x, None))
+
+
+async def test_a_fetch_reports_its_progress_in_bytes_up_to_the_total_and_logs_its_rate(tiny_server, tmp_path, caplog):
+    _, _, url = tiny_server
+    seen: list[tuple[int, int]] = []
+    caplog.set_level("INFO", logger="flowspec_p2p.cluster.weight_server")
+    async with aiohttp.ClientSession() as s:
+        fetched, n = await fetch_range(s, url, LayerRange(start=0, end=2), embed=True, norm=False,
+                                       cache_dir=tmp_path, progress=lambda done, total: seen.append((done, total)))
+        assert seen[-1] == (n, n) == (fetched.manifest.nbytes, fetched.manifest.nbytes)
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+        assert "MB/s)" in caplog.text
+        seen.clear()
+        _, again = await fetch_range(s, url, LayerRange(start=0, end=2), embed=True, norm=False, cache_dir=tmp_path,
+                                     progress=lambda done, total: seen.append((done, total)))
+    assert (again, seen) == (0, [])  # all from the cache: nothing to report

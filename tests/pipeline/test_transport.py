@@ -211,3 +211,12 @@ async def test_bench_hop_times_a_real_loopback_hop():
     r = await bench_hop(tokens=16, hidden=576, dtype="float16", iters=20, warmup=5)
     assert r["frame_bytes"] > 16 * 576 * 2
     assert 0 < r["median_ms"] <= r["p90_ms"]
+
+
+async def test_bench_hop_times_tls_hops_beside_plain_ones():
+    from flowspec_p2p.bench.hop import bench_hops
+
+    ws, wss = await bench_hops(tokens=16, hidden=64, dtype="float16", iters=20, warmup=5)
+    assert (ws["transport"], wss["transport"]) == ("ws", "wss")
+    assert ws["frame_bytes"] == wss["frame_bytes"]
+    assert 0 < wss["median_ms"] <= wss["p90_ms"]

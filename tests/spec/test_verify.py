@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from scipy import stats as sps
 
 from flowspec_p2p.spec.tree import DraftTree
-from flowspec_p2p.spec.verify import LazyRows, verify_greedy, verify_sampling
+from flowspec_p2p.spec.verify import LazyRows, likely_next, verify_greedy, verify_sampling, walk_rows
 
 from .test_tree import trees
 
@@ -66,6 +66,42 @@ def test_lazy_rows_compute_only_the_visited_nodes():
     rows = LazyRows(len(FIG), lambda i: seen.append(i) or logits[i])
     verify_greedy(FIG, rows)
     assert seen == [0]
+
+
+def test_walk_rows_batch_the_first_child_chain_then_the_other_children():
+    assert likely_next(FIG, 0) == [1, 3, 5, 2]
+    assert likely_next(FIG, 1) == [3, 5, 4]
+    logits = one_hot_logits([3, 6, 0, 1, 0, 2])
+    calls = []
+    rows = walk_rows(FIG, len(FIG), lambda idx: calls.append(list(idx)) or logits[idx])
+    v = verify_greedy(FIG, rows)
+    assert v.accepted == [0, 1, 3, 5]
+    assert calls == [[0, 1, 3, 5]]  # the whole accepted path in one LM-head call
+    assert rows.computed == [0, 1, 3, 5]
+    torch.testing.assert_close(rows[5], logits[5])
+    rows[4]  # a miss: 4 and nothing else left to plan
+    assert calls[-1] == [4]
+
+
+def test_walk_rows_stay_inside_the_verified_prefix():
+    calls = []
+    rows = walk_rows(FIG, 3, lambda idx: calls.append(list(idx)) or torch.zeros(len(idx), V))
+    rows[0]
+    assert calls == [[0, 1, 2]]  # 3 and 5 are not verified yet
+
+
+@settings(max_examples=80, deadline=None)
+@given(trees(max_nodes=25, vocab=4), st.integers(0, 99), st.integers(1, 6), st.booleans())
+def test_batched_rows_give_the_same_verdict_as_the_whole_tensor(tree, seed, batch, greedy):
+    logits = torch.randn(len(tree), 4, generator=torch.Generator().manual_seed(seed))
+    rows = LazyRows(len(tree), many=lambda idx: logits[idx], plan=lambda i: likely_next(tree, i), batch=batch)
+    if greedy:
+        assert verify_greedy(tree, rows) == verify_greedy(tree, logits)
+    else:
+        probs = torch.softmax(logits, -1).double()
+        lazy = LazyRows(len(tree), many=lambda idx: probs[idx], plan=lambda i: likely_next(tree, i), batch=batch)
+        u = np.random.default_rng(seed).random(len(tree) + 1)
+        assert verify_sampling(tree, lazy, u) == verify_sampling(tree, probs, u)
 
 
 @settings(max_examples=80, deadline=None)

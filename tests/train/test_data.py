@@ -23,16 +23,13 @@ class ByteChat:
 
     stop_ids = frozenset({STOP})
 
-    def __init__(self):
-        self.hf = self
-
     def encode(self, text: str) -> list[int]:
         return [int(b) % 90 + 3 for b in text.encode()]
 
     def chat(self, messages) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        return self.encode(self.render(messages))
 
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt) -> str:
+    def render(self, messages, add_generation_prompt: bool = True) -> str:
         out = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
         return out + ("<assistant>" if add_generation_prompt else "")
 

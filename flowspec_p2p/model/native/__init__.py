@@ -16,7 +16,7 @@ from __future__ import annotations
 from . import _lib
 from ._lib import library
 from .formats import TYPES, WeightType, weight_type
-from .layers import LayerSpec, LayerStack
+from .layers import LayerSpec, LayerStack, rmsnorm
 from .qmatrix import QMatrix, WeightArena, q8_0_bytes, quantize_q8_0
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "library",
     "q8_0_bytes",
     "quantize_q8_0",
+    "rmsnorm",
     "set_isa",
     "set_threads",
     "threads",

@@ -128,3 +128,17 @@ class LayerStack:
         if done < 0:
             raise RuntimeError(f"fs_layers_forward failed ({done})")
         return done
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [n, dim] float32 -> RMSNorm(x) * weight [n, dim] float32 (the engine's own, as inside the layer stack)."""
+    if x.dtype != torch.float32 or x.ndim != 2 or x.is_cuda:
+        raise ValueError(f"rmsnorm: expected CPU float32 [n, dim], got {x.dtype} {tuple(x.shape)}")
+    n, dim = x.shape
+    w = _vector(weight, dim, "rmsnorm weight")
+    x = x.contiguous()
+    out = torch.empty_like(x)  # [n, dim]
+    rc = _lib.require().fs_rmsnorm(x.data_ptr(), w.data_ptr(), n, dim, ctypes.c_float(eps), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"fs_rmsnorm failed ({rc})")
+    return out

@@ -6,6 +6,8 @@ Every argument is checked here: the C side trusts its pointers and sizes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -13,6 +15,7 @@ from . import _lib
 from .formats import WeightType, weight_type
 
 Q8_0_BLOCK = 32
+PANEL = 16  # output rows per packed panel (csrc/fs_internal.h): chunks of a multiple pack independently
 ALIGN = 64  # bytes: the packed data's alignment
 HUGE_PAGE = 2 << 20  # bytes
 
@@ -64,6 +67,28 @@ class QMatrix:
         packed = arena.take(size) if arena is not None else WeightArena(size).take(size)
         if lib.fs_pack(wtype.id, rows, cols, src.ctypes.data, packed.data_ptr()) != 0:
             raise RuntimeError(f"fs_pack failed for {type_name} [{rows}, {cols}]")
+        return cls(type_name, rows, cols, packed)
+
+    @classmethod
+    def from_row_chunks(cls, type_name: str, rows: int, cols: int, chunks: Iterable[np.ndarray],
+                        arena: WeightArena | None = None) -> QMatrix:
+        """Packs a tensor handed over as consecutive row chunks of its GGUF bytes ([n, row bytes] each; every chunk
+        but the last a multiple of PANEL rows), so a caller can free each chunk's source before the next one."""
+        lib, wtype = _lib.require(), weight_type(type_name)
+        size = cls.packed_size(type_name, rows, cols)
+        packed = arena.take(size) if arena is not None else WeightArena(size).take(size)
+        row, offset = 0, 0
+        for chunk in chunks:
+            src = _as_bytes(chunk)
+            n = src.size // max(1, wtype.gguf_nbytes(1, cols))
+            if n == 0 or src.size != wtype.gguf_nbytes(n, cols) or row + n > rows or (row + n < rows and n % PANEL):
+                raise ValueError(f"{type_name} [{rows}, {cols}]: a chunk of {src.size} bytes at row {row} does not fit")
+            part = cls.packed_size(type_name, n, cols)
+            if lib.fs_pack(wtype.id, n, cols, src.ctypes.data, packed.data_ptr() + offset) != 0:
+                raise RuntimeError(f"fs_pack failed for {type_name} rows [{row}, {row + n})")
+            row, offset = row + n, offset + part
+        if row != rows:
+            raise ValueError(f"{type_name} [{rows}, {cols}]: the chunks held {row} rows")
         return cls(type_name, rows, cols, packed)
 
     @property

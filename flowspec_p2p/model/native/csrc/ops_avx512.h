@@ -124,6 +124,16 @@ FS_INLINE __m512 scores16(const int NQ, const __m512 *q, const float *kc, int64_
     return _mm512_mul_ps(tree16(a), _mm512_set1_ps(scale));
 }
 
+/* Software prefetch of the 16 cache slots [s, s + 16) of one kv head (none past ``end``): K and V stream from
+ * memory once per token, and the hardware prefetcher alone leaves them at ~10 GB/s. */
+#define FS_ATT_PREFETCH 32 /* slots ahead */
+FS_INLINE void prefetch_slots(const float *c, int64_t s, int64_t end, int hd) {
+    if (s >= end) return;
+    const int64_t n = (end - s < 16 ? end - s : 16) * hd * (int64_t)sizeof(float);
+    const char *p = (const char *)(c + s * hd);
+    for (int64_t off = 0; off < n; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 /* visible slots among [s0, s0 + count) for row r */
 FS_INLINE __mmask16 visible(const fs_attn *at, int64_t r, int64_t s0, int64_t count) {
     const int64_t total = at->start + at->n, limit = at->mask ? total : at->start + r + 1;
@@ -182,6 +192,7 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
     int used[FS_ATT_ROWS] = {0}; /* visible slots so far per row, mod 16: the next denominator lane */
     for (int64_t s0 = 0; s0 < end; s0 += 16) {
         const int count = (int)(end - s0 < 16 ? end - s0 : 16);
+        prefetch_slots(kc, s0 + FS_ATT_PREFETCH, end, hd);
         for (int64_t r = r0; r < r1; r++) {
             const __mmask16 m = visible(at, r, s0, count);
             if (!m) continue;
@@ -203,6 +214,7 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
         _mm512_storeu_ps(state + p * ps, _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(state + p * ps))));
     for (int64_t s0 = 0; s0 < end; s0 += 16) {
         const int count = (int)(end - s0 < 16 ? end - s0 : 16);
+        prefetch_slots(vc, s0 + FS_ATT_PREFETCH, end, hd);
         for (int64_t r = r0; r < r1; r++) {
             const __mmask16 m = visible(at, r, s0, count);
             if (!m) continue;

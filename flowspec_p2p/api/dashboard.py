@@ -1,0 +1,111 @@
+"""The dashboard at ``/`` of the leader's API: a static page shipped in the package (static/: HTML, JS, CSS; no
+build step, nothing fetched from the internet) that the server keeps up to date by push.
+
+    GET /                        static/index.html
+    GET /dashboard/assets/...    its script and style sheet
+    GET /dashboard/state         the dashboard's state once (JSON)
+    GET /dashboard/events        the state, pushed: a server-sent ``state`` event every PUSH_INTERVAL_S
+
+The state: the cluster as the control plane knows it (members, the plan, the stages with their counters, a
+transition in progress, the plan history with each re-plan's trigger), the leader (pipeline, queue, counters), the
+request in flight or else the last one (its trace summary: tokens/s, tau, acceptance by depth, each stage's busy
+time and bubbles, resumes), the requests before it, and every stage's busy intervals over the last
+TIMELINE_WINDOW_S (``timelines``: cluster/telemetry.py) beside the leader's own compute.
+
+The chat box on the page posts to /v1/chat/completions (streamed) like any client. Everything here is a route of the
+API app, so a middleware of the app (an API key) covers the page, its assets and its event stream alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from ..decoding.leader import Leader
+from ..decoding.trace import RequestTrace
+from .metrics import View, cluster_state
+
+STATIC_DIR = Path(__file__).with_name("static")
+PUSH_INTERVAL_S = 0.5
+TIMELINE_WINDOW_S = 20.0
+RECENT_REQUESTS = 8
+# the page loads nothing from elsewhere: no CDN, works on a LAN without internet
+CONTENT_SECURITY_POLICY = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+                           "connect-src 'self'")
+
+Timelines = Callable[[float], Awaitable[list[dict]]]  # since (time.time()) -> per stage: {stage, agent_id, intervals}
+
+
+def _brief(t: RequestTrace) -> dict:
+    s = t.summary()
+    return {k: s[k] for k in ("id", "mode", "outcome", "tokens", "tokens_per_s", "tau", "elapsed_s", "started")}
+
+
+def _recent_busy(traces: list[RequestTrace], since: float) -> list[list[float]]:
+    return [[round(a, 4), round(b, 4)] for t in traces if (t.finished or time.time()) > since
+            for a, b in t.leader_busy if b > since]
+
+
+async def dashboard_state(leader: Leader, view: View | None, timelines: Timelines | None) -> dict:
+    now = time.time()
+    since = now - TIMELINE_WINDOW_S
+    known = await cluster_state(view)
+    traces = list(leader.traces)
+    stages = await timelines(since) if timelines is not None else []
+    return {
+        "now": now,
+        "window_s": TIMELINE_WINDOW_S,
+        "cluster": known,
+        "leader": leader.snapshot(),
+        "request": traces[-1].summary(now) if traces else None,
+        "recent": [_brief(t) for t in reversed(traces[:-1])][:RECENT_REQUESTS],
+        "timeline": {"stages": stages, "leader": _recent_busy(traces, since)},
+    }
+
+
+class Dashboard:
+    def __init__(self, leader: Leader, view: View | None, timelines: Timelines | None):
+        self.leader, self.view, self.timelines = leader, view, timelines
+        self.closing = asyncio.Event()  # the server is shutting down: end the event streams now
+
+    async def close(self, app: web.Application) -> None:
+        self.closing.set()
+
+    async def state(self) -> dict:
+        return await dashboard_state(self.leader, self.view, self.timelines)
+
+    async def page(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC_DIR / "index.html", headers={
+            "Content-Security-Policy": CONTENT_SECURITY_POLICY, "Cache-Control": "no-cache"})
+
+    async def state_once(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.state())
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            while not self.closing.is_set():
+                data = json.dumps(await self.state(), separators=(",", ":"))
+                await resp.write(f"event: state\ndata: {data}\n\n".encode())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(PUSH_INTERVAL_S):
+                        await self.closing.wait()
+        except ConnectionResetError:  # the page closed
+            pass
+        return resp
+
+
+def install_dashboard(app: web.Application, leader: Leader, view: View | None, timelines: Timelines | None) -> None:
+    d = Dashboard(leader, view, timelines)
+    app.router.add_get("/", d.page)
+    app.router.add_get("/dashboard/state", d.state_once)
+    app.router.add_get("/dashboard/events", d.events)
+    app.router.add_static("/dashboard/assets", STATIC_DIR)
+    app.on_shutdown.append(d.close)
