@@ -75,7 +75,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def memory(pids: list[int]) -> dict:
-    """Per process: name, VmRSS and VmHWM in MB; the sums."""
+    """Per process: name, VmRSS and VmHWM in MiB; the sums."""
     procs = []
     for pid in pids:
         try:
@@ -131,15 +131,15 @@ def markdown(res: dict) -> str:
              f"work (1-minute load average {min(loads):.1f}–{max(loads):.1f} over the runs; our "
              f"agents: {res['setup'].get('threads_per_agent', '?')} thread(s) each, `cluster up`'s default; "
              "llama.cpp's: 1 each).", "",
-             "| side | processes | decode tokens/s (server's own timing) | ÷ llama.cpp RPC | tokens | total RSS MB | "
-             "sum of peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| side | processes | decode tokens/s (server's own timing) | ÷ llama.cpp RPC | tokens | total RSS MiB | "
+             "sum of peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|"]
     for side in SIDES:
         mem = m["ours"] if side.startswith("ours") else m["llama"]
         ratio = s["vs_llama"].get(side)
         lines.append(f"| {side} | {len(mem['processes'])} | {s['decode_tokens_per_s'].get(side, float('nan')):.1f} "
                      f"| {'–' if ratio is None else f'{ratio:.2f}×'} | {','.join(map(str, s['tokens'][side]))} | "
                      f"{mem['rss_mb']:.0f} | {mem['peak_mb']:.0f} |")
-    lines += ["", "| process | RSS MB | peak RSS MB |", "|---|---:|---:|"]
+    lines += ["", "| process | RSS MiB | peak RSS MiB |", "|---|---:|---:|"]
     for side in ("ours", "llama"):
         for proc in m[side]["processes"]:
             lines.append(f"| {role(proc['cmd'])} | {proc['rss_mb']:.0f} | {proc['peak_mb']:.0f} |")

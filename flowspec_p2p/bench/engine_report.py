@@ -1,6 +1,6 @@
 """``flowspec bench-engine``'s arithmetic and report: medians of the interleaved samples (engine.py), ratios paired
 within a repeat, n-row costs relative to one row, peak RSS against the runtime baseline and the file, the issue's
-targets, and results.json / results.md."""
+targets, and results.json / results.md. Sizes are MiB (the ``*_mb`` fields count 2**20 bytes)."""
 
 from __future__ import annotations
 
@@ -138,8 +138,8 @@ def _rows_md(rows: dict) -> list[str]:
 
 def _memory_md(mem: dict) -> list[str]:
     out = [f"Runtime baseline (python + torch + transformers + flowspec_p2p imported): "
-           f"{_f(mem['baseline_mb'], '.0f')} MB; the GGUF file: {mem['file_mb']:.1f} MB.", "",
-           "| process | threads | peak RSS MB | × file | above baseline MB | above baseline × file |",
+           f"{_f(mem['baseline_mb'], '.0f')} MiB; the GGUF file: {mem['file_mb']:.1f} MiB.", "",
+           "| process | threads | peak RSS MiB | × file | above baseline MiB | above baseline × file |",
            "|---|---:|---:|---:|---:|---:|"]
     for r in mem["rows"]:
         flag = "" if r["ok"] else " (failed)"
@@ -173,7 +173,7 @@ def markdown(res: dict) -> str:
     s, summ = res["setup"], res["summary"]
     has_llama = s.get("llama_bench") is not None
     out = ["# bench-engine", "", f"`{s['command']}`", "",
-           f"Model {s['model_name']} ({s['file_mb']:.1f} MB), our engine: {s['engine']}; prompt {s['prompt_label']} "
+           f"Model {s['model_name']} ({s['file_mb']:.1f} MiB), our engine: {s['engine']}; prompt {s['prompt_label']} "
            f"({s['prompt_tokens']} tokens, chat template), {s['tokens']} decoded tokens per run, greedy, EOS ignored; "
            f"tree {s['tree']}; {s['repeats']} interleaved repeats, medians.",
            "llama.cpp: " + (f"`{s['llama_bench']}` (build {s.get('llama_build', '?')}), tg-{s['tokens']} and pp-n at "
