@@ -30,6 +30,7 @@ API_KEY = "FLOWSPEC_API_KEY"
 SPEC_BENCH = "FLOWSPEC_SPEC_BENCH"
 PACKED_WEIGHTS = "FLOWSPEC_PACKED_WEIGHTS"
 DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")  # an agent's state folder when nothing says otherwise
+KEY_FILE = "cluster.key"  # the cluster key's file in an agent's state folder (cluster/keys.py)
 DEFAULT_API_PORT = 8000  # the leader's API
 ENGINE = "FLOWSPEC_ENGINE"
 ENGINES = ("auto", "native", "torch")

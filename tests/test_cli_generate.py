@@ -40,3 +40,16 @@ def test_a_bad_model_path_exits_1_with_a_clear_message(tmp_path):
     assert r.stdout == ""
     assert "missing.gguf does not exist" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_cli_imports_only_what_generate_needs():
+    """A one-device command must not pay for the cluster's stack (aiohttp, zeroconf, cryptography, transformers:
+    each several MB of resident memory): the CLI builds every subcommand's parser, so command modules import
+    their heavy parts inside ``run``."""
+    code = ("import sys\nfrom flowspec_p2p import cli\ntry:\n    cli.main(['generate', '--help'])\n"
+            "except SystemExit:\n    pass\n"
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    loaded = set(out.stdout.split())
+    assert "flowspec_p2p" in loaded
+    assert not loaded & {"aiohttp", "zeroconf", "cryptography", "transformers", "matplotlib", "uvloop"}

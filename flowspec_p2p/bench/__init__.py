@@ -4,3 +4,5 @@ few-row kernels (kernels), and the engine against llama.cpp on one device (engin
 
 A leaf: no product module imports it (only commands/ does). May import every product part.
 """
+
+ENGINE_PARTS = ("decode", "rows", "memory")  # what bench-engine measures (engine.py), in run order

@@ -39,11 +39,11 @@ from ..model.sampling import SamplingParams
 from ..spec.decoder import SpecDecoder
 from ..spec.drafter import Drafter, TreeShape
 from ..spec.tree import DraftTree
-from . import llamacpp
+from . import ENGINE_PARTS, llamacpp
 
 log = logging.getLogger(__name__)
 
-PARTS = ("decode", "rows", "memory")
+PARTS = ENGINE_PARTS
 TREE_FANOUT = 4  # children per node of the row test's tree (the default tree's top_k)
 ROW_PASSES = 3  # passes over every n per repeat (llama-bench: -r ROW_PASSES); one forward is a few ms
 WARMUP_TOKENS = 16

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import AgentConfig
-from ..env import CLUSTER_KEY
+from ..env import CLUSTER_KEY, KEY_FILE
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-KEY_FILE = "cluster.key"
 KEY_PREFIX = "fsk1-"
 KEY_BYTES = 32
 SECRET_SALT = b"flowspec_p2p cluster key from a passphrase v1"

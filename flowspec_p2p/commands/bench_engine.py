@@ -7,13 +7,8 @@ import logging
 import shlex
 from pathlib import Path
 
-from ..bench import llamacpp
-from ..bench.engine import PARTS, EngineBenchConfig, Ours, measure, setup_record
-from ..bench.engine_report import summarize, write_outputs
+from ..bench import ENGINE_PARTS as PARTS
 from ..errors import ConfigError
-from ..model.load import load_model, set_threads
-from ..model.weights import default_model_path
-from ..spec.decoder import load_drafter
 from ..specbench import load_questions
 from .generate import add_spec_arguments, tree_shape
 
@@ -86,6 +81,13 @@ def _command(args: argparse.Namespace, parts: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..bench import llamacpp  # the CLI imports only what its command needs
+    from ..bench.engine import EngineBenchConfig, Ours, measure, setup_record
+    from ..bench.engine_report import summarize, write_outputs
+    from ..model.load import load_model, set_threads
+    from ..model.weights import default_model_path
+    from ..spec.decoder import load_drafter
+
     parts = list(dict.fromkeys(args.parts or PARTS))
     if unknown := [p for p in parts if p not in PARTS]:
         raise ConfigError(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")

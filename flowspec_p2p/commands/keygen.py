@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .. import env
-from ..cluster.keys import KEY_FILE, ClusterKey, member_line, write_key
+from ..env import KEY_FILE
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cluster.keys import ClusterKey, member_line, write_key  # the CLI imports only what its command needs
+
     key = ClusterKey.generate()
     if args.out is None:
         sys.stdout.write(key.text + "\n")

@@ -37,9 +37,13 @@ class KVCache:
     ):
         self.capacity = capacity
         self.batch = batch
-        # [layers, batch, kv_heads, capacity, head_dim]
-        self.k = torch.zeros(num_layers, batch, kv_heads, capacity, head_dim, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        # [layers, batch, kv_heads, capacity, head_dim]. One sequence only ever reads the slots it wrote, so its
+        # cache is left unwritten and its pages become resident as the context grows (a stage's 2048-token cache
+        # costs memory only for the tokens it holds); the rows of a batch, masked over each other's padding, read
+        # slots they never wrote, which must hold finite numbers.
+        alloc = torch.empty if batch == 1 else torch.zeros
+        self.k = alloc(num_layers, batch, kv_heads, capacity, head_dim, dtype=dtype)
+        self.v = alloc(num_layers, batch, kv_heads, capacity, head_dim, dtype=dtype)
         self.length = 0  # slots in use: committed + pending
         self.committed = 0
 

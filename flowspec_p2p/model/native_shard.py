@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import statistics
 import sys
@@ -373,8 +374,14 @@ class NativeShard:
             source, t = self.head_source
             if source.raw_info(t.name)["format"] == "gguf" and t.type_name == t.stored:
                 raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)
-                picked = np.ascontiguousarray(raw[ids])  # [V_d, row bytes]: the rows as stored, no requantizing
-                _release(source, t.name)
+                picked = np.empty((len(ids), raw.shape[1]), dtype=np.uint8)  # [V_d, row bytes], as stored
+                order = np.argsort(ids, kind="stable")
+                bounds = np.searchsorted(ids[order], np.arange(0, t.rows + CHUNK_ROWS, CHUNK_ROWS))
+                for w, (i, j) in enumerate(itertools.pairwise(bounds)):  # one window of rows at a
+                    sel = order[i:j]  # time, its pages dropped before the next: never the whole table resident
+                    picked[sel] = raw[ids[sel]]
+                    _release(source, t.name, w * CHUNK_ROWS * raw.shape[1],
+                             min(t.rows, (w + 1) * CHUNK_ROWS) * raw.shape[1])
                 return native.QMatrix.from_gguf_bytes(t.type_name, len(ids), t.cols, picked)
         chunks = (native.q8_0_bytes(self.lm_head.rows_f32(torch.from_numpy(ids[a : a + CHUNK_ROWS])))
                   for a in range(0, len(ids), CHUNK_ROWS))  # a float head: Q8_0, a chunk at a time
