@@ -47,13 +47,14 @@ from .cluster.control import (
     encode_message,
 )
 from .cluster.coordinator import Coordinator
+from .cluster.device import DeviceProfile
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
 from .cluster.identity import agent_id as _agent_id
 from .cluster.identity import state_lock as _locked
 from .cluster.member import MemberControl
 from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind
 from .cluster.plans import describe_model
-from .cluster.profile import DeviceProfile, measure
+from .cluster.profile import measure
 from .cluster.security import Security
 from .cluster.stage_host import StageHost, TapQueue
 from .cluster.stage_metrics import install_stage_metrics
@@ -250,6 +251,7 @@ class Agent(Net):
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
         self.stage_host.leader_inbox = self.leader.inbox
+        self.stage_host.shared = (self.model_fp, [head])  # the leader's first stage shares the head's embedding
         native = isinstance(head, NativeShard)  # every agent's stages run the same engine as the leader's head
         packed = packing_enabled(dtype) and not native
         base = getattr(drafter, "base", drafter)  # LookupDrafter wraps the head drafter

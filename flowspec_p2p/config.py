@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from .decoding.flowspec import FlowSpecConfig
+from .decoding.settings import FlowSpecConfig
 from .env import API_KEY, CLUSTER_KEY, DEFAULT_API_PORT, DEFAULT_STATE_DIR, SECRET, STATE_DIR, environ
 from .errors import ConfigError
 from .types import Settings

@@ -31,7 +31,7 @@ def lint_available():
 def test_the_layer_contract_holds(lint_available):
     out = _lint(ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "3 kept, 0 broken" in out.stdout
+    assert "4 kept, 0 broken" in out.stdout
 
 
 def test_the_contract_catches_a_layer_violation_and_a_cycle(lint_available, tmp_path):
@@ -42,11 +42,14 @@ def test_the_contract_catches_a_layer_violation_and_a_cycle(lint_available, tmp_
         f.write("\n\ndef _planted():\n    from ..api import app  # noqa\n")
     with (copy / "model" / "kv_cache.py").open("a") as f:  # shard imports kv_cache: a cycle inside model/
         f.write("\n\ndef _planted():\n    from . import shard  # noqa\n")
+    with (copy / "cluster" / "device.py").open("a") as f:  # the control plane's data pulling in the engine
+        f.write("\n\ndef _planted():\n    from ..model import load  # noqa\n")
     out = _lint(tmp_path, pythonpath=tmp_path)
     assert out.returncode != 0
     assert "flowspec_p2p.model is not allowed to import flowspec_p2p.api" in out.stdout
     assert "flowspec_p2p.model.arch -> flowspec_p2p.api" in out.stdout
     assert "No cycles are allowed in flowspec_p2p.model" in out.stdout
+    assert "flowspec_p2p.cluster.device is not allowed to import torch" in out.stdout
 
 
 def test_at_most_twelve_top_level_modules_and_none_over_500_lines():

@@ -29,8 +29,8 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from ..errors import ProtocolError
 from ..model.arch import ModelConfig
 from ..types import FrozenModel, LayerRange, PeerId
+from .device import DeviceProfile
 from .plans import Plan
-from .profile import DeviceProfile
 
 CONTROL_VERSION = 1
 CONTROL_PATH = "/control"

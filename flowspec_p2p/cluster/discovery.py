@@ -36,8 +36,8 @@ from typing import Literal
 
 from ..errors import ConfigError, ProtocolError
 from .control import CONTROL_VERSION, PeerInfo
+from .device import DeviceProfile
 from .handshake import AdvertSeal
-from .profile import DeviceProfile
 
 log = logging.getLogger(__name__)
 

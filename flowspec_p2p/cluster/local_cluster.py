@@ -44,6 +44,7 @@ from .. import env
 from ..config import FlowSpecOverrides
 from ..env import CLUSTER_KEY, SECRET
 from ..errors import FlowSpecError
+from ..model.default import default_model_path
 from ..types import Settings
 from .control import TIMELINE_PATH
 from .identity import Identity
@@ -164,8 +165,6 @@ class LocalCluster:
                       "--wire-dtype": o.wire_dtype, "--decoding": o.decoding,
                       "--flowspec-config": json.dumps(o.flowspec) if o.flowspec else None}
         elif o.members_have_model:
-            from ..model.weights import default_model_path
-
             args += ["--model", str(o.model or default_model_path())]
         for flag, value in flags.items():
             if value is not None:
@@ -197,9 +196,7 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         """Start every agent and wait until the leader serves a plan that knows all of them."""
         if self.gflops is None:
-            from .profile import measure
-
-            self.gflops = measure(threads=self.threads).gflops
+            self.gflops = _measure_gflops(self.threads)
             log.info("compute score for every agent: %.3g GFLOP/s (%d thread(s) each)", self.gflops, self.threads)
         try:
             for a in self.agents:
@@ -330,3 +327,13 @@ class LocalCluster:
 def start(n: int, options: ClusterOptions | None = None) -> LocalCluster:
     """Start a local cluster of ``n`` agents and wait until it serves. Use as a context manager, or call stop()."""
     return LocalCluster(n, options).start()
+
+
+def _measure_gflops(threads: int) -> float:
+    """The device profile's compute score at ``threads``, measured in a child process: the launcher itself stays
+    free of torch and the engine (hundreds of MB it would hold for the cluster's whole life)."""
+    code = f"from flowspec_p2p.cluster.profile import measure; print(measure(threads={threads}).gflops)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300)
+    if out.returncode != 0:
+        raise FlowSpecError(f"measuring this host's compute failed: {out.stderr.strip()[-500:]}")
+    return float(out.stdout.strip().splitlines()[-1])

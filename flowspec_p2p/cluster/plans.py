@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..model.weights import EMBED, HEAD, layer_tensor_names
+from ..model.arch import EMBED, HEAD, layer_tensor_names
 from ..types import FrozenModel, LayerRange, PeerId, Settings
 
 MB = 1024 * 1024

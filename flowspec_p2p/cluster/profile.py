@@ -19,14 +19,13 @@ import time
 
 import psutil
 import torch
-from pydantic import Field
 
 from ..model.arch import ModelConfig
 from ..model.kv_cache import KVCache
 from ..model.load import set_threads, use_native
 from ..model.native_shard import benchmark_layer
 from ..model.shard import DecoderBlock, Rotary
-from ..types import FrozenModel
+from .device import DeviceProfile
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +41,6 @@ REFERENCE_CONFIG = ModelConfig(
     arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
     num_kv_heads=3, head_dim=64, rms_eps=1e-5, rope_theta=100000.0, max_position=2048,
 )
-
-
-class DeviceProfile(FrozenModel):
-    memory_bytes: int = Field(ge=0)
-    gflops: float = Field(gt=0)
-    threads: int = Field(ge=1)
-    link_mbps: float | None = Field(default=None, gt=0)
-    latency_ms: float = Field(default=0.0, ge=0)
-    slowdown: float = Field(default=1.0, ge=1.0)
-    measured: bool = True  # False when memory or compute came from configuration
 
 
 def available_memory_bytes() -> int:

@@ -129,6 +129,9 @@ class StageHost:
         self.device = device  # makes each new stage's device (an emulated one when the agent emulates one)
         self.tap = tap
         self.leader_inbox = leader_inbox  # set on the leader: its RingServer is the return path, not a stage inbox
+        # (model fingerprint, shards) this agent holds outside any stage (the leader's head shard): a stage of that
+        # model shares their tensors (the embedding) instead of loading them again
+        self.shared: tuple[str, list[Shard | NativeShard]] = ("", [])
         self.prepared: Prepared | None = None
         self.active: Active | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -202,6 +205,8 @@ class StageHost:
             how = "fetched" if fetched else "cache"
         donors = [h.shard for h in (self.active, self.prepared)
                   if h is not None and h.shard is not None and h.model == update.model_fingerprint]
+        if self.shared[0] == update.model_fingerprint:
+            donors += self.shared[1]
         shard = await asyncio.to_thread(build_shard, src, node, dtype, donors)
         return Prepared(update.epoch, update, node, shard, source=how, fetched_bytes=fetched)
 

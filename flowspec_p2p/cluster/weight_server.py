@@ -32,7 +32,15 @@ from tqdm import tqdm
 
 from ..errors import PeerGone, WeightsError
 from ..model.arch import ModelConfig
-from ..model.weights import NORM, ROPE_FREQS, fingerprint, gguf_tensor_from_raw, safetensors_dtype, shard_tensor_names
+from ..model.weights import (
+    NORM,
+    ROPE_FREQS,
+    fingerprint,
+    gguf_tensor_from_raw,
+    safetensors_dtype,
+    shard_tensor_names,
+    tensor_digest,
+)
 from ..types import FrozenModel, LayerRange
 
 log = logging.getLogger(__name__)
@@ -72,14 +80,16 @@ def stage_tensor_names(cfg: ModelConfig, layers: LayerRange, *, embed: bool, nor
 def stage_fingerprint(source, layers: LayerRange, *, embed: bool, norm: bool) -> str:
     """weights.fingerprint of exactly a stage's tensors in ``source`` (hashes only those stored bytes)."""
     names = stage_tensor_names(source.config, layers, embed=embed, norm=norm)
-    return fingerprint(source.config, {n: hashlib.sha256(source.raw_bytes(n)).hexdigest() for n in names})
+    return fingerprint(source.config, {n: tensor_digest(source, n) for n in names})
 
 
 # ------------------------------------------------------------------------------------------------- serving
 
 
 class WeightServer:
-    """Serves a WeightSource. Digests are computed once per tensor and kept."""
+    """Serves a WeightSource. Digests are computed once per tensor and kept. A tensor's file pages are dropped
+    from this process's memory after hashing (tensor_digest) or sending it (``source.release``, where the source
+    has one): the leader serves every member's layers, and a whole model's pages would otherwise stay resident."""
 
     def __init__(self, source):
         self.source = source
@@ -89,8 +99,13 @@ class WeightServer:
     def digest(self, name: str) -> str:
         d = self._digests.get(name)
         if d is None:
-            d = self._digests[name] = hashlib.sha256(self.source.raw_bytes(name)).hexdigest()
+            d = self._digests[name] = tensor_digest(self.source, name)
         return d
+
+    def _drop(self, name: str) -> None:
+        release = getattr(self.source, "release", None)
+        if release is not None:
+            release(name)
 
     def range_fingerprint(self, layers: LayerRange, *, embed: bool, norm: bool) -> str:
         names = stage_tensor_names(self.source.config, layers, embed=embed, norm=norm)
@@ -135,8 +150,11 @@ class WeightServer:
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "X-Sha256": self.digest(name)})
         resp.content_length = len(data)
         await resp.prepare(request)
-        for a in range(0, len(data), CHUNK_BYTES):
-            await resp.write(bytes(data[a : a + CHUNK_BYTES]))
+        try:
+            for a in range(0, len(data), CHUNK_BYTES):
+                await resp.write(bytes(data[a : a + CHUNK_BYTES]))
+        finally:
+            self._drop(name)
         await resp.write_eof()
         self.served_bytes += len(data)
         return resp

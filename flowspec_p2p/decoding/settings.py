@@ -1,9 +1,11 @@
-"""The leader's settings: admission, timeouts, resumption, prefill and the KV margin stages need."""
+"""The leader's settings (admission, timeouts, resumption, prefill, the KV margin stages need) and FlowSpec's
+(tree budgets, segment sizing): plain data, importable without torch (config.py reads them)."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
+from ..spec.shape import TreeShape
 from ..types import Settings
 
 
@@ -26,3 +28,41 @@ class LeaderSettings(Settings):
     def stage_capacity(self) -> int:
         """KV capacity every stage (StageCore ``capacity``) needs for requests this leader accepts."""
         return self.max_context + self.tree_margin
+
+
+class FlowSpecConfig(Settings):
+    """Tree budgets and segment sizing. Defaults tuned for a CPU pipeline (small trees, short segments)."""
+
+    # Drafting cost grows with depth x top_k (one draft-head forward per level), not with total_tokens: the
+    # expansion keeps its whole candidate pool, and the leader sends the best-scored *new* nodes first. The defaults
+    # won the A/Bs on an emulated 4-stage CPU ring (docs/experiments.md, "FlowSpec's segment settings").
+    init: TreeShape = TreeShape(total_tokens=32, depth=6, top_k=4, order="score")
+    expand: TreeShape = TreeShape(total_tokens=32, depth=4, top_k=6, order="score")
+    in_flight: int | None = Field(None, ge=1)  # segments in the ring; default: compute stages + 1 (the leader)
+    segment_cap: int = Field(4, ge=1)  # nodes per segment at most
+    # Adaptive segments: each segment takes the k next nodes (score order) that maximise expected accepted tokens
+    # per unit of stage time, sum(p_1..p_k) / cost(k), where cost(k) is a k-node stage forward relative to a
+    # one-node one, measured (StageCost), and p_i is the node's draft path
+    # probability scaled by the acceptance measured so far in this request (see best_segment). Off: always
+    # segment_cap nodes, and always the full expansion depth (expand_min_path is ignored).
+    adaptive: bool = True
+    # The prior for a stage's forward cost per extra node, relative to a one-node forward, until the stages' own
+    # timings (Forward.stage_s) measure it (StageCost), after a few segments: a cautious CPU figure (a GPU's is ~0).
+    row_cost: float = Field(0.25, ge=0.0)
+    # Adaptive ring depth: a segment beyond the first live one goes out only if it is expected to be worth its
+    # stage time, sum(p) / cost(k) >= min_value. A node that dies in flight still delays every
+    # segment behind it at every stage, the next root's included; with a weak draft the ring stays shallow, with
+    # a strong one it fills up to in_flight. 0 = always fill the ring.
+    min_value: float = Field(0.1, ge=0.0)
+    max_unsent: int = Field(48, ge=1)  # drafted-but-unsent nodes kept at most (the lowest-scored are dropped)
+    # Re-draft from the new root after a walk only when fewer than this many unsent nodes remain below it (0 =
+    # after every walk, as the reference does). Drafting is the leader's main cost per step.
+    redraft_below: int = Field(6, ge=0)
+    # Adaptive expansion depth: draft only as deep as a path is still expected to be accepted with probability
+    # >= expand_min_path, from the per-level hit rate h measured in this request (Calibration.hit_rate): depth
+    # = floor(log(expand_min_path) / log(h)), between 1 and expand.depth. Each level is one draft-head forward
+    # on the leader, so a weak draft costs the leader less time per walk. 0 = always expand.depth.
+    expand_min_path: float = Field(0.15, ge=0.0, lt=1.0)
+    # Send after every drafted level (one draft-head forward), not after the whole draft: a root's children follow
+    # it down the ring while the deeper levels are drafted, and a returned segment's walk need not wait for them.
+    stream_levels: bool = True

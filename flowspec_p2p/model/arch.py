@@ -11,13 +11,12 @@ flags on it, never separate code paths:
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import UnsupportedModel
+from ..types import LayerRange
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -192,28 +191,40 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
     )
 
 
-def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding. -> [head_dim // 2], float32
+# ------------------------------------------------------------------------- canonical tensor names
 
-    Computed in float32 exactly as transformers does (whatever the model dtype), so that our logits agree
-    with its forward to the last bit of the rotary tables. ``freq_factors`` is llama.cpp's
-    ``rope_freqs.weight`` (llama3 scaling baked into a tensor), if the checkpoint has one.
-    """
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    if freq_factors is not None:
-        return inv / freq_factors.float()
-    s = cfg.rope_scaling
-    if s is None:
-        return inv
-    if s.kind == "linear":
-        return inv / s.factor
-    # llama3: keep high frequencies, divide low ones by `factor`, blend in between (Llama 3.1 reference code).
-    low_wavelen = s.original_max_position / s.low_freq_factor
-    high_wavelen = s.original_max_position / s.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    mid = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(mid, smoothed, scaled)
+
+def layer_tensor_names(cfg: ModelConfig, layer: int) -> list[str]:
+    p = f"model.layers.{layer}."
+    names = [
+        p + "input_layernorm.weight",
+        p + "self_attn.q_proj.weight",
+        p + "self_attn.k_proj.weight",
+        p + "self_attn.v_proj.weight",
+        p + "self_attn.o_proj.weight",
+        p + "post_attention_layernorm.weight",
+        p + "mlp.gate_proj.weight",
+        p + "mlp.up_proj.weight",
+        p + "mlp.down_proj.weight",
+    ]
+    if cfg.attention_bias:
+        names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    return names
+
+
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+HEAD = "lm_head.weight"
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's baked llama3 rope factors (GGUF only)
+
+
+def shard_tensor_names(cfg: ModelConfig, layers: LayerRange, *, embed: bool, head: bool) -> list[str]:
+    """Canonical names a shard needs. ``head`` means final norm + LM head (the tied embedding if tied)."""
+    names: list[str] = []
+    if embed:
+        names.append(EMBED)
+    for i in layers.indices():
+        names += layer_tensor_names(cfg, i)
+    if head:
+        names += [NORM, EMBED if cfg.tie_embeddings else HEAD]
+    return list(dict.fromkeys(names))

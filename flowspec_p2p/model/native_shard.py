@@ -256,9 +256,15 @@ class NativeShard:
                  if i not in donated}
         want = [n for per in names.values() for n in per.values()]
         tied = cfg.tie_embeddings
-        if embed:
+        # a donor's embedding and LM head (one matrix when tied) are shared too: a leader's head shard and its
+        # first stage hold the embedding once
+        emb_donor = next((d.embed_matrix for d in donors if d.embed_matrix is not None), None)
+        head_donor = next((d for d in donors if d.lm_head is not None), None)
+        if tied and emb_donor is None and head_donor is not None:
+            emb_donor = head_donor.lm_head
+        if embed and emb_donor is None:
             want.append(EMBED)
-        if lm_head and not (tied and embed):
+        if lm_head and head_donor is None and not (tied and (embed or emb_donor is not None)):
             want.append(EMBED if tied else HEAD)
         tensors = {n: _describe(source, n, quantize) for n in dict.fromkeys(want)}
         arena = native.WeightArena.for_matrices([(t.type_name, t.rows, t.cols) for t in tensors.values()])
@@ -283,18 +289,25 @@ class NativeShard:
                                           **bias))
         stack = native.LayerStack(specs, hidden=cfg.hidden_size, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                                   head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_eps)
-        emb = packed.get(EMBED) if embed else None
-        head_m = None
+        emb = (emb_donor if emb_donor is not None else packed.get(EMBED)) if embed else None
+        head_m = head_source = None
         if lm_head:
-            head_m = emb if tied and embed else packed[EMBED if tied else HEAD]
+            if head_donor is not None:
+                head_m, head_source = head_donor.lm_head, head_donor.head_source
+            elif tied:
+                head_m = emb_donor if emb_donor is not None else packed[EMBED]
+            else:
+                head_m = packed[HEAD]
+            if head_source is None:
+                stored = EMBED if tied else HEAD
+                head_source = (source, tensors[stored] if stored in tensors else _describe(source, stored, quantize))
         freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
         norm = source.load(NORM).float() if head else None
         for name in names_read(cfg, layers, embed=embed, head=head, tensors=tensors):
             _release(source, name)  # the norms' (and biases') pages too: everything is packed or copied now
         shard = cls(cfg, layers, stack, embed=emb, norm=norm, lm_head=head_m, rope_freqs=freqs,
                     max_position=max_position or cfg.max_position, specs=specs)
-        if lm_head:
-            shard.head_source = (source, tensors[EMBED if tied else HEAD])
+        shard.head_source = head_source
         return shard
 
     # ------------------------------------------------------------------------------------------- running

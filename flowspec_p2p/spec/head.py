@@ -142,6 +142,7 @@ class DraftBundle:
         meta = json.loads(meta_path.read_text())
         tensors = load_file(str(stem.with_suffix(".safetensors")))
         vocab = tensors.pop("draft_vocab", None)
+        vocab = None if vocab is None else vocab.clone()  # kept for the drafter's life: not a view of the file
         return ModelConfig(**meta["target_config"]), tensors, vocab, meta
 
     @classmethod

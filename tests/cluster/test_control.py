@@ -14,7 +14,7 @@ from flowspec_p2p.cluster.control import (
     decode_message,
     encode_message,
 )
-from flowspec_p2p.cluster.profile import DeviceProfile
+from flowspec_p2p.cluster.device import DeviceProfile
 from flowspec_p2p.errors import ProtocolError
 
 PROFILE = DeviceProfile(memory_bytes=1 << 30, gflops=12.5, threads=2, link_mbps=100.0)

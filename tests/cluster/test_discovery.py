@@ -12,6 +12,7 @@ import pytest
 
 from flowspec_p2p.cluster import discovery
 from flowspec_p2p.cluster.control import PeerInfo
+from flowspec_p2p.cluster.device import DeviceProfile
 from flowspec_p2p.cluster.discovery import (
     Discovery,
     PeerLost,
@@ -22,7 +23,6 @@ from flowspec_p2p.cluster.discovery import (
 )
 from flowspec_p2p.cluster.handshake import AdvertSeal
 from flowspec_p2p.cluster.keys import ClusterKey
-from flowspec_p2p.cluster.profile import DeviceProfile
 from flowspec_p2p.errors import ConfigError
 
 LOOPBACK = ["127.0.0.1"]

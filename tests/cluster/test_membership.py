@@ -4,8 +4,8 @@ import pytest
 
 from flowspec_p2p.cluster import membership as cluster
 from flowspec_p2p.cluster.control import PeerInfo
+from flowspec_p2p.cluster.device import DeviceProfile
 from flowspec_p2p.cluster.membership import Heard, Joined, Left, Membership, Planned, Tick, apply, devices, needs_replan
-from flowspec_p2p.cluster.profile import DeviceProfile
 
 
 def info(aid: str, role: str = "member", gflops: float = 10.0, **kw) -> PeerInfo:

@@ -113,3 +113,24 @@ def test_a_type_without_a_kernel_loads_as_f16_with_one_warning(tmp_path, caplog)
     with torch.inference_mode():
         a, b = ours.logits(ours(ids, None)), ref.logits(ref(ids, None))
     assert np.allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-2 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_donor_shares_its_layers_embedding_and_lm_head(tmp_path, tied):
+    """A leader's head shard (embedding + LM head, no layers) donates them to its first stage, and a stage donates
+    its layers to the next plan's: the same packed matrices, and the same logits bit for bit."""
+    src = open_source(write_random_gguf(tmp_path / "m.gguf", "Q4_0", tied=tied))
+    head = NativeShard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True)
+    alone = NativeShard.from_source(src, ALL, embed=True, head=True)
+    shared = NativeShard.from_source(src, ALL, embed=True, head=True, donors=[head])
+    assert shared.embed_matrix is head.embed_matrix
+    assert shared.lm_head is head.lm_head
+    assert shared.head_source == head.head_source
+    later = NativeShard.from_source(src, LayerRange(start=1, end=2), embed=False, head=True, donors=[shared])
+    assert later.specs[0] is shared.specs[1]
+    assert later.lm_head is head.lm_head
+    ids = torch.randint(0, src.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        a = alone.logits(alone(ids, alone.new_cache(8)))
+        b = shared.logits(shared(ids, shared.new_cache(8)))
+    assert torch.equal(a, b)
