@@ -53,3 +53,14 @@ def test_the_cli_imports_only_what_generate_needs():
     loaded = set(out.stdout.split())
     assert "flowspec_p2p" in loaded
     assert not loaded & {"aiohttp", "zeroconf", "cryptography", "transformers", "matplotlib", "uvloop"}
+
+
+def test_the_cli_parser_loads_no_engine():
+    """`flowspec cluster up` is a launcher that holds no model, and `chat` a client: building the parser (which
+    every command does) must not load torch or numpy (~200 MB resident) on their behalf."""
+    code = ("import sys\nfrom flowspec_p2p import cli\ncli.build_parser()\n"
+            "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    loaded = set(out.stdout.split())
+    assert "flowspec_p2p" in loaded
+    assert not loaded & {"torch", "numpy", "transformers", "gguf"}

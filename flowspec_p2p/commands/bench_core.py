@@ -6,8 +6,6 @@ import argparse
 import logging
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 PARTS = ("speed", "bound", "agreement", "memory", "load")
@@ -38,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..bench.core import (
         agreement,
         bound,

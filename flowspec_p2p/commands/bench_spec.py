@@ -6,8 +6,6 @@ import argparse
 import logging
 from pathlib import Path
 
-import torch
-
 from .generate import add_spec_arguments, tree_shape
 
 log = logging.getLogger(__name__)
@@ -38,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..bench.single_device import bench, markdown, write_outputs
     from ..model.load import load_model
     from ..spec.decoder import load_drafter

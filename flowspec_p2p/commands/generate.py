@@ -6,11 +6,6 @@ import argparse
 import json
 import sys
 
-from ..model.dtypes import parse_dtype
-from ..model.generate import ARDecoder, GenStats, stream_text
-from ..model.load import load_model, set_threads
-from ..model.sampling import SamplingParams
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -68,6 +63,8 @@ def tree_shape(args: argparse.Namespace, target_fingerprint: str):
 
 
 def make_decoder(args: argparse.Namespace, lm):
+    from ..model.generate import ARDecoder
+
     if args.mode == "ar":
         return ARDecoder(lm.shard)
     from ..spec.decoder import SpecDecoder, load_drafter
@@ -78,6 +75,12 @@ def make_decoder(args: argparse.Namespace, lm):
 
 
 def run(args: argparse.Namespace) -> int:
+    # The engine's imports (torch) load only when a command runs, so `flowspec cluster up` and `chat` stay light.
+    from ..model.dtypes import parse_dtype
+    from ..model.generate import GenStats, stream_text
+    from ..model.load import load_model, set_threads
+    from ..model.sampling import SamplingParams
+
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     set_threads(args.threads)
     lm = load_model(args.model, dtype=parse_dtype(args.dtype), engine=args.engine, quantize=args.quantize)

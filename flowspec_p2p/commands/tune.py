@@ -7,8 +7,6 @@ import json
 import logging
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 # Calibration prompts used when --data is not given (written for this purpose; no Spec-Bench prompt).
@@ -52,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ..bench.single_device import write_outputs
     from ..bench.tune import TUNE_START, tune, tune_markdown
     from ..model.load import load_model
