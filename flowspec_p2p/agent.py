@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -77,7 +78,7 @@ from .pipeline.codec import wire_dtype
 from .pipeline.emulation import ComputeEmulation, EmulatedCompute, LinkEmulation, device_for
 from .pipeline.ring_server import RingServer
 from .pipeline.transport import LinkDown
-from .spec.decoder import load_drafter
+from .spec.decoder import PROBE_TEXT, load_drafter
 from .spec.drafter import Drafter
 from .types import LayerRange
 
@@ -245,7 +246,13 @@ class Agent(Net):
         compute = ThreadCompute()
         if cfg.emulation.slowdown > 1.0:
             compute = EmulatedCompute(compute, cfg.emulation.slowdown)
-        drafter = _drafter(self.model_fp, head, cfg.draft)
+        probe = tokenizer.encode(PROBE_TEXT)
+
+        def whole_model() -> Shard:  # the tolerance test of a head trained for another build of the model
+            return load_shard(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
+                              dtype=dtype)
+
+        drafter = await asyncio.to_thread(_drafter, self.model_fp, head, cfg.draft, probe, whole_model)
         self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(cfg.flowspec),
                              model_id=src.path.stem, compute=compute)
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
@@ -387,12 +394,11 @@ def _modes(flowspec: FlowSpecConfig) -> list[DecodingMode]:
     return builtin_modes(None if flowspec == FlowSpecConfig() else flowspec)
 
 
-def _drafter(model_fp: str, head: Shard, stem: Path | None = None) -> Drafter | None:
-    """The leader's drafter: the head at ``stem``, else the one installed for ``model_fp``, else None."""
-    try:
-        drafter, _ = load_drafter(head, model_fp, stem)
-    except ConfigError as e:
-        log.info("%s: speculative modes are off", e)
-        return None
-    log.info("draft head for %s (+ prompt-lookup candidates)", model_fp[:12])
+def _drafter(model_fp: str, head: Shard, stem: Path | None = None, probe: list[int] | None = None,
+             whole_model: Callable[[], Shard] | None = None) -> Drafter:
+    """The leader's drafter: the head at ``stem``, else one trained for this model (or another build of it that
+    passes the tolerance test), else prompt lookup alone (spec.decoder.load_drafter)."""
+    drafter, meta = load_drafter(head, model_fp, stem, probe, whole_model)
+    if meta["match"] != "none":
+        log.info("draft head for %s (+ prompt-lookup candidates; matched by %s)", model_fp[:12], meta["match"])
     return drafter

@@ -81,3 +81,36 @@ def random_q2_k(rows: int, cols: int, rng: np.random.Generator, scale: float) ->
         d = rng.uniform(0.25, 1.0, nb) * scale / 16
         blocks[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
     return blocks.reshape(rows, -1)
+
+
+def requantized_copy(src: Path, dst: Path, qtype: str = "Q8_0", layers: int = 1) -> Path:
+    """A copy of the GGUF ``src`` (every key, the tokenizer included) whose matrices in the first ``layers``
+    blocks are dequantized and re-encoded as ``qtype``: another build of the same model, as a user would get by
+    requantizing it, with different bytes and so a different fingerprint."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    target = gguf.GGMLQuantizationType[qtype]
+    for t in reader.tensors:
+        block = t.name.split(".")
+        requant = (block[0] == "blk" and int(block[1]) < layers and t.name.endswith(".weight")
+                   and len(t.shape) == 2 and t.tensor_type != target)
+        if requant:
+            values = gguf.quants.dequantize(t.data, t.tensor_type)  # [rows, cols] float32
+            raw = gguf.quants.quantize(values, target)
+            w.add_tensor(t.name, raw, raw_dtype=target)
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

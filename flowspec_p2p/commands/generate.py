@@ -67,10 +67,10 @@ def make_decoder(args: argparse.Namespace, lm):
 
     if args.mode == "ar":
         return ARDecoder(lm.shard)
-    from ..spec.decoder import SpecDecoder, load_drafter
+    from ..spec.decoder import PROBE_TEXT, SpecDecoder, load_drafter
 
     fingerprint = lm.fingerprint()
-    drafter, _ = load_drafter(lm.shard, fingerprint, args.draft)
+    drafter, _ = load_drafter(lm.shard, fingerprint, args.draft, lm.tokenizer.encode(PROBE_TEXT))
     return SpecDecoder(lm.shard, drafter, tree_shape(args, fingerprint))
 
 

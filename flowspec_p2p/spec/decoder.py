@@ -15,19 +15,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from .. import env
-from ..errors import ConfigError
 from ..model.generate import GenStats, check_context, prefill_features
 from ..model.native_shard import NativeShard
 from ..model.sampling import SamplingParams, choose
 from ..model.shard import Shard
 from .drafter import Drafter, HeadDrafter, TreeShape
-from .head import DraftBundle, find_draft
+from .head import DraftBundle, find_compatible_drafts, find_draft
 from .native_head import NativeDraftHead
 from .ngram import LookupDrafter
 from .verify import verify_tree, walk_rows
@@ -60,24 +59,71 @@ def tuned_tree(target_fingerprint: str | None, path: Path | None = None) -> Tree
         return DEFAULT_TREE
 
 
-def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | None = None) -> tuple[Drafter, dict]:
-    """The EAGLE head at ``draft`` (a stem, .json or .safetensors), or the shipped/cached head trained for this
-    target (``head.find_draft``), with prompt-lookup candidates merged in (ngram.py). -> (drafter, metadata)"""
-    stem = Path(draft) if draft is not None else find_draft(target_fingerprint)
-    if stem is None:
-        raise ConfigError(
-            f"no draft head for this model (fingerprint {target_fingerprint}); "
-            "train one with `flowspec draft train` or pass --draft PATH"
-        )
+# A fixed English probe for the tolerance test of a head trained on another build of the same model
+PROBE_TEXT = (
+    "The water cycle describes how water moves between the land, the oceans and the air. The sun heats the "
+    "surface of lakes and seas, and water evaporates into vapour. As the vapour rises it cools and condenses "
+    "into clouds. When the droplets grow heavy they fall back as rain or snow, and rivers carry the water to "
+    "the sea, where the cycle begins again."
+)
+MIN_AGREEMENT = 0.15  # top-1 agreement on the probe below this: a head for another model (the shipped head scores
+# 0.33 on its own model and on a requantized copy, a random head 0)
+
+
+def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | None = None,
+                 probe: list[int] | None = None,
+                 whole_model: Callable[[], Shard] | None = None) -> tuple[Drafter, dict]:
+    """The leader's drafter, with prompt-lookup candidates merged in (ngram.py). -> (drafter, metadata)
+
+    The head is the one at ``draft`` (a stem, .json or .safetensors), else the one trained for these exact
+    weights (``head.find_draft``), else one trained for a model of the same architecture (another quantization
+    of the same model) that passes a tolerance test: its teacher-forced top-1 agreement with the target on
+    ``probe`` (token ids of PROBE_TEXT) at least MIN_AGREEMENT, run on ``target`` or, where that holds only part of
+    the layers (a cluster's leader), on ``whole_model()``. With no head, the drafter is prompt lookup alone.
+    ``metadata["match"]``: "given", "fingerprint", "architecture" or "none" (lookup only)."""
+    if draft is not None:
+        drafter, meta = _head_drafter(target, Path(draft))
+        if meta.get("target_fingerprint") != target_fingerprint:
+            log.warning("draft head %s was trained for another target; expect few accepted tokens", draft)
+        return drafter, {**meta, "match": "given"}
+    stem = find_draft(target_fingerprint)
+    if stem is not None:
+        drafter, meta = _head_drafter(target, stem)
+        return drafter, {**meta, "match": "fingerprint"}
+    for stem in find_compatible_drafts(target.cfg):
+        drafter, meta = _head_drafter(target, stem)
+        if probe is None:
+            log.warning("draft head %s matches this model's architecture; no probe to test it with: using it", stem)
+            return drafter, {**meta, "match": "architecture"}
+        score = _agreement(target if whole_model is None else whole_model(), drafter, probe)
+        if score >= MIN_AGREEMENT:
+            log.info("draft head %s: trained for another build of this model (%s); top-1 agreement %.2f on the "
+                     "probe text: using it", stem.name, meta.get("target_fingerprint", "?")[:12], score)
+            return drafter, {**meta, "match": "architecture", "agreement": round(score, 4)}
+        log.info("draft head %s matches this model's architecture but agrees on only %.2f of the probe's tokens "
+                 "(< %.2f): not used", stem.name, score, MIN_AGREEMENT)
+    log.info("no draft head for this model (fingerprint %s): speculation drafts by prompt lookup alone; "
+             "`flowspec draft train --model PATH` makes a head for it", target_fingerprint[:12])
+    return LookupDrafter(None), {"match": "none"}
+
+
+def _head_drafter(target: Shard, stem: Path) -> tuple[LookupDrafter, dict]:
     if isinstance(target, NativeShard):  # the head on the engine too, its weights in their stored 16 bits
         cfg, state, vocab, meta = DraftBundle.read(stem)
         head = NativeDraftHead(cfg, state, target.max_position)
     else:
         bundle = DraftBundle.load(stem, dtype=target.dtype)
         head, vocab, meta = bundle.head, bundle.draft_vocab, bundle.meta
-    if meta.get("target_fingerprint") != target_fingerprint:
-        log.warning("draft head %s was trained for another target; expect few accepted tokens", stem)
     return LookupDrafter(HeadDrafter(head, target, vocab)), meta
+
+
+@torch.inference_mode()
+def _agreement(target: Shard, drafter: LookupDrafter, probe: list[int]) -> float:
+    cache = target.new_cache(len(probe))
+    feats = prefill_features(target, cache, probe)  # [P, hidden]
+    target_next = target.logits(feats).argmax(-1)  # [P]
+    assert isinstance(drafter.base, HeadDrafter)
+    return drafter.base.agreement(probe, feats, target_next)
 
 
 class SpecDecoder:

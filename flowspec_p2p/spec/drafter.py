@@ -203,6 +203,24 @@ class HeadDrafter(TreeDrafter):
         """[..., hidden] -> [..., V_d]"""
         return _log_softmax(self.lm_head.matmul(feats))
 
+    @torch.inference_mode()
+    def agreement(self, tokens: Sequence[int], features: torch.Tensor, target_next: torch.Tensor) -> float:
+        """Teacher-forced top-1 agreement with the target on a probe text: from the pairs (f_t, x_t+1) the head
+        predicts f_t+1, whose top draft token should be the target's greedy token after x_t+1. ``features``:
+        the target's [n, hidden] at ``tokens``; ``target_next``: [n] its greedy next token at each. Leaves the
+        drafter's state alone (a cache of its own)."""
+        n = len(tokens)
+        assert n >= 3
+        assert features.shape[0] == n
+        assert target_next.shape[0] == n
+        dtype = self.dtype
+        nxt = torch.tensor([[*list(tokens)[1:]]], dtype=torch.long)  # [1, n - 1]: x_t+1
+        pos = torch.arange(n - 1)[None]  # [1, n - 1]
+        out = self.head(features[None, : n - 1].to(dtype), self.embed(nxt).to(dtype), pos,
+                        self.head.new_cache(n))[0]  # [n - 1, hidden]: predicted f_1 .. f_n-1
+        guess = torch.as_tensor(self._to_target(self.lm_head.matmul(out).argmax(-1)))  # [n - 1]
+        return float((guess == target_next[1:]).double().mean())
+
     def _root_logprobs(self) -> torch.Tensor:
         assert self.last_feature is not None
         self._feat = {0: self.last_feature}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,10 +154,9 @@ class DraftBundle:
         return cls(head.to(dtype).eval(), vocab, meta)
 
 
-def find_draft(target_fingerprint: str, search: list[Path] | None = None) -> Path | None:
-    """The stem of a draft head trained for ``target_fingerprint``, looked up in ``search`` (default: the
-    package's shipped assets, then ~/.cache/flowspec_p2p/drafts)."""
-
+def _installed(search: list[Path] | None) -> Iterator[tuple[Path, dict]]:
+    """(stem, metadata) of every draft head in ``search`` (default: the package's shipped assets, then
+    ~/.cache/flowspec_p2p/drafts), in that order."""
     for folder in search or [ASSETS, env.cache_dir() / "drafts"]:
         if not folder.is_dir():
             continue
@@ -166,6 +166,21 @@ def find_draft(target_fingerprint: str, search: list[Path] | None = None) -> Pat
             except (OSError, ValueError):
                 log.warning("unreadable draft metadata %s", meta_path)
                 continue
-            if meta.get("target_fingerprint") == target_fingerprint and meta_path.with_suffix(".safetensors").is_file():
-                return meta_path.with_suffix("")
+            if isinstance(meta, dict) and meta_path.with_suffix(".safetensors").is_file():
+                yield meta_path.with_suffix(""), meta
+
+
+def find_draft(target_fingerprint: str, search: list[Path] | None = None) -> Path | None:
+    """The stem of a draft head trained for exactly ``target_fingerprint`` (the same weights), or None."""
+    for stem, meta in _installed(search):
+        if meta.get("target_fingerprint") == target_fingerprint:
+            return stem
     return None
+
+
+def find_compatible_drafts(target: ModelConfig, search: list[Path] | None = None) -> list[Path]:
+    """Stems of draft heads trained for a model of the same architecture as ``target`` (the same config: layer
+    shapes, vocabulary size, rotary settings): another quantization of the same model is such a model, and so is a
+    fine-tune; a tolerance test on the loaded weights (``HeadDrafter.agreement``) tells them apart."""
+    want = json.loads(target.canonical_json())
+    return [stem for stem, meta in _installed(search) if meta.get("target_config") == want]

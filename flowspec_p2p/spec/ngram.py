@@ -59,28 +59,38 @@ class PromptLookup:
 
 
 class LookupDrafter:
-    """A drafter that adds the prompt-lookup chain below the root of every tree its ``base`` drafts."""
+    """A drafter that adds the prompt-lookup chain below the root of every tree its ``base`` drafts; with no
+    ``base`` (a model no head was trained for) the tree is the root and that chain alone, so speculation still
+    runs for any model: it pays where the reply copies its context and costs one verification row otherwise."""
 
-    def __init__(self, base: Drafter, cfg: LookupConfig | None = None):
+    def __init__(self, base: Drafter | None, cfg: LookupConfig | None = None):
         self.base = base
         self.cfg = cfg or LookupConfig()
         self.lookup = PromptLookup(self.cfg)
         self.root: int | None = None
 
     def reset(self, capacity: int) -> None:
-        self.base.reset(capacity)
+        if self.base is not None:
+            self.base.reset(capacity)
         self.lookup.reset()
         self.root = None
 
     def feed(self, tokens: Sequence[int], features: torch.Tensor, next_token: int) -> None:
-        self.base.feed(tokens, features, next_token)
+        if self.base is not None:
+            self.base.feed(tokens, features, next_token)
         self.lookup.extend(tokens)
         self.root = int(next_token)
 
     def draft(self, shape: TreeShape) -> DraftTree:
+        if self.base is None:
+            assert self.root is not None, "feed() the prompt first"
+            return self._with_chain(DraftTree.root(self.root), shape)
         return self._with_chain(self.base.draft(shape), shape)
 
     def draft_levels(self, shape: TreeShape, partial: bool = True) -> Iterator[DraftTree]:
+        if self.base is None:  # no model forward to split into levels
+            yield self.draft(shape)
+            return
         levels = self.base.draft_levels(shape, partial)
         try:
             tree = None
@@ -106,6 +116,6 @@ class LookupDrafter:
         return merged if len(merged) > len(tree) else tree  # a chain the tree already holds changes nothing
 
     def __getattr__(self, name: str):  # anything else (vocab_size, cache, ...) is the base drafter's
-        if name == "base":
+        if name == "base" or self.base is None:
             raise AttributeError(name)
         return getattr(self.base, name)

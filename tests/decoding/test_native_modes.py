@@ -22,6 +22,7 @@ from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.spec.decoder import SpecDecoder
 from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.spec.head import DraftHead
+from flowspec_p2p.spec.ngram import LookupDrafter
 from flowspec_p2p.types import LayerRange
 
 from ..fake_ring import sync_pipeline
@@ -71,11 +72,20 @@ async def _decode(leader: Leader, stages, mode: str) -> tuple[dict, int]:
     return out, steps
 
 
-@pytest.mark.parametrize("draft", ["perfect", "random"])
+def _drafter(draft: str, whole: NativeShard, head: NativeShard):
+    """perfect: the target itself; random: a random EAGLE head; lookup: prompt lookup alone (no head)."""
+    if draft == "perfect":
+        return OracleDrafter(whole)
+    if draft == "random":
+        return HeadDrafter(_random_head(head), head)
+    return LookupDrafter(None)
+
+
+@pytest.mark.parametrize("draft", ["perfect", "random", "lookup"])
 @pytest.mark.parametrize("mode", ["ar", "chunk", "pipedec", "flowspec"])
 async def test_every_mode_on_the_native_engine_equals_autoregressive_decoding(model, mode, draft):
     whole, head, stages, reference = model
-    drafter = OracleDrafter(whole) if draft == "perfect" else HeadDrafter(_random_head(head), head)
+    drafter = _drafter(draft, whole, head)
     leader = Leader(head, None, drafter=drafter, modes=builtin_modes(),
                     settings=LeaderSettings(max_context=200, prefill_chunk=4))
     out, steps = await _decode(leader, stages, mode)
@@ -85,10 +95,10 @@ async def test_every_mode_on_the_native_engine_equals_autoregressive_decoding(mo
     leader.close()
 
 
-@pytest.mark.parametrize("draft", ["perfect", "random"])
+@pytest.mark.parametrize("draft", ["perfect", "random", "lookup"])
 def test_single_device_speculation_on_the_native_engine_equals_autoregressive_decoding(model, draft):
     whole, _, _, reference = model
-    drafter = OracleDrafter(whole) if draft == "perfect" else HeadDrafter(_random_head(whole), whole)
+    drafter = _drafter(draft, whole, whole)
     spec = SpecDecoder(whole, drafter, TreeShape(total_tokens=8, depth=4, top_k=3))
     for p in PROMPTS:
         out, stats = generate_ids(spec, p, GREEDY, TOKENS)
