@@ -37,7 +37,8 @@ def test_a_head_trained_for_another_quantization_is_accepted(default, requantize
     assert meta["match"] == "architecture"
     assert meta["agreement"] >= MIN_AGREEMENT
     assert meta["target_fingerprint"] == default.fingerprint()
-    assert isinstance(drafter, LookupDrafter) and drafter.base is not None
+    assert isinstance(drafter, LookupDrafter)
+    assert drafter.base is not None
     # and it drafts for the requantized model: greedy output equal to AR on it, several tokens per forward
     ids = requantized.tokenizer.chat([{"role": "user", "content": "List the days of the week."}])
     ref, _ = generate_ids(ARDecoder(requantized.shard), ids, SamplingParams(), 48)
@@ -57,7 +58,8 @@ def test_a_head_that_fails_the_tolerance_test_is_not_used(default, requantized, 
     probe = requantized.tokenizer.encode(PROBE_TEXT)
     drafter, meta = load_drafter(requantized.shard, requantized.fingerprint(), None, probe)
     assert meta["match"] == "none"
-    assert isinstance(drafter, LookupDrafter) and drafter.base is None
+    assert isinstance(drafter, LookupDrafter)
+    assert drafter.base is None
 
 
 def test_speculation_with_no_head_runs_on_prompt_lookup(default):
