@@ -17,6 +17,7 @@ from tqdm import tqdm
 from ..model.generate import ARDecoder, GenStats, generate_ids
 from ..model.sampling import SamplingParams
 from ..model.shard import Shard
+from ..spec.auto import AutoDecoder
 from ..spec.decoder import SpecDecoder
 from ..spec.drafter import TreeDrafter, TreeShape
 from ..specbench import Question
@@ -64,6 +65,7 @@ def bench(
     cost per step; greedy equality of spec vs AR with each divergence's reference top-2 gap."""
     spec = SpecDecoder(shard, drafter, shape)
     ar = ARDecoder(shard)
+    auto = AutoDecoder(shard, drafter, shape)
     rows = []
     for temp in temperatures:
         for i, bp in enumerate(_bar(prompts, progress, f"T={temp:g}")):
@@ -75,6 +77,10 @@ def bench(
                 row["ar"] = {**ar_stats.as_dict(), "per_token_s": _per_token(ar_stats)}
             out, st = generate_ids(spec, ids, params, max_new_tokens, tokenizer.stop_ids)
             row["spec"] = st.as_dict()
+            if temp == 0.0:  # auto (the default mode) right after, same prompt
+                auto_out, auto_stats = generate_ids(auto, ids, params, max_new_tokens, tokenizer.stop_ids)
+                row["auto"] = auto_stats.as_dict()
+                row["auto_equal"] = auto_out == ref
             if temp == 0.0:
                 div = next((j for j, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), None)
                 if div is None and len(out) != len(ref):
@@ -131,6 +137,7 @@ def summarise(rows: list[dict]) -> dict:
             },
             "spec_tok_s": _rate(g, "spec"),
             "ar_tok_s": _rate(g, "ar"),
+            "auto_tok_s": _rate(g, "auto"),
         }
     ratios = [r["draft_per_step_vs_forward"] for r in greedy if "draft_per_step_vs_forward" in r]
     verify = [r["verify_per_step_vs_forward"] for r in greedy if "verify_per_step_vs_forward" in r]
@@ -144,6 +151,11 @@ def summarise(rows: list[dict]) -> dict:
         "spec_tok_s": spec_rate,
         "ar_tok_s": ar_rate,
         "speed_ratio": round(spec_rate / ar_rate, 3) if spec_rate and ar_rate else None,
+        "auto_tok_s": (auto_rate := _rate(greedy, "auto")),
+        "auto_ratio": round(auto_rate / ar_rate, 3) if auto_rate and ar_rate else None,
+        "auto_equal": sum(r["auto_equal"] for r in greedy),
+        "auto_spec_share": round(sum(r["auto"]["auto"]["spec_tokens"] for r in greedy)
+                                 / max(1, sum(r["auto"]["new_tokens"] for r in greedy)), 3) if greedy else None,
         "draft_per_step_vs_forward": round(statistics.median(ratios), 3) if ratios else None,
         "verify_per_step_vs_forward": round(statistics.median(verify), 3) if verify else None,
         "greedy_equal": sum(r["equal"] for r in greedy),
@@ -163,26 +175,35 @@ def markdown(result: dict) -> str:
         f"Tree {c['tree']}, {c['max_new_tokens']} new tokens, {c['prompts']} prompts, {c['dtype']}, "
         f"{c['torch_threads']} torch threads. τ = new tokens / target forwards (prefill and bonus included).",
         "",
-        "| dataset | " + " | ".join(f"τ {t}" for t in temps) + " | spec tok/s | AR tok/s | spec/AR |",
-        "|---|" + "---|" * len(temps) + "---|---|---|",
+        "| dataset | " + " | ".join(f"τ {t}" for t in temps)
+        + " | spec tok/s | AR tok/s | spec/AR | auto tok/s | auto/AR |",
+        "|---|" + "---|" * len(temps) + "---|---|---|---|---|",
     ]
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
     for name, d in s["per_dataset"].items():
-        ratio = round(d["spec_tok_s"] / d["ar_tok_s"], 3) if d["spec_tok_s"] and d["ar_tok_s"] else None
         lines.append(
             f"| {name} | "
             + " | ".join(str(d.get(f"tau_{t}")) for t in temps)
-            + f" | {d['spec_tok_s']} | {d['ar_tok_s']} | {ratio} |"
+            + f" | {d['spec_tok_s']} | {d['ar_tok_s']} | {ratio(d['spec_tok_s'], d['ar_tok_s'])}"
+            + f" | {d['auto_tok_s']} | {ratio(d['auto_tok_s'], d['ar_tok_s'])} |"
         )
     lines.append(
         "| **all** | "
         + " | ".join(f"**{s['tau'].get(t)}**" for t in temps)
-        + f" | **{s['spec_tok_s']}** | **{s['ar_tok_s']}** | **{s['speed_ratio']}** |"
+        + f" | **{s['spec_tok_s']}** | **{s['ar_tok_s']}** | **{s['speed_ratio']}**"
+        + f" | **{s['auto_tok_s']}** | **{s['auto_ratio']}** |"
     )
     lines += [
         "",
         f"- Draft cost per step: **{s['draft_per_step_vs_forward']}×** one target forward (median over prompts); "
         f"the tree verification forward: {s['verify_per_step_vs_forward']}×.",
-        f"- Greedy equality (spec vs AR, token for token): **{s['greedy_equal']}/{s['greedy_prompts']}** prompts.",
+        f"- Greedy equality (spec vs AR, token for token): **{s['greedy_equal']}/{s['greedy_prompts']}** prompts; "
+        f"auto vs AR: **{s['auto_equal']}/{s['greedy_prompts']}**.",
+        f"- auto (the default mode: speculative steps while they measure faster, else AR steps) ran "
+        f"{s['auto_spec_share']} of its tokens in speculative steps.",
     ]
     for d in s["divergences"]:
         lines.append(

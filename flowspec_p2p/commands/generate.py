@@ -40,10 +40,12 @@ def add_spec_arguments(p: argparse.ArgumentParser, *, mode: bool = True) -> None
     if mode:
         p.add_argument(
             "--mode",
-            choices=["ar", "spec"],
-            default="ar",
-            help="ar: one target forward per token (default); spec: EAGLE-2 speculative decoding with a draft "
-            "head (same output; faster only where a tree forward costs little more than one token)",
+            choices=["auto", "ar", "spec"],
+            default="auto",
+            help="auto (default): speculative steps while they measure faster than plain ones on this device and "
+            "this reply, else plain ones (--stats says which ran); ar: one target forward per token; spec: EAGLE-2 "
+            "speculative decoding with the draft head (prompt lookup alone for a model with no head). Every "
+            "mode gives the same output",
         )
     p.add_argument(
         "--draft", default=None, help="draft head (stem, .json or .safetensors; default: the one shipped for --model)"
@@ -67,11 +69,13 @@ def make_decoder(args: argparse.Namespace, lm):
 
     if args.mode == "ar":
         return ARDecoder(lm.shard)
+    from ..spec.auto import AutoDecoder
     from ..spec.decoder import PROBE_TEXT, SpecDecoder, load_drafter
 
     fingerprint = lm.fingerprint()
     drafter, _ = load_drafter(lm.shard, fingerprint, args.draft, lm.tokenizer.encode(PROBE_TEXT))
-    return SpecDecoder(lm.shard, drafter, tree_shape(args, fingerprint))
+    decoder = AutoDecoder if args.mode == "auto" else SpecDecoder
+    return decoder(lm.shard, drafter, tree_shape(args, fingerprint))
 
 
 def run(args: argparse.Namespace) -> int:
