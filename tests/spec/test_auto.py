@@ -51,7 +51,7 @@ def test_greedy_auto_equals_autoregressive_decoding_across_switches(tiny_llama, 
         assert a["switches"] >= 2
 
 
-@pytest.mark.parametrize("slow, expect", [("ar", "spec"), ("tree", "ar")])
+@pytest.mark.parametrize(("slow", "expect"), [("ar", "spec"), ("tree", "ar")])
 def test_auto_runs_the_kind_of_step_that_measures_cheaper(tiny_llama, slow, expect):
     target = tiny_target(tiny_llama)
     model = Slowed(target, slow)
