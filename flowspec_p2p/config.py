@@ -86,9 +86,9 @@ class AgentConfig(Settings):
     # activations between stages: float32 keeps every mode exactly equal to single-device decoding (lossless);
     # float16 / bfloat16 halve the bytes on slow links but round the hidden states (greedy output may drift)
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
-    # (leader) the API's decoding mode when a request names none; default: the first the leader offers of
-    # flowspec, chunk, ar (flowspec whenever a draft head is installed)
-    decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None
+    # (leader) the API's decoding mode when a request names none; default: auto (per request, the mode measured
+    # fastest on this pipeline: decoding/auto.py)
+    decoding: Literal["auto", "ar", "chunk", "pipedec", "flowspec"] | None = None
     # (leader) FlowSpec settings that differ from the tuned defaults: flowspec.FlowSpecConfig fields, e.g.
     # {"segment_cap": 1} (a [flowspec] table in a profile, or --flowspec-config JSON); for other hardware
     flowspec: FlowSpecConfig = FlowSpecConfig()

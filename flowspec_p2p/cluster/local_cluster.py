@@ -75,7 +75,7 @@ class ClusterOptions(Settings):
     leader_layers: Literal["auto", "always", "never"] | None = None
     dtype: Literal["float32", "bfloat16", "float64"] | None = None
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
-    decoding: Literal["ar", "chunk", "pipedec", "flowspec"] | None = None  # the leader's default mode
+    decoding: Literal["auto", "ar", "chunk", "pipedec", "flowspec"] | None = None  # the leader's default mode
     flowspec: FlowSpecOverrides | None = None  # the leader's FlowSpecConfig fields that differ from the defaults
     secret: str | None = None  # a passphrase the agents derive the cluster key from (default: a fresh key)
     cluster_key: str | None = None  # the cluster key's text form (default: a fresh key)

@@ -75,9 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="(leader) activations between stages (default float32: exact; float16/bfloat16 halve "
                    "the bytes but round hidden states)")
-    p.add_argument("--decoding", choices=["ar", "chunk", "pipedec", "flowspec"], default=None,
-                   help="(leader) the API's decoding mode when a request names none (default: flowspec when a "
-                   "draft head is installed, else ar). On one host whose agents share few cores, ar can be faster")
+    p.add_argument("--decoding", choices=["auto", "ar", "chunk", "pipedec", "flowspec"], default=None,
+                   help="(leader) the API's decoding mode when a request names none (default: auto, which runs "
+                   "each request in the mode measured fastest on this cluster for requests like it, flowspec or "
+                   "ar, and re-measures the other now and then; the reply's stats say which ran)")
     p.add_argument("--flowspec-config", default=None, metavar="JSON",
                    help="(leader) FlowSpec settings that differ from the defaults, as JSON of FlowSpecConfig fields, "
                    "e.g. '{\"segment_cap\": 1, \"in_flight\": 8}' (see flowspec_p2p/decoding/flowspec.py)")

@@ -64,9 +64,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=None, help="KV tokens per request (default 2048)")
     p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default=None,
                    help="activations between stages (default float32: exact; float16/bfloat16 halve the bytes)")
-    p.add_argument("--decoding", choices=["ar", "chunk", "pipedec", "flowspec"], default=None,
-                   help="the API's decoding mode when a request names none (default: flowspec). The agents share "
-                   "this host's cores, so with fewer cores than agents ar can be faster")
+    p.add_argument("--decoding", choices=["auto", "ar", "chunk", "pipedec", "flowspec"], default=None,
+                   help="the API's decoding mode when a request names none (default: auto: per request, the mode "
+                   "measured fastest on this cluster, flowspec or ar; the agents share this host's cores, so with "
+                   "fewer cores than agents ar often is)")
     p.add_argument("--flowspec-config", default=None, metavar="JSON",
                    help="the leader's FlowSpec settings that differ from the defaults, as a JSON object of "
                    "FlowSpecConfig fields, e.g. '{\"segment_cap\": 6}' (see flowspec_p2p/decoding/flowspec.py)")

@@ -49,6 +49,7 @@ from ..pipeline.messages import Release
 from ..pipeline.transport import Frame, LinkDown
 from ..spec.drafter import Drafter
 from .ar import AR
+from .auto import ModeChooser
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
 from .settings import LeaderSettings
 from .trace import RequestTrace
@@ -128,6 +129,9 @@ class Leader:
         self.modes: dict[str, DecodingMode] = {}
         for m in modes:
             self.register_mode(m)
+        self.chooser = ModeChooser(self.settings.auto)
+        self.register_mode(DecodingMode("auto", self._run_auto, description="per request, the mode measured "
+                                        "fastest on this pipeline for requests like it (decoding/auto.py)"))
         self.inbox: asyncio.Queue = asyncio.Queue()  # the return link's RingServer delivers here
         self.pipeline: Pipeline | None = None
         self._ready = asyncio.Event()
@@ -158,6 +162,15 @@ class Leader:
             if name in avail:
                 return name
         return avail[0]
+
+    async def _run_auto(self, ctx: ModeContext) -> AsyncIterator[list[int]]:
+        """``auto``: the chooser's mode for this request; ``stats["auto"]`` says which and why."""
+        avail = [m for m in self.available_modes() if m != "auto"]
+        choice = self.chooser.choose(avail, ctx.pipeline.epoch, ctx.params.greedy)
+        ctx.stats.extra["auto"] = choice.as_dict()
+        async with contextlib.aclosing(self.modes[choice.mode].run(ctx)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def resolve_mode(self, name: str | None) -> DecodingMode:
         name = name or self.default_mode()
@@ -320,6 +333,9 @@ class Leader:
                 self.idle.set()
             if outcome is not None:
                 self.counters[outcome] += 1
+            if outcome == "completed":  # every mode's requests teach auto what it is worth on this pipeline
+                ran = cur.extra.get("auto", {}).get("chose", job.spec.name)
+                self.chooser.record(ran, pipeline.epoch, job.params.greedy, cur.new_tokens, cur.decode_s)
             _decode_window(cur, ctx.busy)
             _fold(job.stats, job.prior, cur, attempt)
             if job.timeline is not None:
@@ -387,6 +403,7 @@ class Leader:
                                                 "takes": p.takes, **p.info},
             "modes": self.available_modes(),
             "default_mode": self.default_mode(),
+            "auto": self.chooser.snapshot(),
             "slowdown": getattr(self.parts.compute, "slowdown", 1.0),
             "in_flight": list(self._active),
             "waiting": self._waiting,

@@ -7,10 +7,11 @@ from pydantic import Field
 
 from ..spec.shape import TreeShape
 from ..types import Settings
+from .auto import AutoSettings
 
 
 class LeaderSettings(Settings):
-    mode_preference: tuple[str, ...] = ("flowspec", "chunk", "ar")  # default mode: the first one available
+    mode_preference: tuple[str, ...] = ("auto", "flowspec", "chunk", "ar")  # default mode: the first available
     default_mode: str | None = None  # overrides mode_preference
     max_context: int = Field(2048, ge=2)  # prompt + new tokens; the stages' KV capacity must be at least this
     max_waiting: int = Field(8, ge=0)  # requests queued behind the one in flight; more get Busy (503)
@@ -23,6 +24,7 @@ class LeaderSettings(Settings):
     prefill_chunk: int = Field(128, ge=1)  # prompt tokens per prefill Forward (chunks are pipelined)
     wire_dtype: str = "float32"  # activations the leader itself sends (when it embeds for stage 1)
     tree_margin: int = Field(256, ge=0)  # KV slots a stage needs beyond max_context for pending draft-tree nodes
+    auto: AutoSettings = AutoSettings()  # how ``auto`` picks a mode per request (auto.py)
 
     @property
     def stage_capacity(self) -> int:

@@ -64,12 +64,17 @@ async def test_chat_completion_returns_openai_shape_with_stats(served, parts):
     assert {"steps", "tau", "prefill_s", "decode_s"} <= set(stats)
 
 
-async def test_default_mode_is_the_fastest_available_and_chunk_gives_the_same_text(served):
+async def test_the_default_mode_is_auto_and_every_mode_gives_the_same_text(served):
     client, _, _ = served
     a = await (await client.post("/v1/chat/completions", json={**CHAT, "decoding": "ar"})).json()
-    c = await (await client.post("/v1/chat/completions", json=CHAT)).json()
+    c = await (await client.post("/v1/chat/completions", json={**CHAT, "decoding": "chunk"})).json()
+    d = await (await client.post("/v1/chat/completions", json=CHAT)).json()
     assert c["stats"]["mode"] == "chunk"
-    assert c["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    assert d["stats"]["mode"] == "auto"
+    assert d["stats"]["auto"]["chose"] in ("ar", "flowspec")  # what ran, and why
+    assert d["stats"]["auto"]["reason"]
+    texts = {x["choices"][0]["message"]["content"] for x in (a, c, d)}
+    assert len(texts) == 1
 
 
 async def test_a_model_that_names_a_mode_picks_it_unless_decoding_does(served):
@@ -78,7 +83,7 @@ async def test_a_model_that_names_a_mode_picks_it_unless_decoding_does(served):
     for extra in ({"model": "ar"}, {"model": "ar", "decoding": "chunk"}, {"model": "tiny"}):
         body = await (await client.post("/v1/chat/completions", json={**CHAT, **extra})).json()
         modes.append(body["stats"]["mode"])
-    assert modes == ["ar", "chunk", "chunk"]  # the default here is chunk
+    assert modes == ["ar", "chunk", "auto"]
 
 
 async def test_completions_accept_text_and_token_ids(served, parts):
@@ -182,7 +187,7 @@ async def test_models_health_and_cluster(served):
     assert (await (await client.get("/v1/models")).json())["data"][0]["id"] == "tiny"
     r = await client.get("/health")
     assert r.status == 200
-    assert (await r.json())["default_mode"] == "chunk"
+    assert (await r.json())["default_mode"] == "auto"
     cluster = await (await client.get("/cluster")).json()
     assert cluster["members"][0]["id"] == "a1"
     assert cluster["plan"] == {"epoch": 0}

@@ -115,14 +115,16 @@ async def test_chunk_pp_with_more_segments_than_nodes_and_a_stop_token(parts):
 
 async def test_modes_are_validated_and_the_default_is_the_fastest_available(parts, random_head):
     plain = make_leader(parts)
-    assert plain.available_modes() == ["ar"]
-    assert plain.default_mode() == "ar"
+    assert plain.available_modes() == ["ar", "auto"]
+    assert plain.default_mode() == "auto"
     with pytest.raises(InvalidRequest, match="needs a draft head"):
         plain.check(5, 5, "chunk")
     with pytest.raises(InvalidRequest, match="unknown decoding mode"):
         plain.check(5, 5, "warp")
     spec = make_leader(parts, HeadDrafter(random_head, parts.whole))
-    assert spec.default_mode() == "chunk"
+    assert spec.default_mode() == "auto"
+    assert make_leader(parts, HeadDrafter(random_head, parts.whole),
+                       mode_preference=("flowspec", "chunk", "ar")).default_mode() == "chunk"
     assert make_leader(parts, HeadDrafter(random_head, parts.whole), default_mode="ar").default_mode() == "ar"
 
 
@@ -302,3 +304,30 @@ async def test_a_request_waiting_to_resume_can_be_cancelled(parts):
         await leader.set_pipeline(Pipeline(QueueSender(ring.workers[0].inbox, "stage1"), epoch=1, stages=3))
         out, _ = await run(leader, PROMPT, 5, mode="ar")  # the turn was released
         assert out == parts.reference(PROMPT, 5)
+
+
+async def test_auto_runs_each_mode_then_the_fastest_and_equals_ar(parts):
+    """auto on a leader offering ar and flowspec (perfect draft): each untried mode first, then the one measured
+    fastest; every reply equals single-device AR, and its stats say which mode ran and why."""
+    from flowspec_p2p.decoding.flowspec import FLOWSPEC
+    from flowspec_p2p.model.generate import ARDecoder, generate_ids
+
+    leader = Leader(parts.head, None, drafter=OracleDrafter(parts.whole), modes=[AR, FLOWSPEC],
+                    settings=LeaderSettings(max_context=160, prefill_chunk=4, step_timeout_s=10.0,
+                                            auto={"min_tokens": 8, "recheck": 2}))
+    ref, _ = generate_ids(ARDecoder(parts.whole), PROMPT, GREEDY, 24)
+    assert leader.default_mode() == "auto"
+    chose = []
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
+        for _ in range(6):
+            out, stats = await run(leader, PROMPT, 24)
+            assert out == ref
+            assert stats.mode == "auto"
+            chose.append((stats.extra["auto"]["chose"], stats.extra["auto"]["reason"]))
+    assert chose[:2] == [("flowspec", "untried"), ("ar", "untried")]
+    assert {reason for _, reason in chose[2:]} <= {"fastest", "recheck"}
+    rates = leader.snapshot()["auto"]
+    (key,) = rates
+    assert all(m["samples"] >= 1 for m in rates[key].values())
+    fastest = max(rates[key], key=lambda m: rates[key][m]["tokens_per_s"])
+    assert sum(m == fastest for m, _ in chose[2:]) >= 2

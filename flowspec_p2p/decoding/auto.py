@@ -1,0 +1,113 @@
+"""``auto``, the leader's default mode: each request runs the mode measured fastest on this pipeline for requests
+like it, and the losing modes are measured again now and then.
+
+A mode's speed on a cluster depends on what no constant captures (stage speeds, links, the draft's acceptance on
+this traffic, the leader's own speed), so the chooser measures it: every completed request of at least
+``min_tokens`` new tokens, in any mode, updates that mode's running decode rate for its key (the pipeline's epoch
+and whether the request is greedy: acceptance differs with temperature; a re-plan starts the measurements over).
+A mode with no measurement yet is tried first (in ``candidates`` order); after that the fastest runs, and a losing
+mode is tried again after ``recheck`` requests, twice as late each time it loses again (so a mode that never pays
+costs a vanishing share of the requests).
+
+Pure bookkeeping (no torch, no I/O): leader.py asks ``choose`` per request and reports ``record`` after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from ..types import Settings
+
+
+class AutoSettings(Settings):
+    candidates: tuple[str, ...] = ("flowspec", "ar")  # the modes auto chooses among, tried in this order first
+    min_tokens: int = Field(16, ge=2)  # shorter replies say little about a mode's decode rate
+    weight: float = Field(0.5, gt=0.0, le=1.0)  # of the newest request in a mode's running rate
+    recheck: int = Field(8, ge=1)  # requests before a losing mode runs again (doubling while it keeps losing)
+    max_recheck: int = Field(256, ge=1)
+
+
+@dataclass
+class _Mode:
+    rate: float | None = None  # running decode tokens/s
+    samples: int = 0
+    since: int = 0  # requests of this key since this mode last ran
+    wait: int = 0  # requests to wait before trying it again while it loses
+
+
+@dataclass
+class _Key:
+    modes: dict[str, _Mode] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Choice:
+    mode: str
+    reason: str  # "only" | "untried" | "fastest" | "recheck"
+    rates: dict[str, float | None]
+
+    def as_dict(self) -> dict:
+        return {"chose": self.mode, "reason": self.reason,
+                "rates": {m: None if r is None else round(r, 2) for m, r in self.rates.items()}}
+
+
+class ModeChooser:
+    def __init__(self, settings: AutoSettings | None = None):
+        self.settings = settings or AutoSettings()
+        self._keys: dict[tuple[int, bool], _Key] = {}
+
+    def _key(self, epoch: int, greedy: bool) -> _Key:
+        k = (epoch, greedy)
+        if k not in self._keys:
+            for old in [o for o in self._keys if o[0] != epoch]:  # a re-plan: the old pipeline's rates are stale
+                del self._keys[old]
+            self._keys[k] = _Key({m: _Mode(wait=self.settings.recheck) for m in self.settings.candidates})
+        return self._keys[k]
+
+    def choose(self, available: list[str], epoch: int, greedy: bool) -> Choice:
+        """The mode for the next request among ``available`` (the leader's modes its drafter allows)."""
+        key = self._key(epoch, greedy)
+        cands = [m for m in self.settings.candidates if m in available]
+        rates = {m: key.modes[m].rate for m in cands}
+        if not cands:
+            return Choice(available[0], "only", rates)
+        if len(cands) == 1:
+            return self._ran(key, Choice(cands[0], "only", rates))
+        untried = [m for m in cands if key.modes[m].rate is None]
+        if untried:
+            return self._ran(key, Choice(untried[0], "untried", rates))
+        best = max(cands, key=lambda m: rates[m])
+        due = [m for m in cands if m != best and key.modes[m].since >= key.modes[m].wait]
+        if due:
+            return self._ran(key, Choice(max(due, key=lambda m: key.modes[m].since), "recheck", rates))
+        return self._ran(key, Choice(best, "fastest", rates))
+
+    def _ran(self, key: _Key, choice: Choice) -> Choice:
+        for name, m in key.modes.items():
+            m.since = 0 if name == choice.mode else m.since + 1
+        return choice
+
+    def record(self, mode: str, epoch: int, greedy: bool, new_tokens: int, decode_s: float) -> None:
+        """A request of ``mode`` completed with ``new_tokens`` in ``decode_s`` seconds of decoding."""
+        s = self.settings
+        if mode not in s.candidates or new_tokens < s.min_tokens or decode_s <= 0:
+            return
+        key = self._key(epoch, greedy)
+        m = key.modes[mode]
+        rate = (new_tokens - 1) / decode_s
+        m.rate = rate if m.rate is None else m.rate + s.weight * (rate - m.rate)
+        m.samples += 1
+        rivals = [o.rate for n, o in key.modes.items() if n != mode and o.rate is not None]
+        if rivals and m.rate < max(rivals):
+            m.wait = min(2 * m.wait, s.max_recheck)  # it lost again: try it half as often
+        else:
+            m.wait = s.recheck
+
+    def snapshot(self) -> dict:
+        return {f"epoch {e} {'greedy' if g else 'sampled'}": {n: {"tokens_per_s": None if m.rate is None
+                                                                  else round(m.rate, 2), "samples": m.samples,
+                                                                  "recheck_after": m.wait}
+                                                              for n, m in k.modes.items()}
+                for (e, g), k in self._keys.items()}

@@ -1,0 +1,61 @@
+"""The chooser behind ``auto``: untried modes first, then the fastest, losers re-measured ever less often, fresh
+measurements after a re-plan, greedy and sampled requests apart."""
+
+from __future__ import annotations
+
+from flowspec_p2p.decoding.auto import AutoSettings, ModeChooser
+
+MODES = ["ar", "chunk", "flowspec"]
+
+
+def serve(chooser: ModeChooser, speed: dict[str, float], n: int, epoch: int = 1, greedy: bool = True) -> list:
+    """n requests of 64 tokens; a mode decodes at ``speed[mode]`` tokens/s. -> the choices"""
+    out = []
+    for _ in range(n):
+        c = chooser.choose(MODES, epoch, greedy)
+        chooser.record(c.mode, epoch, greedy, 64, 63 / speed[c.mode])
+        out.append(c)
+    return out
+
+
+def test_untried_modes_first_then_the_fastest():
+    chooser = ModeChooser(AutoSettings(recheck=4))
+    got = serve(chooser, {"ar": 80.0, "flowspec": 60.0}, 6)
+    assert [(c.mode, c.reason) for c in got[:3]] == [("flowspec", "untried"), ("ar", "untried"), ("ar", "fastest")]
+    assert got[2].rates == {"flowspec": 60.0, "ar": 80.0}
+
+
+def test_a_losing_mode_is_rechecked_ever_less_often():
+    chooser = ModeChooser(AutoSettings(recheck=4, max_recheck=32))
+    got = serve(chooser, {"ar": 80.0, "flowspec": 60.0}, 120)
+    probes = [i for i, c in enumerate(got) if c.reason == "recheck"]
+    assert all(got[i].mode == "flowspec" for i in probes)
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == sorted(gaps)
+    assert gaps[-1] > 2 * gaps[0]  # it kept losing: later and later
+    assert sum(c.mode == "flowspec" for c in got) < 0.1 * len(got)
+
+
+def test_a_recheck_that_wins_takes_over():
+    chooser = ModeChooser(AutoSettings(recheck=2))
+    serve(chooser, {"ar": 80.0, "flowspec": 60.0}, 5)
+    got = serve(chooser, {"ar": 80.0, "flowspec": 200.0}, 8)  # the draft starts paying (say, copied text)
+    assert got[-1].mode == "flowspec"
+    assert got[-1].reason == "fastest"
+
+
+def test_a_replan_starts_over_and_greedy_and_sampled_are_measured_apart():
+    chooser = ModeChooser()
+    serve(chooser, {"ar": 80.0, "flowspec": 60.0}, 4)
+    assert chooser.choose(MODES, 1, False).reason == "untried"  # sampled: not measured yet
+    c = chooser.choose(MODES, 2, True)  # a new plan
+    assert (c.mode, c.reason) == ("flowspec", "untried")
+    assert list(chooser.snapshot()) == ["epoch 2 greedy"]
+
+
+def test_short_replies_and_other_modes_teach_nothing():
+    chooser = ModeChooser()
+    chooser.record("flowspec", 1, True, 3, 0.01)  # 3 tokens: too few
+    chooser.record("pipedec", 1, True, 64, 0.5)  # not a candidate
+    assert chooser.choose(MODES, 1, True).reason == "untried"
+    assert chooser.choose(["ar"], 1, True).reason == "only"
