@@ -3,6 +3,8 @@ measurements after a re-plan, greedy and sampled requests apart."""
 
 from __future__ import annotations
 
+import itertools
+
 from flowspec_p2p.decoding.auto import AutoSettings, ModeChooser
 
 MODES = ["ar", "chunk", "flowspec"]
@@ -30,7 +32,7 @@ def test_a_losing_mode_is_rechecked_ever_less_often():
     got = serve(chooser, {"ar": 80.0, "flowspec": 60.0}, 120)
     probes = [i for i, c in enumerate(got) if c.reason == "recheck"]
     assert all(got[i].mode == "flowspec" for i in probes)
-    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert gaps == sorted(gaps)
     assert gaps[-1] > 2 * gaps[0]  # it kept losing: later and later
     assert sum(c.mode == "flowspec" for c in got) < 0.1 * len(got)
