@@ -29,8 +29,12 @@ def test_generate_streams_the_reply_to_stdout_and_stats_to_stderr():
     s = stats[0]
     assert {"new_tokens", "steps", "tau", "prefill_s", "decode_s"} <= s.keys()
     assert 1 <= s["new_tokens"] <= 8
-    assert s["steps"] == s["new_tokens"]
-    assert s["tau"] == 1.0
+    assert s["mode"] == "auto"  # the default: it says what ran
+    assert s["auto"]["ar_tokens"] + s["auto"]["spec_tokens"] == s["new_tokens"] - 1  # the first: the prefill's
+    assert s["steps"] <= s["new_tokens"]
+    r = _flowspec("generate", "Name a colour.", "--max-tokens", "8", "--stats", "--mode", "ar")
+    s = json.loads(r.stderr.splitlines()[-1])
+    assert (s["mode"], s["tau"], s["steps"]) == ("ar", 1.0, s["new_tokens"])
 
 
 @pytest.mark.slow

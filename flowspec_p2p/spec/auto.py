@@ -1,12 +1,14 @@
-"""``auto`` on one device: speculative steps where they pay, plain autoregressive steps where they don't, decided
-from this request's own measured costs as it decodes.
+"""``auto`` on one device: speculative steps where they pay, plain autoregressive steps where they don't, and the
+draft-tree budget that pays most, decided from this request's own measured costs as it decodes.
 
 Both kinds of step work on the same KV cache, so switching costs nothing but the drafter's catch-up (the tokens
 committed by AR steps are fed to it, with their target features, before the next speculative step). The decoder
 keeps an exponentially weighted estimate of the seconds per committed token of each kind (a speculative step's
-time counts its draft, tree forward, verification and that catch-up), runs the cheaper one, and re-measures the
-other for a few steps now and then, less often each time it loses again (acceptance changes within a reply:
-copied lists and code accept long paths, free prose short ones).
+time counts its draft, tree forward and verification), for AR steps and for speculative steps with each of a few
+tree budgets (the tuned one, a smaller and a larger one: a tree's cost against the tokens it gets accepted is what
+the budget trades), runs the cheapest, and re-measures the others for a few steps now and then, less often each
+time one loses again (acceptance changes within a reply: copied lists and code accept long paths, free prose
+short ones).
 
 Lossless as both of its steps are: each step decodes the target's distribution given the committed prefix, and the
 choice of the next step depends only on what is already committed (greedy: token for token equal to AR).
@@ -32,31 +34,45 @@ from .verify import verify_tree, walk_rows
 class AutoConfig(Settings):
     probe_ar: int = Field(4, ge=1)  # AR steps that measure a token's cost (the first ones, and each re-probe)
     probe_spec: int = Field(6, ge=1)  # speculative steps of a probe
-    recheck: int = Field(48, ge=1)  # tokens before the losing kind is probed again (doubling while it loses)
+    recheck: int = Field(48, ge=1)  # tokens before a losing kind is probed again (doubling while it loses)
     max_recheck: int = Field(768, ge=1)
     weight: float = Field(0.3, gt=0.0, le=1.0)  # of the newest step in the running estimates
+    variants: bool = True  # also measure a smaller and a larger tree than the given one
+
+
+def tree_variants(shape: TreeShape) -> list[TreeShape]:
+    """The given tree, then a smaller and a larger one (the budgets auto measures on one device)."""
+    small = shape.model_copy(update={"total_tokens": max(2, shape.total_tokens // 2),
+                                     "depth": max(1, shape.depth - 1), "top_k": max(1, shape.top_k // 2)})
+    large = shape.model_copy(update={"total_tokens": 2 * shape.total_tokens, "depth": shape.depth + 1})
+    out: list[TreeShape] = []
+    for s in (shape, small, large):
+        if s not in out:
+            out.append(s)
+    return out
 
 
 class _Cost:
     """Running seconds per committed token of one kind of step."""
 
-    def __init__(self, weight: float):
+    def __init__(self, weight: float, recheck: int):
         self.weight = weight
         self.per_token: float | None = None
         self.steps = 0
         self.tokens = 0
-        self.seconds = 0.0
+        self.recheck = recheck  # tokens to wait before probing this kind again while it loses
+        self.due = 0  # new_tokens at which it is probed again
 
     def add(self, seconds: float, tokens: int) -> None:
         x = seconds / max(tokens, 1)
         self.per_token = x if self.per_token is None else self.per_token + self.weight * (x - self.per_token)
         self.steps += 1
         self.tokens += tokens
-        self.seconds += seconds
 
 
 class AutoDecoder:
-    """A *decoder* as in generate.py: speculative or autoregressive steps, whichever this request measures faster."""
+    """A *decoder* as in generate.py: autoregressive or speculative steps (with one of ``tree_variants(shape)``),
+    whichever this request measures cheapest per committed token."""
 
     mode = "auto"
 
@@ -66,9 +82,9 @@ class AutoDecoder:
         assert model.has_head
         self.model = model
         self.drafter = drafter
-        self.shape = shape
-        self.max_context = max_context or model.max_position
         self.cfg = cfg or AutoConfig()
+        self.shapes = tree_variants(shape) if self.cfg.variants else [shape]
+        self.max_context = max_context or model.max_position
 
     @torch.inference_mode()
     def __call__(self, prompt, params: SamplingParams, max_new_tokens, stop_ids,
@@ -77,11 +93,11 @@ class AutoDecoder:
         stats.prompt_tokens = len(prompt)
         if budget == 0:
             return
-        model, drafter, cfg = self.model, self.drafter, self.cfg
+        model, drafter, cfg, shapes = self.model, self.drafter, self.cfg, self.shapes
         gen = None if params.greedy else params.generator()
-        cache = model.new_cache(len(prompt) + budget + self.shape.total_tokens)
-        drafter.reset(len(prompt) + budget + self.shape.draft_slots())
-        ar, spec = _Cost(cfg.weight), _Cost(cfg.weight)
+        cache = model.new_cache(len(prompt) + budget + max(s.total_tokens for s in shapes))
+        drafter.reset(len(prompt) + budget + max(s.draft_slots() for s in shapes))
+        costs = [_Cost(cfg.weight, cfg.recheck) for _ in range(1 + len(shapes))]  # kind 0: AR; k: shapes[k - 1]
         t0 = time.perf_counter()
         feats = prefill_features(model, cache, prompt)  # [P, hidden]
         cache.commit(cache.pending)
@@ -90,9 +106,7 @@ class AutoDecoder:
         behind_tokens, behind_feats = list(prompt), [feats]
         stats.prefill_s = time.perf_counter() - t0
         stats.steps, stats.new_tokens = 1, 1
-        kind, left = "ar", cfg.probe_ar  # the first steps measure AR; then a spec probe; then the cheaper kind
-        recheck = {"ar": cfg.recheck, "spec": cfg.recheck}
-        next_probe: int | None = None  # new_tokens at which the losing kind is probed again
+        kind, left = 0, cfg.probe_ar  # the first steps measure each kind in turn; then the cheapest runs
         switches, last_spec = 0, False
         t1 = time.perf_counter()
         try:
@@ -100,7 +114,7 @@ class AutoDecoder:
             while stats.new_tokens < budget and token not in stop_ids:
                 remaining = budget - stats.new_tokens
                 ts = time.perf_counter()
-                if kind == "ar":
+                if kind == 0:
                     feat = model(torch.tensor([[token]]), cache)  # [1, 1, hidden]
                     cache.commit(1)
                     behind_tokens.append(token)
@@ -111,7 +125,7 @@ class AutoDecoder:
                     behind_tokens, behind_feats = [], []
                     if not last_spec:  # catching up after AR steps: their cost, not this step's
                         ts = time.perf_counter()
-                    tree = drafter.draft(self.shape.capped(remaining - 1))
+                    tree = drafter.draft(shapes[kind - 1].capped(remaining - 1))
                     c = cache.committed
                     pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
                     f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
@@ -122,41 +136,68 @@ class AutoDecoder:
                     out = verdict.emitted(tree)[:remaining]
                     acc = torch.tensor(verdict.accepted)
                     behind_tokens, behind_feats = tree.tokens[acc].tolist(), [f[acc]]
-                (ar if kind == "ar" else spec).add(time.perf_counter() - ts, len(out))
-                last_spec = kind == "spec"
+                costs[kind].add(time.perf_counter() - ts, len(out))
+                last_spec = kind != 0
                 stats.steps += 1
                 stats.new_tokens += len(out)
                 token = out[-1]
                 yield out
-                # what to run next: the rest of a probe, else the kind measured cheaper, else a due probe
+                # what to run next: the rest of a probe, else a kind never measured, else a due probe, else
+                # the cheapest kind
                 left -= 1
                 if left > 0:
                     continue
-                if spec.per_token is None:  # the first speculative probe, after the first AR steps
-                    kind, left = "spec", cfg.probe_spec
-                    continue
-                best = "spec" if spec.per_token < ar.per_token else "ar"
-                other = "ar" if best == "spec" else "spec"
-                if kind != best:  # it lost (a probe, or the running kind fell behind): probe it later next time
-                    recheck[kind] = min(2 * recheck[kind], cfg.max_recheck)
-                if next_probe is not None and stats.new_tokens >= next_probe:
-                    nxt, left, next_probe = other, cfg.probe_ar if other == "ar" else cfg.probe_spec, None
-                else:
-                    if next_probe is None:
-                        next_probe = stats.new_tokens + recheck[other]
-                    nxt, left = best, 1
+                nxt = _next_kind(costs, kind, stats.new_tokens, cfg.max_recheck)
+                left = 1 if nxt == kind else (cfg.probe_ar if nxt == 0 else cfg.probe_spec)
                 switches += nxt != kind
                 kind = nxt
         finally:
             stats.decode_s = time.perf_counter() - t1
+            ran = max(range(len(costs)), key=lambda k: costs[k].tokens)
             stats.extra.update(
                 auto={
-                    "ar_steps": ar.steps, "ar_tokens": ar.tokens,
-                    "spec_steps": spec.steps, "spec_tokens": spec.tokens,
-                    "ar_ms_per_token": None if ar.per_token is None else round(1e3 * ar.per_token, 3),
-                    "spec_ms_per_token": None if spec.per_token is None else round(1e3 * spec.per_token, 3),
+                    "ar_steps": costs[0].steps, "ar_tokens": costs[0].tokens,
+                    "spec_steps": sum(c.steps for c in costs[1:]), "spec_tokens": sum(c.tokens for c in costs[1:]),
+                    "ms_per_token": {("ar" if k == 0 else f"spec {_label(shapes[k - 1])}"):
+                                     None if c.per_token is None else round(1e3 * c.per_token, 3)
+                                     for k, c in enumerate(costs)},
                     "switches": switches,
-                    "chose": "spec" if spec.tokens > ar.tokens else "ar",
+                    "chose": "ar" if ran == 0 else "spec",
+                    "tree": None if ran == 0 else shapes[ran - 1].model_dump(),
                 },
-                tree=self.shape.model_dump(),
             )
+
+
+def _label(s: TreeShape) -> str:
+    return f"{s.total_tokens}/{s.depth}/{s.top_k}"
+
+
+def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int) -> int:
+    """After a run of ``kind`` ends with ``done`` tokens committed: the next kind to run. Kinds: 0 AR, 1 the given
+    tree, then (tree_variants) a smaller and a larger one. AR and the given tree are measured first; the smaller
+    tree once the given one is measured, the larger only if the given one beats AR (a bigger tree costs more
+    per step: it can only pay where speculation already does)."""
+    for k in (0, 1):
+        if costs[k].per_token is None:
+            return k
+    measured = [k for k, c in enumerate(costs) if c.per_token is not None]
+    best = min(measured, key=lambda k: costs[k].per_token)
+    spec_best = min(measured[1:], key=lambda k: costs[k].per_token)
+    if spec_best == 1 and len(costs) > 2 and costs[2].per_token is None:
+        return 2
+    if (spec_best == 1 and len(costs) > 3 and costs[3].per_token is None
+            and costs[1].per_token < costs[0].per_token):
+        return 3
+    if kind != best:  # it lost (a probe, or the running kind fell behind): probe it later next time
+        c = costs[kind]
+        c.recheck = min(2 * c.recheck, max_recheck)
+        c.due = done + c.recheck
+    for k in measured:
+        if k != best and costs[k].due == 0:  # first time behind the best: schedule its probe
+            costs[k].due = done + costs[k].recheck
+    due = [k for k in measured if k != best and done >= costs[k].due]
+    if due:
+        k = min(due, key=lambda k: costs[k].due)
+        costs[k].due = done + costs[k].recheck  # provisional: a losing probe pushes it further
+        return k
+    return best
