@@ -5,7 +5,7 @@
 #   bash scripts/rpc_compare.sh LLAMA_BIN [RUNS] [OUT]        # RUNS default 5, OUT default docs/figures/rpc
 #
 # The same greedy chat (T=0, the same prompt, max_tokens 128; scripts/rpc_compare.py) goes, interleaved, to
-#   (a) scripts/run.sh's cluster: `flowspec cluster up -n 3` (3 agents on loopback), decoding ar and flowspec, and
+#   (a) scripts/run.sh's cluster: `flowspec cluster up -n 3` (3 agents on loopback), decoding ar, flowspec and auto (the default), and
 #   (b) two `ggml-rpc-server -t 1` on loopback ports + `llama-server -t 1 --rpc 127.0.0.1:P1,127.0.0.1:P2`, same GGUF
 #       (the default model), -c 2048 (our agents' default context);
 # both sides up at once, everything bound to 127.0.0.1. Decode tokens/s are each server's own figure (our
