@@ -38,6 +38,7 @@ from ..types import LayerRange
 from . import native
 from .arch import ModelConfig
 from .kv_cache import KVCache
+from .native.qmatrix import PANEL
 from .shard import Rotary
 from .weights import (
     EMBED,
@@ -140,6 +141,26 @@ def _stored_bytes(source: WeightSource, t: _Tensor, cfg: ModelConfig, quantize: 
     if quantize == "Q8_0":
         return native.q8_0_bytes(source.load(t.name))
     return np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8)
+
+
+def _sorted_rows(source: WeightSource, t, ids: np.ndarray):
+    """Rows ``ids`` (increasing) of the GGUF tensor ``t`` as stored, in chunks for QMatrix.from_row_chunks (each a
+    multiple of PANEL rows but the last): one window of CHUNK_ROWS source rows read at a time and its file pages
+    dropped, so neither the table nor a full copy of the picked rows is ever resident."""
+    raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)  # [rows, row bytes]
+    bounds = np.searchsorted(ids, np.arange(0, t.rows + CHUNK_ROWS, CHUNK_ROWS))
+    pending: list[np.ndarray] = []
+    for w, (i, j) in enumerate(itertools.pairwise(bounds)):
+        if j > i:
+            pending.append(raw[ids[i:j]])  # a copy: the window's pages can go
+        _release(source, t.name, w * CHUNK_ROWS * raw.shape[1], min(t.rows, (w + 1) * CHUNK_ROWS) * raw.shape[1])
+        if sum(len(x) for x in pending) >= CHUNK_ROWS:
+            buf = np.concatenate(pending)
+            k = len(buf) // PANEL * PANEL
+            yield buf[:k]
+            pending = [buf[k:]]
+    if sum(len(x) for x in pending):
+        yield np.concatenate(pending)
 
 
 def _release(source: WeightSource, name: str, start: int = 0, end: int | None = None) -> None:
@@ -385,6 +406,9 @@ class NativeShard:
         ids = rows.to(torch.long).numpy()  # [V_d]
         if self.head_source is not None:
             source, t = self.head_source
+            if source.raw_info(t.name)["format"] == "gguf" and t.type_name == t.stored and bool(
+                    (ids[1:] > ids[:-1]).all()):
+                return native.QMatrix.from_row_chunks(t.type_name, len(ids), t.cols, _sorted_rows(source, t, ids))
             if source.raw_info(t.name)["format"] == "gguf" and t.type_name == t.stored:
                 raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)
                 picked = np.empty((len(ids), raw.shape[1]), dtype=np.uint8)  # [V_d, row bytes], as stored

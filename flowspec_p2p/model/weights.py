@@ -248,13 +248,20 @@ def open_source(path: str | Path | None = None) -> GGUFSource | SafetensorsSourc
 # ------------------------------------------------------------------------------------ materialising
 
 
+DIGEST_WINDOW = 4 << 20  # bytes of a tensor hashed at a time
+
+
 def tensor_digest(source: WeightSource, name: str) -> str:
-    """SHA-256 of a tensor's stored bytes (a GGUF file's pages are dropped from memory again after hashing)."""
-    digest = hashlib.sha256(source.raw_bytes(name)).hexdigest()
+    """SHA-256 of a tensor's stored bytes. A GGUF file's pages are dropped from memory again a window at a time as
+    they are hashed, so fingerprinting a model never holds more than a window of it."""
+    raw = memoryview(source.raw_bytes(name)).cast("B")
     release = getattr(source, "release", None)
-    if release is not None:
-        release(name)
-    return digest
+    h = hashlib.sha256()
+    for a in range(0, len(raw), DIGEST_WINDOW):
+        h.update(raw[a : a + DIGEST_WINDOW])
+        if release is not None:
+            release(name, a, min(len(raw), a + DIGEST_WINDOW))
+    return h.hexdigest()
 
 
 def fingerprint(config: ModelConfig, digests: dict[str, str]) -> str:

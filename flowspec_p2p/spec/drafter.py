@@ -166,7 +166,9 @@ class HeadDrafter(TreeDrafter):
         self.head = head
         self.embed = target.embed
         self.dtype = head.dtype
-        self.draft_vocab = None if draft_vocab is None else draft_vocab.to(torch.long)  # [V_d] target ids
+        # [V_d] target ids, increasing: the order of a draft vocabulary means nothing to the head (it scores rows
+        # of the target's LM head), and increasing rows are read from the file one window at a time
+        self.draft_vocab = None if draft_vocab is None else torch.sort(draft_vocab.to(torch.long)).values
         self.lm_head = target.head_rows(self.draft_vocab, self.dtype)  # the target's LM head, draft rows
         self.vocab_size = self.lm_head.rows
         self.last_feature: torch.Tensor | None = None  # [hidden] predicted feature of the root

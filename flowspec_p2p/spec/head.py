@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from .. import env
@@ -141,9 +142,9 @@ class DraftBundle:
         if not meta_path.is_file():
             raise WeightsError(f"draft head metadata {meta_path} not found")
         meta = json.loads(meta_path.read_text())
-        tensors = load_file(str(stem.with_suffix(".safetensors")))
+        with safe_open(str(stem.with_suffix(".safetensors")), "pt") as f:  # one tensor at a time: no whole-file copy
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
         vocab = tensors.pop("draft_vocab", None)
-        vocab = None if vocab is None else vocab.clone()  # kept for the drafter's life: not a view of the file
         return ModelConfig(**meta["target_config"]), tensors, vocab, meta
 
     @classmethod

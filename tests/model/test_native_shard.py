@@ -134,3 +134,19 @@ def test_a_donor_shares_its_layers_embedding_and_lm_head(tmp_path, tied):
         a = alone.logits(alone(ids, alone.new_cache(8)))
         b = shared.logits(shared(ids, shared.new_cache(8)))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("order", ["increasing", "any"])
+def test_head_rows_are_the_lm_heads_rows(tmp_path, monkeypatch, order):
+    """A draft vocabulary's LM-head rows, gathered from the file one window of source rows at a time (increasing
+    ids) or at once (any order), score exactly as the whole LM head's."""
+    monkeypatch.setattr(native_shard, "CHUNK_ROWS", 32)  # several windows and chunks on the tiny vocabulary
+    src = open_source(write_random_gguf(tmp_path / "q8.gguf", "Q4_1", embed_type="Q8_0", seed=3))
+    shard = NativeShard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randperm(160, generator=g)[:75]
+    ids = torch.sort(ids).values if order == "increasing" else ids
+    x = torch.randn(3, shard.cfg.hidden_size, generator=g)
+    rows = shard.head_rows(ids)
+    assert rows.rows == 75
+    assert torch.equal(rows.matmul(x), shard.lm_head.matmul(x)[:, ids])
