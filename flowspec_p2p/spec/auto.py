@@ -3,12 +3,13 @@ draft-tree budget that pays most, decided from this request's own measured costs
 
 Both kinds of step work on the same KV cache, so switching costs nothing but the drafter's catch-up (the tokens
 committed by AR steps are fed to it, with their target features, before the next speculative step). The decoder
-keeps an exponentially weighted estimate of the seconds per committed token of each kind (a speculative step's
-time counts its draft, tree forward and verification), for AR steps and for speculative steps with each of a few
-tree budgets (the tuned one, a smaller and a larger one: a tree's cost against the tokens it gets accepted is what
-the budget trades), runs the cheapest, and re-measures the others for a few steps now and then, less often each
-time one loses again (acceptance changes within a reply: copied lists and code accept long paths, free prose
-short ones).
+keeps a running estimate of the seconds per committed token of each kind (decayed sums of seconds over decayed sums
+of tokens; a speculative step's time counts the drafter's catch-up, its draft, tree forward and verification), for
+AR steps and for speculative steps with each of a few tree budgets (the tuned one, a smaller and a larger one: a
+tree's cost against the tokens it gets accepted is what the budget trades), runs the cheapest (yielding only to one
+cheaper by a margin, so noise does not flip it), and re-measures the others for a few steps now and then, less
+often each time one loses again (acceptance changes within a reply: copied lists and code accept long paths, free
+prose short ones).
 
 Lossless as both of its steps are: each step decodes the target's distribution given the committed prefix, and the
 choice of the next step depends only on what is already committed (greedy: token for token equal to AR).
@@ -36,7 +37,8 @@ class AutoConfig(Settings):
     probe_spec: int = Field(6, ge=1)  # speculative steps of a probe
     recheck: int = Field(48, ge=1)  # tokens before a losing kind is probed again (doubling while it loses)
     max_recheck: int = Field(768, ge=1)
-    weight: float = Field(0.3, gt=0.0, le=1.0)  # of the newest step in the running estimates
+    decay: float = Field(0.8, gt=0.0, lt=1.0)  # per step, of the seconds and tokens behind a running estimate
+    margin: float = Field(0.05, ge=0.0)  # another kind must be this much cheaper before the running one yields
     variants: bool = True  # also measure a smaller and a larger tree than the given one
 
 
@@ -55,17 +57,19 @@ def tree_variants(shape: TreeShape) -> list[TreeShape]:
 class _Cost:
     """Running seconds per committed token of one kind of step."""
 
-    def __init__(self, weight: float, recheck: int):
-        self.weight = weight
-        self.per_token: float | None = None
+    def __init__(self, decay: float, recheck: int):
+        self.decay = decay
+        self.per_token: float | None = None  # decayed seconds over decayed tokens (a ratio, not a mean of ratios)
+        self._s = self._n = 0.0
         self.steps = 0
         self.tokens = 0
         self.recheck = recheck  # tokens to wait before probing this kind again while it loses
         self.due = 0  # new_tokens at which it is probed again
 
     def add(self, seconds: float, tokens: int) -> None:
-        x = seconds / max(tokens, 1)
-        self.per_token = x if self.per_token is None else self.per_token + self.weight * (x - self.per_token)
+        self._s = self.decay * self._s + seconds
+        self._n = self.decay * self._n + max(tokens, 1)
+        self.per_token = self._s / self._n
         self.steps += 1
         self.tokens += tokens
 
@@ -97,7 +101,7 @@ class AutoDecoder:
         gen = None if params.greedy else params.generator()
         cache = model.new_cache(len(prompt) + budget + max(s.total_tokens for s in shapes))
         drafter.reset(len(prompt) + budget + max(s.draft_slots() for s in shapes))
-        costs = [_Cost(cfg.weight, cfg.recheck) for _ in range(1 + len(shapes))]  # kind 0: AR; k: shapes[k - 1]
+        costs = [_Cost(cfg.decay, cfg.recheck) for _ in range(1 + len(shapes))]  # kind 0: AR; k: shapes[k - 1]
         t0 = time.perf_counter()
         feats = prefill_features(model, cache, prompt)  # [P, hidden]
         cache.commit(cache.pending)
@@ -107,7 +111,7 @@ class AutoDecoder:
         stats.prefill_s = time.perf_counter() - t0
         stats.steps, stats.new_tokens = 1, 1
         kind, left = 0, cfg.probe_ar  # the first steps measure each kind in turn; then the cheapest runs
-        switches, last_spec = 0, False
+        switches = 0
         t1 = time.perf_counter()
         try:
             yield [token]
@@ -121,10 +125,10 @@ class AutoDecoder:
                     behind_feats.append(feat[0])
                     out = [choose(model.logits(feat[0, -1]), params, gen)]
                 else:
+                    # the drafter catches up on the tokens committed since the last spec step (after AR steps, many:
+                    # that catch-up is the price of switching to speculation, so it counts against it)
                     drafter.feed(behind_tokens, torch.cat(behind_feats), token)
                     behind_tokens, behind_feats = [], []
-                    if not last_spec:  # catching up after AR steps: their cost, not this step's
-                        ts = time.perf_counter()
                     tree = drafter.draft(shapes[kind - 1].capped(remaining - 1))
                     c = cache.committed
                     pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
@@ -137,7 +141,6 @@ class AutoDecoder:
                     acc = torch.tensor(verdict.accepted)
                     behind_tokens, behind_feats = tree.tokens[acc].tolist(), [f[acc]]
                 costs[kind].add(time.perf_counter() - ts, len(out))
-                last_spec = kind != 0
                 stats.steps += 1
                 stats.new_tokens += len(out)
                 token = out[-1]
@@ -147,7 +150,7 @@ class AutoDecoder:
                 left -= 1
                 if left > 0:
                     continue
-                nxt = _next_kind(costs, kind, stats.new_tokens, cfg.max_recheck)
+                nxt = _next_kind(costs, kind, stats.new_tokens, cfg.max_recheck, cfg.margin)
                 left = 1 if nxt == kind else (cfg.probe_ar if nxt == 0 else cfg.probe_spec)
                 switches += nxt != kind
                 kind = nxt
@@ -172,7 +175,7 @@ def _label(s: TreeShape) -> str:
     return f"{s.total_tokens}/{s.depth}/{s.top_k}"
 
 
-def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int) -> int:
+def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int, margin: float = 0.0) -> int:
     """After a run of ``kind`` ends with ``done`` tokens committed: the next kind to run. Kinds: 0 AR, 1 the given
     tree, then (tree_variants) a smaller and a larger one. AR and the given tree are measured first; the smaller
     tree once the given one is measured, the larger only if the given one beats AR (a bigger tree costs more
@@ -182,6 +185,8 @@ def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int) -> in
             return k
     measured = [k for k, c in enumerate(costs) if c.per_token is not None]
     best = min(measured, key=lambda k: costs[k].per_token)
+    if costs[kind].per_token <= (1 + margin) * costs[best].per_token:
+        best = kind  # within the margin: no switch on noise
     spec_best = min(measured[1:], key=lambda k: costs[k].per_token)
     if spec_best == 1 and len(costs) > 2 and costs[2].per_token is None:
         return 2
