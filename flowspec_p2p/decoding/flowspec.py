@@ -115,7 +115,9 @@ class FlowSpecGrowth:
 
     def report(self) -> dict:
         med = self.stage_cost.measured()
-        return dict(acceptance_ratio=round(self.calibration.ratio, 3), hit_rate=round(self.calibration.hit_rate, 3),
+        cal, cfg = self.calibration, self.cfg
+        return dict(acceptance_ratio=round(cal.ratio, 3), hit_rate=round(cal.hit_rate, 3),
+                    expand_top_k=cal.useful_top_k(cfg.expand_cover, cfg.expand.top_k) if cfg.adaptive else None,
                     stage_ms={k: round(t * 1e3, 2) for k, t in med.items()})
 
     def walked(self, state: FlowState, verdict: Verdict) -> None:
@@ -130,9 +132,12 @@ class FlowSpecGrowth:
         cfg = self.cfg
         if not walked or (cfg.redraft_below and len(state.tree) - state.sent >= cfg.redraft_below):
             return False
-        depth = self.calibration.useful_depth(cfg.expand_min_path, cfg.expand.depth) if cfg.adaptive \
-            else cfg.expand.depth
-        await self._draft(ctx, state, cfg.expand.capped(min(depth, budget - 1)), send)
+        shape = cfg.expand
+        if cfg.adaptive:  # as deep and as wide as this request's draft has shown to pay
+            shape = shape.model_copy(update={
+                "depth": self.calibration.useful_depth(cfg.expand_min_path, shape.depth),
+                "top_k": self.calibration.useful_top_k(cfg.expand_cover, shape.top_k)})
+        await self._draft(ctx, state, shape.capped(min(shape.depth, budget - 1)), send)
         return True
 
     async def _draft(self, ctx: ModeContext, state: FlowState, shape: TreeShape, send: Send) -> None:

@@ -200,18 +200,34 @@ class Calibration:
     hits: float = 1.0
     mass: float = 1.0
     events: float = 1.0
+    # per hit: (the hit child's rank among its drafted siblings, 0 the draft's best guess; how many siblings)
+    ranks: list[tuple[int, int]] = field(default_factory=list)
 
     def update(self, tree: DraftTree, verdict: Verdict) -> None:
-        scores = tree.scores.tolist()
+        scores, parents = tree.scores.tolist(), tree.parent_list
         child_mass = [0.0] * len(tree)
-        for i, p in enumerate(tree.parent_list):
+        for i, p in enumerate(parents):
             if p >= 0:
                 child_mass[p] += math.exp(scores[i] - scores[p])
         path = verdict.accepted if verdict.token is not None else verdict.accepted[:-1]
         for k, node in enumerate(path):
             self.mass += child_mass[node]
-            self.hits += 1.0 if k + 1 < len(verdict.accepted) or verdict.next_child is not None else 0.0
+            hit = verdict.accepted[k + 1] if k + 1 < len(verdict.accepted) else verdict.next_child
+            self.hits += 1.0 if hit is not None else 0.0
             self.events += 1.0
+            if hit is not None:
+                siblings = [i for i, p in enumerate(parents) if p == node]
+                self.ranks.append((sum(1 for i in siblings if scores[i] > scores[hit]), len(siblings)))
+
+    def useful_top_k(self, cover: float, max_k: int, min_hits: int = 8) -> int:
+        """Children per expanded node: the fewest whose ranks held ``cover`` of the hits at nodes drafted
+        ``max_k`` wide (each child is a draft-head row per level, so fewer cost the leader less; only full-width
+        nodes count, as a narrower draft cannot show what it missed), in [2, max_k]; max_k until ``min_hits``
+        such hits."""
+        ranks = sorted(r for r, n in self.ranks if n >= max_k)
+        if cover <= 0.0 or len(ranks) < min_hits:
+            return max_k
+        return max(2, min(max_k, ranks[math.ceil(cover * len(ranks)) - 1] + 1))
 
     @property
     def ratio(self) -> float:

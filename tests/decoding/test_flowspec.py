@@ -379,3 +379,26 @@ def test_flowspec_growth_sends_a_weak_segment_only_into_an_empty_ring():
     assert eager.segment(state, live=3) == 2
     fixed = FlowSpecGrowth(FlowSpecConfig(segment_cap=4, adaptive=False))
     assert fixed.segment(state, live=3) == 2  # the rest of the tree, up to the cap
+
+
+def test_expansion_width_follows_where_the_targets_choices_rank():
+    # root with four children by score: the target keeps choosing the second best
+    tree = DraftTree.from_lists([5, 6, 7, 8, 9], [-1, 0, 0, 0, 0],
+                                scores=[0.0, math.log(0.4), math.log(0.3), math.log(0.2), math.log(0.1)])
+    cal = Calibration()
+    second = Verdict(accepted=[0, 2], token=3, next_child=None)
+    assert cal.useful_top_k(0.9, 4) == 4  # no evidence yet: the full width
+    for _ in range(10):
+        cal.update(tree, second)
+    assert cal.useful_top_k(0.9, 4) == 2  # ranks 0 and 1 hold every hit
+    for _ in range(10):
+        cal.update(tree, Verdict(accepted=[0, 4], token=3, next_child=None))  # now the fourth
+    assert cal.useful_top_k(0.9, 4) == 4
+    assert cal.useful_top_k(0.5, 4) == 2
+    assert cal.useful_top_k(0.0, 4) == 4  # 0 turns it off
+    # hits at nodes drafted narrower than max_k do not count: they cannot show what a narrow draft missed
+    narrow = Calibration()
+    small = DraftTree.from_lists([5, 6, 7], [-1, 0, 0], scores=[0.0, math.log(0.6), math.log(0.3)])
+    for _ in range(20):
+        narrow.update(small, Verdict(accepted=[0, 1], token=3, next_child=None))
+    assert narrow.useful_top_k(0.9, 4) == 4
