@@ -65,10 +65,10 @@ class FlowSpecConfig(Settings):
     # = floor(log(expand_min_path) / log(h)), between 1 and expand.depth. Each level is one draft-head forward
     # on the leader, so a weak draft costs the leader less time per walk. 0 = always expand.depth.
     expand_min_path: float = Field(0.15, ge=0.0, lt=1.0)
-    # Adaptive expansion width: each expanded node gets as many children as held ``expand_cover`` of the target's
-    # choices among the drafted children so far in this request (Calibration.useful_top_k), between 2 and
-    # expand.top_k. 0 = always expand.top_k.
-    expand_cover: float = Field(0.9, ge=0.0, le=1.0)
+    # Adaptive expansion width (A/B in docs/experiments.md): each expanded node gets as many children as held
+    # ``expand_cover`` of the target's choices among the drafted children so far in this request
+    # (Calibration.useful_top_k), between 2 and expand.top_k. 0 = always expand.top_k.
+    expand_cover: float = Field(0.98, ge=0.0, le=1.0)
     # Send after every drafted level (one draft-head forward), not after the whole draft: a root's children follow
     # it down the ring while the deeper levels are drafted, and a returned segment's walk need not wait for them.
     stream_levels: bool = True
