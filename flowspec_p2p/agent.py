@@ -344,6 +344,9 @@ class Agent(Net):
         except ProtocolError as e:
             log.warning("refused a %s message from %s: %s", msg.kind, request.remote, e)
             raise web.HTTPForbidden(text=str(e)) from None
+        except FlowSpecError as e:  # a message this agent cannot act on: refused with the reason, the agent goes on
+            log.warning("could not act on a %s message from %s: %s", msg.kind, request.remote, e)
+            raise web.HTTPBadRequest(text=str(e)) from None
         self.security.learn(msg)
         return web.Response(body=encode_message(reply), content_type="application/json")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from ..errors import ProtocolError
 from ..model.arch import ModelConfig
@@ -37,6 +37,8 @@ CONTROL_PATH = "/control"
 INFO_PATH = "/control/info"
 TIMELINE_PATH = "/control/timeline"
 MAX_CONTROL_BYTES = 4 * 1024 * 1024
+MAX_RING = 256  # stages of a plan
+MAX_CONTEXT = 1 << 20  # a plan's KV capacity per request (the data plane's MAX_POSITION)
 
 
 def agent_url(host: str, port: int, *, secure: bool) -> str:
@@ -102,8 +104,9 @@ class Heartbeat(_Msg):
     agent_id: PeerId
     epoch: int  # the plan epoch the agent runs (-1: none yet)
     state: StageState
-    counters: dict[str, float] = Field(default_factory=dict)
-    suspects: tuple[str, ...] = ()  # peers whose ring link broke unexpectedly: the leader checks on them
+    counters: dict[str, float] = Field(default_factory=dict, max_length=256)
+    # peers whose ring link broke unexpectedly: the leader checks on them
+    suspects: tuple[str, ...] = Field(default=(), max_length=64)
 
 
 class Ack(_Msg):
@@ -140,9 +143,16 @@ class PlanUpdate(_Msg):
     ring: tuple[RingNode, ...]  # in stage order; the leader closes the ring
     config: ModelConfig  # the architecture, so a member without a model copy can build its shard
     model_fingerprint: str
-    context: int  # KV capacity per request each stage allocates
+    context: int = Field(ge=2, le=MAX_CONTEXT)  # KV capacity per request each stage allocates
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every shard
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
+
+    @model_validator(mode="after")
+    def _one_stage_each(self) -> PlanUpdate:
+        ids = [n.agent_id for n in self.ring]
+        if not ids or len(set(ids)) != len(ids) or len(ids) > MAX_RING:
+            raise ValueError(f"a ring needs 1 to {MAX_RING} distinct agents, not {ids[:8]}")
+        return self
 
     def node(self, agent_id: PeerId) -> RingNode | None:
         return next((n for n in self.ring if n.agent_id == agent_id), None)

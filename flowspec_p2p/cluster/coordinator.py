@@ -122,6 +122,9 @@ class Coordinator:
         before = self.membership
         self.membership = membership_mod.apply(before, event)
         gone = set(before.members) - set(self.membership.members)
+        for aid in gone:  # maps keyed by member are freed when it leaves
+            self.statuses.pop(aid, None)
+            self.counters.pop(aid, None)
         if self.plan is not None and gone & set(self.plan.agents) and self.broken is None:
             self._break(f"{', '.join(sorted(gone))} left")
 
@@ -236,6 +239,10 @@ class Coordinator:
                 if str(e) != infeasible:
                     log.error("no plan: %s", e)
                 infeasible = str(e)
+            except (ArithmeticError, ValueError, KeyError, TypeError) as e:  # the planner must not end the leader
+                if str(e) != infeasible:
+                    log.exception("no plan: the planner failed on these members")
+                infeasible = str(e)
             finally:
                 self.planning = False
 
@@ -261,7 +268,8 @@ class Coordinator:
         cfg = self.cfg
         update = PlanUpdate(cluster=cfg.cluster, epoch=self.epoch, leader=self.info, plan=new, ring=tuple(nodes),
                             config=self.model_config, model_fingerprint=self.model.fingerprint,
-                            context=cfg.planning.context, dtype=cfg.dtype, wire_dtype=cfg.wire_dtype)
+                            context=self.leader.settings.stage_capacity, dtype=cfg.dtype,
+                            wire_dtype=cfg.wire_dtype)
         departed = ", ".join(f"{a} ({r})" for a, r in self.membership.departed)
         trigger = self.broken or (f"departed: {departed}" if departed else "membership changed")
         self.transition = Transition(update=update, trigger=trigger,
@@ -329,6 +337,7 @@ class Coordinator:
         await self.leader.set_pipeline(None)
         last = t.update.ring[-1].agent_id
         self.ring.allowed = lambda hello, last=last: hello.sender == last
+        self.ring.wire_dtype = t.update.wire_dtype
         await self.ring.set_epoch(t.epoch)
         act = Activate(epoch=t.epoch)
         for m in list(self.membership.members.values()):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import time
@@ -77,10 +78,24 @@ def stage_tensor_names(cfg: ModelConfig, layers: LayerRange, *, embed: bool, nor
     return shard_tensor_names(cfg, layers, embed=embed, head=False) + ([NORM] if norm else [])
 
 
-def stage_fingerprint(source, layers: LayerRange, *, embed: bool, norm: bool) -> str:
-    """weights.fingerprint of exactly a stage's tensors in ``source`` (hashes only those stored bytes)."""
+def covered_names(source, layers: LayerRange, *, embed: bool, norm: bool) -> list[str]:
+    """Every tensor a stage of ``layers`` reads from ``source``: its tensors, and rope_freqs where the model has it.
+    The range fingerprint covers exactly these, and a manifest holds exactly these."""
     names = stage_tensor_names(source.config, layers, embed=embed, norm=norm)
-    return fingerprint(source.config, {n: tensor_digest(source, n) for n in names})
+    return names + ([ROPE_FREQS] if ROPE_FREQS in source.names() else [])
+
+
+def entry_digest(sha256: str, info: dict) -> str:
+    """What the range fingerprint takes for one tensor: its stored bytes' SHA-256 and how to read them (format,
+    dtype, shape), so a manifest that keeps the bytes but changes their reading (an f16/bf16 swap) is refused."""
+    return hashlib.sha256(f"{sha256}\n{json.dumps(info, sort_keys=True)}".encode()).hexdigest()
+
+
+def stage_fingerprint(source, layers: LayerRange, *, embed: bool, norm: bool) -> str:
+    """weights.fingerprint of exactly a stage's tensors in ``source`` (hashes only those stored bytes, and their
+    storage info)."""
+    names = covered_names(source, layers, embed=embed, norm=norm)
+    return fingerprint(source.config, {n: entry_digest(tensor_digest(source, n), source.raw_info(n)) for n in names})
 
 
 # ------------------------------------------------------------------------------------------------- serving
@@ -108,22 +123,22 @@ class WeightServer:
             release(name)
 
     def range_fingerprint(self, layers: LayerRange, *, embed: bool, norm: bool) -> str:
-        names = stage_tensor_names(self.source.config, layers, embed=embed, norm=norm)
-        return fingerprint(self.source.config, {n: self.digest(n) for n in names})
+        names = covered_names(self.source, layers, embed=embed, norm=norm)
+        return fingerprint(self.source.config,
+                           {n: entry_digest(self.digest(n), self.source.raw_info(n)) for n in names})
 
     def manifest(self, layers: LayerRange, *, embed: bool, norm: bool) -> Manifest:
         cfg = self.source.config
         if layers.end > cfg.num_layers:
             raise WeightsError(f"layer range {layers} exceeds the model's {cfg.num_layers} layers")
-        names = stage_tensor_names(cfg, layers, embed=embed, norm=norm)
-        extra = [ROPE_FREQS] if ROPE_FREQS in self.source.names() else []
+        names = covered_names(self.source, layers, embed=embed, norm=norm)
         entries = tuple(
             TensorEntry(name=n, nbytes=len(self.source.raw_bytes(n)), sha256=self.digest(n),
                         info=self.source.raw_info(n))
-            for n in [*names, *extra]
+            for n in names
         )
         return Manifest(config=cfg, layers=layers, embed=embed, norm=norm,
-                        fingerprint=fingerprint(cfg, {n: self.digest(n) for n in names}), tensors=entries)
+                        fingerprint=self.range_fingerprint(layers, embed=embed, norm=norm), tensors=entries)
 
     def install(self, app: web.Application) -> None:
         app.router.add_get(MANIFEST_PATH, self._manifest)
@@ -164,7 +179,15 @@ class WeightServer:
 
 
 def tensor_from_raw(config: ModelConfig, name: str, info: dict, raw: bytes | memoryview) -> torch.Tensor:
-    """Turn stored bytes (as WeightSource.raw_bytes gave them, described by raw_info) into a float tensor."""
+    """Turn stored bytes (as WeightSource.raw_bytes gave them, described by raw_info) into a float tensor.
+    Storage info that does not describe the bytes raises WeightsError."""
+    try:
+        return _tensor_from_raw(config, name, info, raw)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise WeightsError(f"tensor {name}: storage info {info!r} does not describe its bytes ({e})") from None
+
+
+def _tensor_from_raw(config: ModelConfig, name: str, info: dict, raw: bytes | memoryview) -> torch.Tensor:
     if info.get("format") == "gguf":
         return gguf_tensor_from_raw(config, name, info, raw)
     if info.get("format") == "safetensors":
@@ -217,10 +240,16 @@ def verify_manifest(manifest: Manifest, expected_fingerprint: str | None) -> Non
     """The manifest's digests must give the range fingerprint the plan names."""
     names = stage_tensor_names(manifest.config, manifest.layers, embed=manifest.embed, norm=manifest.norm)
     entries = {t.name: t for t in manifest.tensors}
+    if len(entries) != len(manifest.tensors):
+        raise WeightsError("the manifest names a tensor twice")
     missing = [n for n in names if n not in entries]
     if missing:
         raise WeightsError(f"the manifest lacks {len(missing)} tensor(s) of the range, e.g. {missing[0]}")
-    fp = fingerprint(manifest.config, {n: entries[n].sha256 for n in names})
+    extra = set(entries) - set(names) - {ROPE_FREQS}
+    if extra:
+        raise WeightsError(f"the manifest holds {len(extra)} tensor(s) outside the range, e.g. {sorted(extra)[0]}")
+    covered = [*names, *([ROPE_FREQS] if ROPE_FREQS in entries else [])]
+    fp = fingerprint(manifest.config, {n: entry_digest(entries[n].sha256, entries[n].info) for n in covered})
     if fp != manifest.fingerprint or (expected_fingerprint and fp != expected_fingerprint):
         raise WeightsError(f"range fingerprint mismatch: digests give {fp}, expected "
                            f"{expected_fingerprint or manifest.fingerprint}")
