@@ -38,7 +38,7 @@ import torch
 
 from ..errors import LinkLost, PeerGone, StageFailed
 from ..model.generate import GenStats
-from ..model.sampling import SamplingParams, choose
+from ..model.sampling import PositionalDraws, SamplingParams, choose
 from ..model.shard import Shard
 from ..pipeline.codec import wire_dtype
 from ..pipeline.messages import DataMessage, Forward, Prune, StageError
@@ -144,7 +144,10 @@ class ModeContext:
         self.head: Shard = parts.head
         self.drafter = parts.drafter
         self.settings = parts.settings
-        self.gen: torch.Generator | None = None if params.greedy else params.generator()
+        # sampled tokens come from (seed, absolute position) only (sampling.PositionalDraws): a resumed request
+        # continues exactly as it would have undisturbed
+        self.gen: PositionalDraws | None = None if params.greedy else PositionalDraws(params.seed)
+        self.next_position = len(prompt)  # absolute position of the token the next next_token() decides
         self.queue: asyncio.Queue[Frame | _Failure] = asyncio.Queue()
         self.seq = 0  # next sequence number of this request
         self.in_flight = 0  # forwards sent whose result has not come back
@@ -265,15 +268,19 @@ class ModeContext:
         with torch.inference_mode():
             return self.head.logits(features)
 
-    def choose(self, features: torch.Tensor) -> int:
-        """The next token at one position. features: [hidden]"""
-        return choose(self.logits(features), self.params, self.gen)
+    def choose(self, features: torch.Tensor, position: int) -> int:
+        """The token at absolute ``position``. features: [hidden]"""
+        logits = self.logits(features)
+        return choose(logits, self.params, None) if self.gen is None else self.gen.sample(logits, self.params,
+                                                                                          position)
 
     def next_token(self, features: torch.Tensor) -> int:
-        """``choose``, for a token the mode commits: its logprobs are noted when the request asked. features:
-        [hidden]"""
+        """The token at ``next_position`` (then one further), for a token the mode commits: its logprobs are noted
+        when the request asked. features: [hidden]"""
         logits = self.logits(features)  # [vocab]
-        token = choose(logits, self.params, self.gen)
+        position, self.next_position = self.next_position, self.next_position + 1
+        token = choose(logits, self.params, None) if self.gen is None else self.gen.sample(logits, self.params,
+                                                                                           position)
         if self.trace.top_logprobs is not None:
             self.pending_logprobs.append(token_logprobs(logits, token, self.trace.top_logprobs))
         return token
