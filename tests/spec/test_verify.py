@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
 
-from flowspec_p2p.spec.tree import DraftTree
 from flowspec_p2p.model.sampling import PositionalDraws, inverse_cdf
+from flowspec_p2p.spec.tree import DraftTree
 from flowspec_p2p.spec.verify import (
     LazyRows,
     likely_next,
