@@ -185,6 +185,7 @@ class Agent(Net):
             self.stage_host = StageHost(
                 agent_id=self.id, cluster=cfg.cluster, ring=self.ring, session=self.session,
                 cache_dir=cfg.state_path, local_source=self.source,
+                cache_max_bytes=None if cfg.cache_max_gb is None else int(cfg.cache_max_gb * 1e9),
                 link=LinkEmulation(bandwidth_mbps=cfg.emulation.link_mbps, latency_ms=cfg.emulation.link_latency_ms),
                 device=partial(device_for, ComputeEmulation(slowdown=cfg.emulation.slowdown)), tap=self._on_link_down)
             if cfg.leader:

@@ -121,6 +121,14 @@ def test_config_layers_profile_flags_and_environment(tmp_path):
     assert load(None, {}, env={"FLOWSPEC_API_KEY": "k" * 12}).api_key_text == "k" * 12
     with pytest.raises(ConfigError, match=r"flowspec\.in_flight"):
         load(None, {"flowspec": {"in_flight": 0}}, env={})
+    assert load(None, {"cache_max_gb": 2.5}, env={}).cache_max_gb == 2.5
+    with pytest.raises(ConfigError, match="cache_max_gb"):
+        load(None, {"cache_max_gb": 0}, env={})
+    from flowspec_p2p.cli import build_parser
+    from flowspec_p2p.commands.agent import config_from_args
+
+    args = build_parser().parse_args(["agent", "--cluster", "home", "--cache-max-gb", "1.5"])
+    assert config_from_args(args).cache_max_gb == 1.5
 
 
 def test_the_leader_runs_flowspec_with_the_configured_settings_and_the_others_as_shipped():

@@ -60,6 +60,14 @@ PROBE_TIMEOUT_S = 1.0  # a peer whose ring link broke must answer GET /control/i
 LOAD_TIMEOUT_S = 300.0  # phase 1: a member that has not loaded its range by then is left out
 ACTIVATE_TIMEOUT_S = 30.0  # phase 2: a member that has not opened its links by then is left out
 DRAIN_TIMEOUT_S = 20.0  # a join lets the request in flight finish for at most this long before switching
+STALL_MIN_S = 15.0  # a stage whose forward has run this long, and STALL_FACTOR times its slowest recent one, stalled
+STALL_FACTOR = 20.0
+
+
+def stall_bound(slowest_s: float) -> float:
+    """Seconds a stage's forward may run before the leader counts the stage as stalled, from the busy time of the
+    slowest of its recent forwards (worker.RECENT_FORWARDS)."""
+    return max(STALL_MIN_S, STALL_FACTOR * slowest_s)
 
 
 
@@ -154,6 +162,7 @@ class Coordinator:
         if isinstance(msg, Heartbeat):
             self.apply(Heard(agent_id=msg.agent_id, at=now, epoch=msg.epoch, state=msg.state))
             self.counters[msg.agent_id] = msg.counters
+            self._check_stall(msg, now)
             for s in msg.suspects:
                 self.net.spawn(self.probe(s, f"{msg.agent_id} lost its link"), name="probe")
             return Ack(epoch=self.epoch)
@@ -166,6 +175,23 @@ class Coordinator:
                 self.apply(Left(agent_id=msg.agent_id, at=now, reason="bye"))
             return Ack(epoch=self.epoch)
         raise ProtocolError(f"a leader does not take {msg.kind!r} messages")
+
+    def _check_stall(self, beat: Heartbeat, now: float) -> None:
+        """A serving stage whose forward has run past its stall bound (its compute hung with its sockets open) is
+        marked failed and planned around; the request in flight resumes on the new plan (membership retries the
+        member later, while it keeps answering)."""
+        running = beat.counters.get("forward_running_s", 0.0)
+        slowest = beat.counters.get("forward_slowest_s", 0.0)
+        member = self.membership.members.get(beat.agent_id)
+        if self.plan is None or beat.agent_id not in self.plan.agents or member is None or member.failed:
+            return
+        if running <= stall_bound(slowest):
+            return
+        log.error("member %s stalled: a forward has run %.1f s (bound %.1f s from its slowest recent one, %.2f s); "
+                  "planning around it", beat.agent_id, running, stall_bound(slowest), slowest)
+        self.apply(Heard(agent_id=beat.agent_id, at=now, epoch=self.epoch, state="failed"))
+        if self.broken is None and self.transition is None:
+            self._break(f"{beat.agent_id} stalled")
 
     def peer_seen(self, info: PeerInfo, via: str) -> None:
         """Discovery found ``info``. An older leader of this cluster ends this one (raises ConfigError)."""

@@ -123,6 +123,7 @@ class StageHost:
         ring: RingServer,
         session: aiohttp.ClientSession,
         cache_dir: Path,
+        cache_max_bytes: int | None = None,
         local_source=None,
         link: LinkEmulation | None = None,
         device: Callable[[], Device] = Device,
@@ -134,6 +135,7 @@ class StageHost:
         self.ring = ring
         self.session = session
         self.cache_dir = cache_dir
+        self.cache_max_bytes = cache_max_bytes  # fetched tensors kept at most (weight_server.trim_cache)
         self.local_source = local_source
         self.link = link or LinkEmulation()
         self.device = device  # makes each new stage's device (an emulated one when the agent emulates one)
@@ -217,7 +219,8 @@ class StageHost:
         if src is None:
             src, fetched = await fetch_range(self.session, update.leader.url, node.layers, embed=node.embed,
                                              norm=node.head, cache_dir=self.cache_dir,
-                                             expected_fingerprint=node.fingerprint)
+                                             expected_fingerprint=node.fingerprint,
+                                             cache_max_bytes=self.cache_max_bytes)
             how = "fetched" if fetched else "cache"
         donors = [h.shard for h in (self.active, self.prepared)
                   if h is not None and h.shard is not None and h.model == update.model_fingerprint]

@@ -17,6 +17,7 @@ from which ``shard.Shard.from_source`` builds the shard as from a local file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -233,7 +234,50 @@ def _cached(path: Path, sha256: str) -> bool:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
             h.update(chunk)
-    return h.hexdigest() == sha256
+    if h.hexdigest() != sha256:
+        return False
+    os.utime(path)  # used now: the modification time orders the cache, least recently used first
+    return True
+
+
+def remove_partial(folder: Path) -> int:
+    """Delete the partial files (``*.part<pid>``) a fetch left behind (a killed agent; another process's, or this
+    one's older than FETCH_TIMEOUT_S: never a write in progress here). -> how many."""
+    n = 0
+    mine = f".part{os.getpid()}"
+    for p in folder.glob("*.part*"):
+        with contextlib.suppress(OSError):
+            if p.suffix == mine and time.time() - p.stat().st_mtime < FETCH_TIMEOUT_S:
+                continue
+            p.unlink()
+            n += 1
+    if n:
+        log.info("removed %d partial weight file(s) in %s", n, folder)
+    return n
+
+
+def trim_cache(folder: Path, max_bytes: int, keep: set[Path]) -> int:
+    """Delete cached tensor files, least recently used first, until the folder holds at most ``max_bytes`` (the
+    files in ``keep``, the range being served, stay whatever their size). -> bytes freed."""
+    entries = []
+    for p in folder.glob("*.bin"):
+        with contextlib.suppress(OSError):
+            st = p.stat()
+            entries.append((st.st_mtime, p, st.st_size))
+    total = sum(size for _, _, size in entries)
+    freed = 0
+    for _, p, size in sorted(entries, key=lambda e: e[0]):
+        if total - freed <= max_bytes:
+            break
+        if p in keep:
+            continue
+        with contextlib.suppress(OSError):
+            p.unlink()
+            freed += size
+    if freed:
+        log.info("weight cache: dropped %.1f MB of least recently used tensors (bound %.1f MB)", freed / 1e6,
+                 max_bytes / 1e6)
+    return freed
 
 
 def verify_manifest(manifest: Manifest, expected_fingerprint: str | None) -> None:
@@ -265,10 +309,12 @@ async def fetch_range(
     cache_dir: Path,
     expected_fingerprint: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    cache_max_bytes: int | None = None,
 ) -> tuple[FetchedSource, int]:
     """Fetch (or find in the cache) exactly the tensors of a range; verify them. -> (source, bytes transferred).
     A progress bar (bytes, rate, time left) goes to stderr when it is a terminal; ``progress(done, total)`` is
-    called as bytes arrive."""
+    called as bytes arrive. Partial files of earlier fetches are removed first; with ``cache_max_bytes`` the cache
+    is trimmed afterwards, least recently used first, never below this range's tensors (trim_cache)."""
     params = {"start": str(layers.start), "end": str(layers.end), "embed": "1" if embed else "0",
               "norm": "1" if norm else "0"}
     timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
@@ -282,6 +328,7 @@ async def fetch_range(
     verify_manifest(manifest, expected_fingerprint)
     folder = cache_dir / "tensors"
     folder.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(remove_partial, folder)
     files = {t.name: folder / f"{t.sha256}.bin" for t in manifest.tensors}
     missing = await asyncio.to_thread(lambda: [t for t in manifest.tensors if not _cached(files[t.name], t.sha256)])
     total = sum(t.nbytes for t in missing)
@@ -312,6 +359,8 @@ async def fetch_range(
     finally:
         bar.close()
     took = time.perf_counter() - t0
+    if cache_max_bytes is not None:
+        await asyncio.to_thread(trim_cache, folder, cache_max_bytes, set(files.values()))
     log.info("range %s: %d tensors, %.1f MB, %.1f MB transferred in %.2f s (%.1f MB/s)", layers, len(files),
              manifest.nbytes / 1e6, transferred / 1e6, took, transferred / 1e6 / max(took, 1e-9))
     return FetchedSource(manifest, files), transferred
@@ -341,5 +390,10 @@ async def _download(session: aiohttp.ClientSession, url: str, entry: TensorEntry
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(f".part{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: no partial file stays behind, and the load fails with the reason
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise WeightsError(f"cannot store {path.name}: {e}") from e

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 TIMELINE_LENGTH = 8192  # busy intervals kept per stage
 OUTBOX_FRAMES = 64  # results waiting for the successor link; more and the stage stops taking frames
 BACKLOG_FRAMES = 256  # inbound frames a stage takes ahead of the one it computes (look-ahead)
+RECENT_FORWARDS = 64  # forwards whose busy time sets the stall bound the leader checks (forward_slowest_s)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class StageWorker:
         self.counters = {"frames_in": 0, "frames_out": 0, "dropped_out": 0, "compute_s": 0.0, "busy_s": 0.0,
                          "max_queue": 0}
         self._out: asyncio.Queue = asyncio.Queue(OUTBOX_FRAMES)  # full: the compute loop waits (backpressure)
+        self._forward_since: float | None = None  # time.perf_counter() when the forward computing now began
+        self._recent_s: deque[float] = deque(maxlen=RECENT_FORWARDS)  # busy seconds of the last forwards
         self.running = False
 
     async def set_successor(self, successor: Sender | None) -> None:
@@ -157,22 +160,27 @@ class StageWorker:
         upcoming = [e.msg for e in backlog if isinstance(e, Frame) and e.link == ev.link]  # look-ahead (stage.py)
         stop = StopFlag()  # set from this loop, read by the forward between layers
         watch = _DiscardWatch(msg, backlog, ev.link)
-        job = loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming, stop.is_set, ev.link)
-        if await self._watch(job, None, watch):
-            stop.set()
-            await job
-        out = job.result()
-        if out is None:
-            return None
-        compute_s = time.perf_counter() - t0
-        result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
-        rows = len(msg.parents) if result is None else result.computed_rows
-        await self.device.finish(rows, compute_s, t0, len(self.core.shard.layers), watch.discarded,
-                                 lambda deadline: self._watch(None, deadline, watch))
+        self._forward_since = t0
+        try:
+            job = loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming, stop.is_set, ev.link)
+            if await self._watch(job, None, watch):
+                stop.set()
+                await job
+            out = job.result()
+            if out is None:
+                return None
+            compute_s = time.perf_counter() - t0
+            result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
+            rows = len(msg.parents) if result is None else result.computed_rows
+            await self.device.finish(rows, compute_s, t0, len(self.core.shard.layers), watch.discarded,
+                                     lambda deadline: self._watch(None, deadline, watch))
+        finally:
+            self._forward_since = None
         if result is not None and (stop.is_set() or watch.discarded):
             result = result.model_copy(update={"dead": list(range(len(msg.parents)))})
             self.counters["cut"] = self.counters.get("cut", 0) + 1
         end = time.time()
+        self._recent_s.append(end - start)
         self.counters["compute_s"] += compute_s
         self.counters["busy_s"] += end - start
         self.timeline_buffer.append(BusyInterval(start, end, compute_s, msg.request_id, len(msg.parents), msg.tag))
@@ -257,6 +265,11 @@ class StageWorker:
     def snapshot(self) -> dict:
         """Counters for /cluster: the core's (forwards, tokens, prunes, errors) and the worker's."""
         c = dict(self.counters)
+        since = self._forward_since
+        # the leader's stall check (coordinator.py): how long the forward in progress has run, against the slowest
+        # of the recent ones
+        c["forward_running_s"] = 0.0 if since is None else round(time.perf_counter() - since, 3)
+        c["forward_slowest_s"] = round(max(self._recent_s, default=0.0), 4)
         c["compute_s"] = round(c["compute_s"], 4)
         c["busy_s"] = round(c["busy_s"], 4)
         return {
