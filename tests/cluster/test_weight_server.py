@@ -154,7 +154,7 @@ async def test_partial_files_are_cleaned_and_the_cache_is_bounded_least_recently
 
     from flowspec_p2p.cluster.weight_server import trim_cache
 
-    source, ws, url = tiny_server
+    _source, _ws, url = tiny_server
     folder = tmp_path / "tensors"
     folder.mkdir()
     (folder / "dead.part999999").write_bytes(b"x" * 100)  # left by an agent killed mid-write
