@@ -44,6 +44,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import psutil
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -351,7 +352,8 @@ async def cluster(request: web.Request) -> web.Response:
         known = view()
         if inspect.isawaitable(known):
             known = await known
-    return web.json_response({**known, "leader": request.app[LEADER].snapshot()})
+    leader = {**request.app[LEADER].snapshot(), "rss_bytes": psutil.Process().memory_info().rss}
+    return web.json_response({**known, "leader": leader})
 
 
 def create_app(leader: Leader, cluster_view: ClusterView | None = None, *, run_leader: bool = True,
