@@ -303,6 +303,8 @@ class Agent(Net):
             await coro
         except (FlowSpecError, aiohttp.ClientError, OSError, TimeoutError) as e:
             log.warning("%s", e)
+        except Exception:  # a background task's bug (a peer's odd input) is logged; it does not end the agent
+            log.exception("background task %s failed", getattr(coro, "__qualname__", coro))
 
     def _write_state(self) -> None:
         data = {"id": self.id, "pid": os.getpid(), "cluster": self.cfg.cluster, "role": self.info.role,

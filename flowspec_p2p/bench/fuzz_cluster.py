@@ -92,8 +92,11 @@ async def fuzz_local_cluster(*, minutes: float, targets: tuple[str, ...] = TARGE
             round_ = 0
             while time.monotonic() < deadline:
                 for target in targets:
-                    if any(t.done() for t in tasks):
-                        raise FlowSpecError("an agent stopped while fuzzed")
+                    for t in tasks:
+                        if t.done():
+                            why = t.exception() if not t.cancelled() else "cancelled"
+                            raise FlowSpecError(f"{t.get_name()} stopped while fuzzed: {why!r}") from (
+                                why if isinstance(why, BaseException) else None)
                     s = seed + 1000 * round_ + TARGETS.index(target)
                     if target == "stage":
                         await _until_serving(leader)

@@ -22,9 +22,11 @@ An agent's ``identity`` is its certificate's fingerprint ("" in the open mode of
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from ..errors import ProtocolError
 from ..model.arch import ModelConfig
@@ -39,6 +41,24 @@ TIMELINE_PATH = "/control/timeline"
 MAX_CONTROL_BYTES = 4 * 1024 * 1024
 MAX_RING = 256  # stages of a plan
 MAX_CONTEXT = 1 << 20  # a plan's KV capacity per request (the data plane's MAX_POSITION)
+
+
+def check_host(host: str) -> str:
+    """An address a peer gives for itself: an IP address, or a host name of dot-separated labels (letters, digits,
+    hyphens; 1-63 characters each, 253 in all)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if len(host) > 253 or not all(_LABEL.fullmatch(x) for x in labels):
+        raise ValueError(f"{host[:40]!r} is neither an IP address nor a host name")
+    return host
+
+
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+Host = Annotated[str, AfterValidator(check_host)]
 
 
 def agent_url(host: str, port: int, *, secure: bool) -> str:
@@ -61,7 +81,7 @@ class PeerInfo(_Msg):
     name: str = ""
     cluster: str
     role: Role
-    host: str  # the address its agent server is reachable at
+    host: Host  # the address its agent server is reachable at
     port: int = Field(ge=1, le=65535)
     pid: int = 0
     started: float = 0.0  # unix time; the older of two leaders wins
@@ -120,8 +140,8 @@ class RingNode(_Msg):
     """One stage of a plan with the address its ``/ring`` and ``/control`` are served at."""
 
     agent_id: PeerId
-    host: str
-    port: int
+    host: Host
+    port: int = Field(ge=1, le=65535)
     layers: LayerRange
     embed: bool
     head: bool  # the last stage: applies the final norm and returns features (the LM head stays on the leader)

@@ -187,9 +187,11 @@ class Coordinator:
             return
         if running <= stall_bound(slowest):
             return
-        log.error("member %s stalled: a forward has run %.1f s (bound %.1f s from its slowest recent one, %.2f s); "
-                  "planning around it", beat.agent_id, running, stall_bound(slowest), slowest)
         self.apply(Heard(agent_id=beat.agent_id, at=now, epoch=self.epoch, state="failed"))
+        if not self.membership.members[beat.agent_id].failed:
+            return  # already counted for this epoch
+        log.error("member %s stalled: a forward has run %.3g s (bound %.1f s from its slowest recent one, %.2f s); "
+                  "planning around it", beat.agent_id, running, stall_bound(slowest), slowest)
         if self.broken is None and self.transition is None:
             self._break(f"{beat.agent_id} stalled")
 

@@ -93,3 +93,24 @@ def test_storage_info_that_does_not_describe_the_bytes_is_a_weights_error(info, 
     cfg = open_source(tiny_llama).config
     with pytest.raises(WeightsError):
         tensor_from_raw(cfg, "model.layers.0.self_attn.q_proj.weight", info, b"\0" * 16)
+
+
+@pytest.mark.parametrize("host", ["x" * 300, "a..b", "-bad-", "exa mple", "é" * 70])
+def test_a_hello_whose_host_is_no_address_is_refused(host):
+    """(Found by flowspec fuzz: a 300-character host made idna raise UnicodeError in the leader's invite task,
+    which ended the leader.)"""
+    d = json.loads(encode_message(Hello(peer=ME)))
+    d["peer"]["host"] = host
+    with pytest.raises(ProtocolError, match="malformed"):
+        decode_message(json.dumps(d).encode())
+    for ok in ("127.0.0.1", "::1", "pi-4.local", "fe80::1"):
+        assert PeerInfo.model_validate({**ME.model_dump(), "host": ok}).host == ok
+
+
+async def test_posting_to_an_address_idna_refuses_is_peer_gone():
+    from flowspec_p2p.cluster.net import ControlClient
+    from flowspec_p2p.errors import PeerGone
+
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(PeerGone):
+            await ControlClient(s).post("http://" + "x" * 300 + ":1", Hello(peer=ME))
