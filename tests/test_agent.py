@@ -32,6 +32,10 @@ async def test_three_agents_find_each_other_fetch_their_layers_and_serve(make, p
         ref = parts.reference(prompt, 12)
         assert data["choices"][0]["text"] == ByteTokenizer().decode(ref)
         assert data["stats"]["new_tokens"] == 12
+        # every stage's KV capacity covers the context and a draft tree's pending nodes beyond it
+        settings = leader.leader.settings
+        assert leader.coordinator.update.context == settings.max_context + settings.tree_margin
+        assert a.stage_host.active.worker.core.capacity == settings.stage_capacity
         view = leader.coordinator.view()
         assert [m["role"] for m in view["members"]] == ["leader", "member", "member"]
         assert {st["agent_id"] for st in view["stages"]} == {leader.id, a.id, b.id}

@@ -124,7 +124,8 @@ class Heartbeat(_Msg):
     agent_id: PeerId
     epoch: int  # the plan epoch the agent runs (-1: none yet)
     state: StageState
-    counters: dict[str, float] = Field(default_factory=dict, max_length=256)
+    counters: dict[Annotated[str, Field(max_length=64)], Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=256)
     # peers whose ring link broke unexpectedly: the leader checks on them
     suspects: tuple[str, ...] = Field(default=(), max_length=64)
 

@@ -60,6 +60,7 @@ PROBE_TIMEOUT_S = 1.0  # a peer whose ring link broke must answer GET /control/i
 LOAD_TIMEOUT_S = 300.0  # phase 1: a member that has not loaded its range by then is left out
 ACTIVATE_TIMEOUT_S = 30.0  # phase 2: a member that has not opened its links by then is left out
 DRAIN_TIMEOUT_S = 20.0  # a join lets the request in flight finish for at most this long before switching
+MAX_MEMBERS = 256  # members a leader takes; a Hello beyond this is refused
 STALL_MIN_S = 15.0  # a stage whose forward has run this long, and STALL_FACTOR times its slowest recent one, stalled
 STALL_FACTOR = 20.0
 
@@ -152,6 +153,9 @@ class Coordinator:
                 log.warning("refused a second leader %s at %s (pid %d)", peer.id, peer.url, peer.pid)
                 return Refused(reason=f"cluster {self.cfg.cluster!r} already has a leader: agent {self.id} at "
                                       f"{self.info.url}, pid {self.info.pid}", leader=self.info)
+            if peer.id not in self.membership.members and len(self.membership.members) >= MAX_MEMBERS:
+                return Refused(reason=f"cluster {self.cfg.cluster!r} already has {MAX_MEMBERS} members",
+                               leader=self.info)
             if peer.id not in self.membership.members:
                 log.info("member %s (%s) joined from %s: %.1f GFLOP/s, %.0f MB", peer.id, peer.name, peer.url,
                          peer.profile.gflops, peer.profile.memory_bytes / 2**20)

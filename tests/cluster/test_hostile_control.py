@@ -114,3 +114,9 @@ async def test_posting_to_an_address_idna_refuses_is_peer_gone():
     async with aiohttp.ClientSession() as s:
         with pytest.raises(PeerGone):
             await ControlClient(s).post("http://" + "x" * 300 + ":1", Hello(peer=ME))
+
+
+def test_heartbeat_counters_are_finite():
+    raw = encode_message(Heartbeat(agent_id="a", epoch=1, state="ready", counters={"forward_running_s": 1.0}))
+    with pytest.raises(ProtocolError):
+        decode_message(raw.replace(b"1.0", b"1e999"))
