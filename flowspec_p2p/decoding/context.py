@@ -49,6 +49,8 @@ from .settings import LeaderSettings
 from .trace import RequestTrace, TokenLogprob, token_logprobs
 
 T = TypeVar("T")
+
+RETURN_SLACK = 16  # returned messages a request may hold beyond what it sent (a stage's own StageErrors)
 Tensors = dict[str, torch.Tensor]
 
 
@@ -165,7 +167,11 @@ class ModeContext:
             self.queue.put_nowait(_Failure(error))
 
     def deliver(self, frame: Frame) -> None:
-        """A message of this request came back from the pipeline (the leader's demultiplexer calls this)."""
+        """A message of this request came back from the pipeline (the leader's demultiplexer calls this). Every
+        returned message answers one this request sent: more than it sent fails the request (a stage is broken)."""
+        if self.queue.qsize() >= max(self.seq, 1) + RETURN_SLACK:
+            self.fail(StageFailed(f"the pipeline returned more messages than request {self.request_id} sent"))
+            return
         self.returned += isinstance(frame.msg, Forward)
         self.queue.put_nowait(frame)
 

@@ -48,7 +48,7 @@ from ..model.generate import GenStats, check_context
 from ..model.sampling import SamplingParams
 from ..model.shard import Shard
 from ..pipeline.messages import Release
-from ..pipeline.transport import Frame, LinkDown
+from ..pipeline.transport import Frame, Inbox, LinkDown
 from ..spec.drafter import Drafter
 from .ar import AR
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
@@ -131,7 +131,7 @@ class Leader:
         self.modes: dict[str, DecodingMode] = {}
         for m in modes:
             self.register_mode(m)
-        self.inbox: asyncio.Queue = asyncio.Queue()  # the return link's RingServer delivers here
+        self.inbox: asyncio.Queue = Inbox()  # the return link's RingServer delivers here (bounded: backpressure)
         self.pipeline: Pipeline | None = None
         self._ready = asyncio.Event()
         self._swapped = asyncio.Event()  # set whenever a new pipeline is installed

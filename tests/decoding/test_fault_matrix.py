@@ -11,7 +11,7 @@ layers) or of two (no spare: the survivors took them) is installed. Every reques
 text (seeded sampling included: draws depend only on (seed, position)), none may hang, and no stage of either ring
 may keep the request's cache once the old ring is retired.
 
-CI runs 20 of the 40 cases: every event x sampling x fault, with and without a spare alternating
+CI runs 10 of the 40 cases: every event x sampling once, the fault and the spare alternating
 (FLOWSPEC_FULL_FAULT_MATRIX=1 runs all 40). The faults are emulated in this process; a real kill -9 of an agent is
 covered by tests/cluster/test_replan.py, a compute hang with live sockets there too.
 """
@@ -42,8 +42,12 @@ EVENTS = ("prefill", "mid_segment", "prune", "expansion", "eos")
 SAMPLING = {"greedy": SamplingParams(), "seeded_t1": SamplingParams(temperature=1.0, seed=5)}
 FAULTS = ("kill", "stop")
 FULL = os.environ.get("FLOWSPEC_FULL_FAULT_MATRIX") == "1"
-CASES = [(e, s, f, spare) for (i, (e, s, f)) in enumerate(itertools.product(EVENTS, SAMPLING, FAULTS))
-         for spare in (True, False) if FULL or spare == (i % 2 == 0)]
+STEP_TIMEOUT_S = 2.0  # the leader's: no reply for this long and the attempt ends (a frozen stage)
+ALL = list(itertools.product(EVENTS, SAMPLING, FAULTS, (True, False)))
+# CI: each event x sampling once; every event meets both faults (one per sampling), the spare alternates from event
+# to event, so every (fault, spare) pair comes
+CASES = ALL if FULL else [(e, s, FAULTS[(i + j) % 2], i % 2 == 0)
+                          for i, e in enumerate(EVENTS) for j, s in enumerate(SAMPLING)]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +94,7 @@ async def test_a_stage_failing_at_an_event_point_never_hangs_loses_text_or_leaks
         parts, two_stages, drafter, event, sampling, fault, spare):
     params = SAMPLING[sampling]
     leader = Leader(parts.head, None, drafter=drafter, modes=[make_flowspec()], settings=LeaderSettings(
-        max_context=160, prefill_chunk=4, step_timeout_s=1.0, resume_timeout_s=5.0))
+        max_context=160, prefill_chunk=4, step_timeout_s=STEP_TIMEOUT_S, resume_timeout_s=5.0))
     demux = asyncio.create_task(leader.run())  # outlives the old ring, as in an agent
     old = LoopbackRing(parts.stages, leader, hops="ws", wire_dtype=F64, run_leader=False)
     new = LoopbackRing(parts.stages if spare else two_stages, leader, hops="ws", wire_dtype=F64, epoch=1,
@@ -126,12 +130,12 @@ async def test_a_stage_failing_at_an_event_point_never_hangs_loses_text_or_leaks
             # what the control plane does: notice, plan, load, switch (the old ring is then retired)
             if fault == "kill":
                 await old.stop_stage(2)
-            await asyncio.sleep(0.05 if fault == "kill" else 1.2)  # a frozen stage is found by the step timeout
+            await asyncio.sleep(0.05 if fault == "kill" else STEP_TIMEOUT_S + 0.2)  # the step timeout finds it
             await new.__aenter__()
             out, stats = await asyncio.wait_for(task, 20)  # never hangs
             assert out == parts.reference(PROMPT, N, params)
             if event != "eos":
-                assert stats.extra.get("resumed") == 1
+                assert stats.extra.get("resumed", 0) >= 1
         finally:
             victim.core.handle = real
     try:

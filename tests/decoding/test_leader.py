@@ -320,3 +320,17 @@ async def test_a_request_waiting_to_resume_can_be_cancelled(parts):
         await leader.set_pipeline(Pipeline(QueueSender(ring.workers[0].inbox, "stage1"), epoch=1, stages=3))
         out, _ = await run(leader, PROMPT, 5, mode="ar")  # the turn was released
         assert out == parts.reference(PROMPT, 5)
+
+
+def test_a_request_that_gets_back_more_than_it_sent_fails_instead_of_growing_its_queue(parts):
+    from flowspec_p2p.decoding.context import RETURN_SLACK, ModeContext
+    from flowspec_p2p.pipeline.messages import Release as Rel
+    from flowspec_p2p.pipeline.transport import Frame
+
+    leader = make_leader(parts)
+    ctx = ModeContext(leader.parts, Pipeline(QueueSender(asyncio.Queue(), "s1"), epoch=0, stages=1), "r", [1, 2],
+                      GREEDY, 4, frozenset(), GenStats(mode="ar"))
+    for _ in range(RETURN_SLACK + 5):
+        ctx.deliver(Frame(Rel(request_id="r", seq=0), {}, "last"))
+    assert isinstance(ctx.error, StageFailed)
+    assert ctx.queue.qsize() == 1 + RETURN_SLACK + 1  # frames up to the limit (nothing sent: 1 + slack), the failure
