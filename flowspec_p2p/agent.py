@@ -186,6 +186,7 @@ class Agent(Net):
             self.stage_host = StageHost(
                 agent_id=self.id, cluster=cfg.cluster, ring=self.ring, session=self.session,
                 cache_dir=cfg.state_path, local_source=self.source,
+                cache_max_bytes=None if cfg.cache_max_gb is None else int(cfg.cache_max_gb * 1e9),
                 link=LinkEmulation(bandwidth_mbps=cfg.emulation.link_mbps, latency_ms=cfg.emulation.link_latency_ms),
                 device=partial(device_for, ComputeEmulation(slowdown=cfg.emulation.slowdown)), tap=self._on_link_down)
             if cfg.leader:
@@ -309,6 +310,8 @@ class Agent(Net):
             await coro
         except (FlowSpecError, aiohttp.ClientError, OSError, TimeoutError) as e:
             log.warning("%s", e)
+        except Exception:  # a background task's bug (a peer's odd input) is logged; it does not end the agent
+            log.exception("background task %s failed", getattr(coro, "__qualname__", coro))
 
     def _write_state(self) -> None:
         data = {"id": self.id, "pid": os.getpid(), "cluster": self.cfg.cluster, "role": self.info.role,
@@ -351,6 +354,9 @@ class Agent(Net):
         except ProtocolError as e:
             log.warning("refused a %s message from %s: %s", msg.kind, request.remote, e)
             raise web.HTTPForbidden(text=str(e)) from None
+        except FlowSpecError as e:  # a message this agent cannot act on: refused with the reason, the agent goes on
+            log.warning("could not act on a %s message from %s: %s", msg.kind, request.remote, e)
+            raise web.HTTPBadRequest(text=str(e)) from None
         self.security.learn(msg)
         return web.Response(body=encode_message(reply), content_type="application/json")
 

@@ -26,6 +26,8 @@ COMMAND_MODULES = [
     "flowspec_p2p.commands.bench",
     "flowspec_p2p.commands.keygen",
     "flowspec_p2p.commands.bench_engine",
+    "flowspec_p2p.commands.fuzz",
+    "flowspec_p2p.commands.load",
 ]
 
 

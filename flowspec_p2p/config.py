@@ -82,6 +82,8 @@ class AgentConfig(Settings):
     api_port: int = Field(default=DEFAULT_API_PORT, ge=0, le=65535)
     state_dir: Path = DEFAULT_STATE_DIR
     threads: int | None = Field(default=None, ge=1)
+    # fetched weights kept in the state folder at most (GB; least recently used dropped first); None: no bound
+    cache_max_gb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every stage (set by the leader)
     # activations between stages: float32 keeps every mode exactly equal to single-device decoding (lossless);
     # float16 / bfloat16 halve the bytes on slow links but round the hidden states (greedy output may drift)

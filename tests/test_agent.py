@@ -32,6 +32,10 @@ async def test_three_agents_find_each_other_fetch_their_layers_and_serve(make, p
         ref = parts.reference(prompt, 12)
         assert data["choices"][0]["text"] == ByteTokenizer().decode(ref)
         assert data["stats"]["new_tokens"] == 12
+        # every stage's KV capacity covers the context and a draft tree's pending nodes beyond it
+        settings = leader.leader.settings
+        assert leader.coordinator.update.context == settings.max_context + settings.tree_margin
+        assert a.stage_host.active.worker.core.capacity == settings.stage_capacity
         view = leader.coordinator.view()
         assert [m["role"] for m in view["members"]] == ["leader", "member", "member"]
         assert {st["agent_id"] for st in view["stages"]} == {leader.id, a.id, b.id}
@@ -121,6 +125,14 @@ def test_config_layers_profile_flags_and_environment(tmp_path):
     assert load(None, {}, env={"FLOWSPEC_API_KEY": "k" * 12}).api_key_text == "k" * 12
     with pytest.raises(ConfigError, match=r"flowspec\.in_flight"):
         load(None, {"flowspec": {"in_flight": 0}}, env={})
+    assert load(None, {"cache_max_gb": 2.5}, env={}).cache_max_gb == 2.5
+    with pytest.raises(ConfigError, match="cache_max_gb"):
+        load(None, {"cache_max_gb": 0}, env={})
+    from flowspec_p2p.cli import build_parser
+    from flowspec_p2p.commands.agent import config_from_args
+
+    args = build_parser().parse_args(["agent", "--cluster", "home", "--cache-max-gb", "1.5"])
+    assert config_from_args(args).cache_max_gb == 1.5
 
 
 def test_the_leader_runs_flowspec_with_the_configured_settings_and_the_others_as_shipped():

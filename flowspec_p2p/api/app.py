@@ -44,6 +44,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import psutil
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -74,6 +75,7 @@ from .schemas import (
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+HANGUP_POLL_S = 0.2  # how often a request's connection is checked: a client that left is cancelled within this
 
 ClusterView = Callable[[], dict | Awaitable[dict]]
 LEADER = web.AppKey("leader", Leader)
@@ -219,6 +221,34 @@ def _prompt_ids(leader: Leader, body: Body) -> tuple[list[int], str]:
     return list(body.prompt), "text"
 
 
+def _hung_up(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _until_hangup(request: web.Request, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+    """Run ``work`` (a request's whole generation) and cancel it as soon as the client hangs up (looked at every
+    HANGUP_POLL_S): the leader's turn and every stage's cache for the request are freed then, not when the reply
+    would have ended. -> its response (a 499-like 400 nobody reads when the client left)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=HANGUP_POLL_S)
+            if done:
+                return task.result()
+            if _hung_up(request):
+                log.info("client %s hung up; cancelling its request", request.remote)
+                task.cancel()
+                await asyncio.wait({task})
+                resp = web.Response(status=400, text="client closed the connection")
+                resp[REASON] = "client_gone"
+                return resp
+    finally:
+        if not task.done():  # the handler itself was cancelled (the server stops)
+            task.cancel()
+            await asyncio.wait({task})
+
+
 async def _complete(request: web.Request, model: type[Body]) -> web.StreamResponse:
     leader = request.app[LEADER]
     retry = leader.settings.retry_after_s
@@ -228,13 +258,18 @@ async def _complete(request: web.Request, model: type[Body]) -> web.StreamRespon
         refusal = body.unsupported()
         if refusal is not None:
             raise refusal
-        prompt, kind = _prompt_ids(leader, body)
+        # off the event loop: a long prompt's tokenization must not hold up heartbeats and the ring
+        prompt, kind = await asyncio.to_thread(_prompt_ids, leader, body)
         job = _Job(leader, body, prompt, kind)
     except (ApiError, FlowSpecError) as e:
         return api_error(e, retry, param).response()
     request[JOB] = job
     if body.stream:
-        return await _stream(request, job, retry, param)
+        return await _until_hangup(request, _stream(request, job, retry, param))
+    return await _until_hangup(request, _whole(job, retry, param))
+
+
+async def _whole(job: _Job, retry: int, param: str) -> web.Response:
     parts: list[str] = []
     try:
         async with contextlib.aclosing(job.deltas()) as deltas:
@@ -317,7 +352,8 @@ async def cluster(request: web.Request) -> web.Response:
         known = view()
         if inspect.isawaitable(known):
             known = await known
-    return web.json_response({**known, "leader": request.app[LEADER].snapshot()})
+    leader = {**request.app[LEADER].snapshot(), "rss_bytes": psutil.Process().memory_info().rss}
+    return web.json_response({**known, "leader": leader})
 
 
 def create_app(leader: Leader, cluster_view: ClusterView | None = None, *, run_leader: bool = True,

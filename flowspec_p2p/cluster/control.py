@@ -22,9 +22,11 @@ An agent's ``identity`` is its certificate's fingerprint ("" in the open mode of
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from ..errors import ProtocolError
 from ..model.arch import ModelConfig
@@ -37,6 +39,26 @@ CONTROL_PATH = "/control"
 INFO_PATH = "/control/info"
 TIMELINE_PATH = "/control/timeline"
 MAX_CONTROL_BYTES = 4 * 1024 * 1024
+MAX_RING = 256  # stages of a plan
+MAX_CONTEXT = 1 << 20  # a plan's KV capacity per request (the data plane's MAX_POSITION)
+
+
+def check_host(host: str) -> str:
+    """An address a peer gives for itself: an IP address, or a host name of dot-separated labels (letters, digits,
+    hyphens; 1-63 characters each, 253 in all)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if len(host) > 253 or not all(_LABEL.fullmatch(x) for x in labels):
+        raise ValueError(f"{host[:40]!r} is neither an IP address nor a host name")
+    return host
+
+
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+Host = Annotated[str, AfterValidator(check_host)]
 
 
 def agent_url(host: str, port: int, *, secure: bool) -> str:
@@ -59,7 +81,7 @@ class PeerInfo(_Msg):
     name: str = ""
     cluster: str
     role: Role
-    host: str  # the address its agent server is reachable at
+    host: Host  # the address its agent server is reachable at
     port: int = Field(ge=1, le=65535)
     pid: int = 0
     started: float = 0.0  # unix time; the older of two leaders wins
@@ -102,8 +124,10 @@ class Heartbeat(_Msg):
     agent_id: PeerId
     epoch: int  # the plan epoch the agent runs (-1: none yet)
     state: StageState
-    counters: dict[str, float] = Field(default_factory=dict)
-    suspects: tuple[str, ...] = ()  # peers whose ring link broke unexpectedly: the leader checks on them
+    counters: dict[Annotated[str, Field(max_length=64)], Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=256)
+    # peers whose ring link broke unexpectedly: the leader checks on them
+    suspects: tuple[str, ...] = Field(default=(), max_length=64)
 
 
 class Ack(_Msg):
@@ -117,8 +141,8 @@ class RingNode(_Msg):
     """One stage of a plan with the address its ``/ring`` and ``/control`` are served at."""
 
     agent_id: PeerId
-    host: str
-    port: int
+    host: Host
+    port: int = Field(ge=1, le=65535)
     layers: LayerRange
     embed: bool
     head: bool  # the last stage: applies the final norm and returns features (the LM head stays on the leader)
@@ -140,9 +164,16 @@ class PlanUpdate(_Msg):
     ring: tuple[RingNode, ...]  # in stage order; the leader closes the ring
     config: ModelConfig  # the architecture, so a member without a model copy can build its shard
     model_fingerprint: str
-    context: int  # KV capacity per request each stage allocates
+    context: int = Field(ge=2, le=MAX_CONTEXT)  # KV capacity per request each stage allocates
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every shard
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
+
+    @model_validator(mode="after")
+    def _one_stage_each(self) -> PlanUpdate:
+        ids = [n.agent_id for n in self.ring]
+        if not ids or len(set(ids)) != len(ids) or len(ids) > MAX_RING:
+            raise ValueError(f"a ring needs 1 to {MAX_RING} distinct agents, not {ids[:8]}")
+        return self
 
     def node(self, agent_id: PeerId) -> RingNode | None:
         return next((n for n in self.ring if n.agent_id == agent_id), None)

@@ -60,6 +60,15 @@ PROBE_TIMEOUT_S = 1.0  # a peer whose ring link broke must answer GET /control/i
 LOAD_TIMEOUT_S = 300.0  # phase 1: a member that has not loaded its range by then is left out
 ACTIVATE_TIMEOUT_S = 30.0  # phase 2: a member that has not opened its links by then is left out
 DRAIN_TIMEOUT_S = 20.0  # a join lets the request in flight finish for at most this long before switching
+MAX_MEMBERS = 256  # members a leader takes; a Hello beyond this is refused
+STALL_MIN_S = 15.0  # a stage whose forward has run this long, and STALL_FACTOR times its slowest recent one, stalled
+STALL_FACTOR = 20.0
+
+
+def stall_bound(slowest_s: float) -> float:
+    """Seconds a stage's forward may run before the leader counts the stage as stalled, from the busy time of the
+    slowest of its recent forwards (worker.RECENT_FORWARDS)."""
+    return max(STALL_MIN_S, STALL_FACTOR * slowest_s)
 
 
 
@@ -122,6 +131,9 @@ class Coordinator:
         before = self.membership
         self.membership = membership_mod.apply(before, event)
         gone = set(before.members) - set(self.membership.members)
+        for aid in gone:  # maps keyed by member are freed when it leaves
+            self.statuses.pop(aid, None)
+            self.counters.pop(aid, None)
         if self.plan is not None and gone & set(self.plan.agents) and self.broken is None:
             self._break(f"{', '.join(sorted(gone))} left")
 
@@ -141,6 +153,9 @@ class Coordinator:
                 log.warning("refused a second leader %s at %s (pid %d)", peer.id, peer.url, peer.pid)
                 return Refused(reason=f"cluster {self.cfg.cluster!r} already has a leader: agent {self.id} at "
                                       f"{self.info.url}, pid {self.info.pid}", leader=self.info)
+            if peer.id not in self.membership.members and len(self.membership.members) >= MAX_MEMBERS:
+                return Refused(reason=f"cluster {self.cfg.cluster!r} already has {MAX_MEMBERS} members",
+                               leader=self.info)
             if peer.id not in self.membership.members:
                 log.info("member %s (%s) joined from %s: %.1f GFLOP/s, %.0f MB", peer.id, peer.name, peer.url,
                          peer.profile.gflops, peer.profile.memory_bytes / 2**20)
@@ -151,6 +166,7 @@ class Coordinator:
         if isinstance(msg, Heartbeat):
             self.apply(Heard(agent_id=msg.agent_id, at=now, epoch=msg.epoch, state=msg.state))
             self.counters[msg.agent_id] = msg.counters
+            self._check_stall(msg, now)
             for s in msg.suspects:
                 self.net.spawn(self.probe(s, f"{msg.agent_id} lost its link"), name="probe")
             return Ack(epoch=self.epoch)
@@ -163,6 +179,25 @@ class Coordinator:
                 self.apply(Left(agent_id=msg.agent_id, at=now, reason="bye"))
             return Ack(epoch=self.epoch)
         raise ProtocolError(f"a leader does not take {msg.kind!r} messages")
+
+    def _check_stall(self, beat: Heartbeat, now: float) -> None:
+        """A serving stage whose forward has run past its stall bound (its compute hung with its sockets open) is
+        marked failed and planned around; the request in flight resumes on the new plan (membership retries the
+        member later, while it keeps answering)."""
+        running = beat.counters.get("forward_running_s", 0.0)
+        slowest = beat.counters.get("forward_slowest_s", 0.0)
+        member = self.membership.members.get(beat.agent_id)
+        if self.plan is None or beat.agent_id not in self.plan.agents or member is None or member.failed:
+            return
+        if running <= stall_bound(slowest):
+            return
+        self.apply(Heard(agent_id=beat.agent_id, at=now, epoch=self.epoch, state="failed"))
+        if not self.membership.members[beat.agent_id].failed:
+            return  # already counted for this epoch
+        log.error("member %s stalled: a forward has run %.3g s (bound %.1f s from its slowest recent one, %.2f s); "
+                  "planning around it", beat.agent_id, running, stall_bound(slowest), slowest)
+        if self.broken is None and self.transition is None:
+            self._break(f"{beat.agent_id} stalled")
 
     def peer_seen(self, info: PeerInfo, via: str) -> None:
         """Discovery found ``info``. An older leader of this cluster ends this one (raises ConfigError)."""
@@ -236,6 +271,10 @@ class Coordinator:
                 if str(e) != infeasible:
                     log.error("no plan: %s", e)
                 infeasible = str(e)
+            except (ArithmeticError, ValueError, KeyError, TypeError) as e:  # the planner must not end the leader
+                if str(e) != infeasible:
+                    log.exception("no plan: the planner failed on these members")
+                infeasible = str(e)
             finally:
                 self.planning = False
 
@@ -261,7 +300,8 @@ class Coordinator:
         cfg = self.cfg
         update = PlanUpdate(cluster=cfg.cluster, epoch=self.epoch, leader=self.info, plan=new, ring=tuple(nodes),
                             config=self.model_config, model_fingerprint=self.model.fingerprint,
-                            context=cfg.planning.context, dtype=cfg.dtype, wire_dtype=cfg.wire_dtype)
+                            context=self.leader.settings.stage_capacity, dtype=cfg.dtype,
+                            wire_dtype=cfg.wire_dtype)
         departed = ", ".join(f"{a} ({r})" for a, r in self.membership.departed)
         trigger = self.broken or (f"departed: {departed}" if departed else "membership changed")
         self.transition = Transition(update=update, trigger=trigger,
@@ -329,6 +369,7 @@ class Coordinator:
         await self.leader.set_pipeline(None)
         last = t.update.ring[-1].agent_id
         self.ring.allowed = lambda hello, last=last: hello.sender == last
+        self.ring.wire_dtype = t.update.wire_dtype
         await self.ring.set_epoch(t.epoch)
         act = Activate(epoch=t.epoch)
         for m in list(self.membership.members.values()):

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 SERVICE_TYPE = "_flowspec._tcp.local."
 RESOLVE_TIMEOUT_MS = 3000
 STATIC_POLL_INTERVAL_S = 2.0
+MAX_IGNORED = 256  # ignored advert names remembered (for logging each once); the oldest is forgotten beyond this
+MAX_RESOLVING = 32  # mDNS names resolved at once; a change for a name already being resolved starts nothing
+MAX_NAMES = 1024  # advertised agents remembered
 ADVERT_REFRESH_S = 120.0  # a sealed advert is re-sealed this often (well within handshake.ADVERT_MAX_AGE_S)
 VIRTUAL_INTERFACE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "podman", "lxcbr", "lxdbr",
                               "vmnet", "vboxnet", "tun", "tap", "wg", "tailscale", "utun", "zt", "kube", "ifb")
@@ -206,6 +209,7 @@ class Discovery:
         self._names: dict[str, PeerInfo] = {}  # mDNS instance name -> the agent it advertised
         self.ignored: dict[str, str] = {}  # mDNS instance name -> why it was first ignored (logged once)
         self._tasks: set[asyncio.Task] = set()
+        self._resolving: set[str] = set()  # names with a resolve task running
 
     async def run(self) -> None:
         try:
@@ -283,10 +287,17 @@ class Discovery:
             peer = self._names.pop(name, None)
             if peer is not None:
                 self._spawn(self._removed(name, peer))
-        else:
+        elif name not in self._resolving and len(self._resolving) < MAX_RESOLVING:
+            self._resolving.add(name)
             self._spawn(self._resolve(name))
 
     async def _resolve(self, name: str) -> None:
+        try:
+            await self._resolve_one(name)
+        finally:
+            self._resolving.discard(name)
+
+    async def _resolve_one(self, name: str) -> None:
         from zeroconf.asyncio import AsyncServiceInfo
 
         if self._aiozc is None:
@@ -323,6 +334,9 @@ class Discovery:
             if peer.role == "leader" and self.confirm is not None and await self.confirm(peer) is None:
                 self._ignore(name, f"agent {peer.id} did not confirm its leadership claim at {peer.host}:{peer.port}")
                 return
+        if name not in self._names and len(self._names) >= MAX_NAMES:
+            self._ignore(name, f"already {len(self._names)} agents advertised")
+            return
         self._names[name] = peer
         self.events.put_nowait(PeerSeen(info=peer, via="mdns"))
 
@@ -336,6 +350,8 @@ class Discovery:
 
     def _ignore(self, name: str, why: str) -> None:
         if name not in self.ignored:
+            if len(self.ignored) >= MAX_IGNORED:
+                del self.ignored[next(iter(self.ignored))]
             self.ignored[name] = why
             log.warning("mDNS: ignoring %s: %s", name, why)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 
 from ..errors import PeerGone, ProtocolError
@@ -141,7 +142,8 @@ class MemberControl:
         while True:
             active = self.stage_host.active
             snap = self.stage_host.snapshot() or {}
-            counters = {k: float(v) for k, v in snap.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+            counters = {k: float(v) for k, v in snap.items()
+                        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
             beat = Heartbeat(agent_id=self.id, epoch=active.epoch if active else -1,
                              state="ready" if active and active.worker else "idle", counters=counters,
                              suspects=tuple(sorted(self.suspects)))

@@ -6,7 +6,9 @@ sequences exactly. Anchor: exo 1.x ``shared/apply.py``.
 Events (the agent turns HTTP messages, mDNS and its timer into these):
 
     Joined(info)              a Hello was accepted (or a known member re-announced itself)
-    Heard(id, epoch, state)   a heartbeat or stage status; a member reporting ``failed`` is left out of plans
+    Heard(id, epoch, state)   a heartbeat or stage status; a member reporting ``failed`` (or found stalled) is left
+                              out of plans until ``retry_delay`` has passed, doubling with each failure in a row,
+                              and it answered meanwhile
     Left(id, reason)          a Bye, an mDNS removal, or a refused link: it is gone now
     Tick                      time passes: members silent for HEARTBEAT_TIMEOUT_S are dropped
     Planned                   the leader adopted a plan: the pending change is consumed
@@ -28,6 +30,8 @@ from .plans import Device
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 3.5  # must exceed 3 * HEARTBEAT_INTERVAL_S
 REPLAN_DEBOUNCE_S = 0.5
+RETRY_BASE_S = 10.0  # a failed member that still answers is planned again after this, doubling per failure
+RETRY_MAX_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,10 @@ class Member:
     last_seen: float
     epoch: int = -1  # the plan epoch it reports running
     state: StageState = "idle"
-    failed: bool = False  # it reported a failure: not planned again until it re-joins
+    failed: bool = False  # it failed (a load, a stall): not planned until its retry comes (retry_delay) or it re-joins
+    failed_at: float = 0.0
+    failures: int = 0  # failures in a row; a member that re-joins starts at 0
+    failed_epoch: int = -2  # a failure reported for this epoch or an older one does not count again after a retry
 
 
 @dataclass(frozen=True)
@@ -106,9 +113,10 @@ def apply(state: Membership, event: Event) -> Membership:
             return state
         new = replace(old, last_seen=max(old.last_seen, event.at), epoch=max(old.epoch, event.epoch),
                       state=event.state or old.state)
-        failed_now = event.state == "failed" and not old.failed
+        failed_now = event.state == "failed" and not old.failed and event.epoch > old.failed_epoch
         if failed_now:
-            new = replace(new, failed=True)
+            new = replace(new, failed=True, failed_at=event.at, failures=old.failures + 1,
+                          failed_epoch=max(event.epoch, old.epoch))
         return replace(state, members={**members, event.agent_id: new},
                        changed_at=event.at if failed_now else state.changed_at)
     if isinstance(event, Left):
@@ -121,10 +129,19 @@ def apply(state: Membership, event: Event) -> Membership:
         gone = [k for k, m in members.items() if event.at - m.last_seen > HEARTBEAT_TIMEOUT_S]
         for k in gone:
             state = apply(state, Left(agent_id=k, at=event.at, reason="timeout"))
+        due = {k: replace(m, failed=False) for k, m in state.members.items()
+               if m.failed and m.last_seen > m.failed_at and event.at - m.failed_at >= retry_delay(m.failures)}
+        if due:  # failed members that answered since: planned again
+            state = replace(state, members={**state.members, **due}, changed_at=event.at)
         return state
     if isinstance(event, Planned):
         return replace(state, changed_at=None, departed=())
     raise TypeError(f"unknown event {event!r}")
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds a member that failed ``failures`` times in a row stays out of plans (while it keeps answering)."""
+    return min(RETRY_MAX_S, RETRY_BASE_S * 2 ** max(0, failures - 1))
 
 
 def needs_replan(state: Membership, now: float) -> bool:

@@ -55,7 +55,7 @@ class ControlClient:
                     raise ProtocolError(f"{url} refused the message ({r.status}): {text}")
                 if r.status != 200:
                     raise PeerGone(f"{url} answered {r.status}: {text}")
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:  # ValueError: an address idna refuses
             raise PeerGone(f"{url} unreachable: {e or type(e).__name__}") from e
         return decode_message(data)
 

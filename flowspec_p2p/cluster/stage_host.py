@@ -31,7 +31,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from ..errors import FlowSpecError, PeerGone, ProtocolError
+from ..errors import ConfigError, FlowSpecError, PeerGone, ProtocolError
 from ..model.dtypes import parse_dtype
 from ..model.load import load_shard, use_native
 from ..model.native_shard import NativeShard
@@ -41,8 +41,17 @@ from ..pipeline.codec import wire_dtype as wire_torch_dtype
 from ..pipeline.emulation import Device, LinkEmulation
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer
-from ..pipeline.stage import StageCore
-from ..pipeline.transport import CLOSE_SHUTDOWN, RING_PATH, Link, LinkDown, QueueSender, RingHello, Sender
+from ..pipeline.stage import MAX_REQUESTS, StageCore
+from ..pipeline.transport import (
+    CLOSE_SHUTDOWN,
+    RING_PATH,
+    Inbox,
+    Link,
+    LinkDown,
+    QueueSender,
+    RingHello,
+    Sender,
+)
 from ..pipeline.worker import StageWorker
 from .control import PlanUpdate, RingNode, StageStatus
 from .weight_server import fetch_range, stage_fingerprint
@@ -57,8 +66,9 @@ SUMMED = ("compute_s", "busy_s", "frames_in", "frames_out", "dropped_out", "forw
           "sent_bytes")
 
 
-class TapQueue(asyncio.Queue):
-    """An asyncio.Queue that also shows every ``LinkDown`` it carries to ``tap`` (the control plane)."""
+class TapQueue(Inbox):
+    """A stage's bounded inbox (transport.Inbox) that also shows every ``LinkDown`` it carries to ``tap`` (the
+    control plane)."""
 
     def __init__(self, tap: Callable[[LinkDown], None]):
         super().__init__()
@@ -113,6 +123,7 @@ class StageHost:
         ring: RingServer,
         session: aiohttp.ClientSession,
         cache_dir: Path,
+        cache_max_bytes: int | None = None,
         local_source=None,
         link: LinkEmulation | None = None,
         device: Callable[[], Device] = Device,
@@ -124,6 +135,7 @@ class StageHost:
         self.ring = ring
         self.session = session
         self.cache_dir = cache_dir
+        self.cache_max_bytes = cache_max_bytes  # fetched tensors kept at most (weight_server.trim_cache)
         self.local_source = local_source
         self.link = link or LinkEmulation()
         self.device = device  # makes each new stage's device (an emulated one when the agent emulates one)
@@ -175,8 +187,9 @@ class StageHost:
                          node.layers, prepared.source, prepared.load_s, prepared.fetched_bytes / 1e6)
         except asyncio.CancelledError:
             raise
-        except (FlowSpecError, OSError, RuntimeError, ValueError) as e:
-            log.error("epoch %d: cannot load layers %s: %s", update.epoch, node and node.layers, e)
+        except Exception as e:
+            log.error("epoch %d: cannot load layers %s: %s: %s", update.epoch, node and node.layers,
+                      type(e).__name__, e)
             status = StageStatus(agent_id=self.agent_id, epoch=update.epoch, state="failed", detail=str(e))
         result = report(status)
         if asyncio.iscoroutine(result):
@@ -186,6 +199,11 @@ class StageHost:
         if node is None:
             return Prepared(update.epoch, update, None, None, source="")
         dtype = parse_dtype(update.dtype)
+        cfg = update.config
+        kv_bytes = 2 * len(node.layers) * cfg.kv_dim * update.context * dtype.itemsize  # one request's K and V
+        if kv_bytes * MAX_REQUESTS > psutil.virtual_memory().total:
+            raise ConfigError(f"a KV capacity of {update.context} positions needs {kv_bytes / 2**20:.0f} MiB per "
+                              f"request on layers {node.layers}, more than this device holds")
         for held in (self.active, self.prepared):
             if held is not None and held.shard is not None and _same_range(held.node, node) \
                     and held.shard.dtype == dtype:
@@ -201,7 +219,8 @@ class StageHost:
         if src is None:
             src, fetched = await fetch_range(self.session, update.leader.url, node.layers, embed=node.embed,
                                              norm=node.head, cache_dir=self.cache_dir,
-                                             expected_fingerprint=node.fingerprint)
+                                             expected_fingerprint=node.fingerprint,
+                                             cache_max_bytes=self.cache_max_bytes)
             how = "fetched" if fetched else "cache"
         donors = [h.shard for h in (self.active, self.prepared)
                   if h is not None and h.shard is not None and h.model == update.model_fingerprint]
@@ -237,6 +256,7 @@ class StageHost:
             if self.leader_inbox is None:
                 pred = u.predecessor_id(self.agent_id)
                 self.ring.allowed = lambda hello, pred=pred: hello.sender == pred
+                self.ring.wire_dtype = u.wire_dtype
                 self.ring.inbox = inbox
             assert self._tg is not None
             task = self._tg.create_task(self._guard(worker), name=f"worker-{epoch}")

@@ -17,7 +17,9 @@ from which ``shard.Shard.from_source`` builds the shard as from a local file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import json
 import logging
 import os
 import time
@@ -77,10 +79,24 @@ def stage_tensor_names(cfg: ModelConfig, layers: LayerRange, *, embed: bool, nor
     return shard_tensor_names(cfg, layers, embed=embed, head=False) + ([NORM] if norm else [])
 
 
-def stage_fingerprint(source, layers: LayerRange, *, embed: bool, norm: bool) -> str:
-    """weights.fingerprint of exactly a stage's tensors in ``source`` (hashes only those stored bytes)."""
+def covered_names(source, layers: LayerRange, *, embed: bool, norm: bool) -> list[str]:
+    """Every tensor a stage of ``layers`` reads from ``source``: its tensors, and rope_freqs where the model has it.
+    The range fingerprint covers exactly these, and a manifest holds exactly these."""
     names = stage_tensor_names(source.config, layers, embed=embed, norm=norm)
-    return fingerprint(source.config, {n: tensor_digest(source, n) for n in names})
+    return names + ([ROPE_FREQS] if ROPE_FREQS in source.names() else [])
+
+
+def entry_digest(sha256: str, info: dict) -> str:
+    """What the range fingerprint takes for one tensor: its stored bytes' SHA-256 and how to read them (format,
+    dtype, shape), so a manifest that keeps the bytes but changes their reading (an f16/bf16 swap) is refused."""
+    return hashlib.sha256(f"{sha256}\n{json.dumps(info, sort_keys=True)}".encode()).hexdigest()
+
+
+def stage_fingerprint(source, layers: LayerRange, *, embed: bool, norm: bool) -> str:
+    """weights.fingerprint of exactly a stage's tensors in ``source`` (hashes only those stored bytes, and their
+    storage info)."""
+    names = covered_names(source, layers, embed=embed, norm=norm)
+    return fingerprint(source.config, {n: entry_digest(tensor_digest(source, n), source.raw_info(n)) for n in names})
 
 
 # ------------------------------------------------------------------------------------------------- serving
@@ -108,22 +124,22 @@ class WeightServer:
             release(name)
 
     def range_fingerprint(self, layers: LayerRange, *, embed: bool, norm: bool) -> str:
-        names = stage_tensor_names(self.source.config, layers, embed=embed, norm=norm)
-        return fingerprint(self.source.config, {n: self.digest(n) for n in names})
+        names = covered_names(self.source, layers, embed=embed, norm=norm)
+        return fingerprint(self.source.config,
+                           {n: entry_digest(self.digest(n), self.source.raw_info(n)) for n in names})
 
     def manifest(self, layers: LayerRange, *, embed: bool, norm: bool) -> Manifest:
         cfg = self.source.config
         if layers.end > cfg.num_layers:
             raise WeightsError(f"layer range {layers} exceeds the model's {cfg.num_layers} layers")
-        names = stage_tensor_names(cfg, layers, embed=embed, norm=norm)
-        extra = [ROPE_FREQS] if ROPE_FREQS in self.source.names() else []
+        names = covered_names(self.source, layers, embed=embed, norm=norm)
         entries = tuple(
             TensorEntry(name=n, nbytes=len(self.source.raw_bytes(n)), sha256=self.digest(n),
                         info=self.source.raw_info(n))
-            for n in [*names, *extra]
+            for n in names
         )
         return Manifest(config=cfg, layers=layers, embed=embed, norm=norm,
-                        fingerprint=fingerprint(cfg, {n: self.digest(n) for n in names}), tensors=entries)
+                        fingerprint=self.range_fingerprint(layers, embed=embed, norm=norm), tensors=entries)
 
     def install(self, app: web.Application) -> None:
         app.router.add_get(MANIFEST_PATH, self._manifest)
@@ -164,7 +180,15 @@ class WeightServer:
 
 
 def tensor_from_raw(config: ModelConfig, name: str, info: dict, raw: bytes | memoryview) -> torch.Tensor:
-    """Turn stored bytes (as WeightSource.raw_bytes gave them, described by raw_info) into a float tensor."""
+    """Turn stored bytes (as WeightSource.raw_bytes gave them, described by raw_info) into a float tensor.
+    Storage info that does not describe the bytes raises WeightsError."""
+    try:
+        return _tensor_from_raw(config, name, info, raw)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise WeightsError(f"tensor {name}: storage info {info!r} does not describe its bytes ({e})") from None
+
+
+def _tensor_from_raw(config: ModelConfig, name: str, info: dict, raw: bytes | memoryview) -> torch.Tensor:
     if info.get("format") == "gguf":
         return gguf_tensor_from_raw(config, name, info, raw)
     if info.get("format") == "safetensors":
@@ -210,17 +234,66 @@ def _cached(path: Path, sha256: str) -> bool:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
             h.update(chunk)
-    return h.hexdigest() == sha256
+    if h.hexdigest() != sha256:
+        return False
+    os.utime(path)  # used now: the modification time orders the cache, least recently used first
+    return True
+
+
+def remove_partial(folder: Path) -> int:
+    """Delete the partial files (``*.part<pid>``) a fetch left behind (a killed agent; another process's, or this
+    one's older than FETCH_TIMEOUT_S: never a write in progress here). -> how many."""
+    n = 0
+    mine = f".part{os.getpid()}"
+    for p in folder.glob("*.part*"):
+        with contextlib.suppress(OSError):
+            if p.suffix == mine and time.time() - p.stat().st_mtime < FETCH_TIMEOUT_S:
+                continue
+            p.unlink()
+            n += 1
+    if n:
+        log.info("removed %d partial weight file(s) in %s", n, folder)
+    return n
+
+
+def trim_cache(folder: Path, max_bytes: int, keep: set[Path]) -> int:
+    """Delete cached tensor files, least recently used first, until the folder holds at most ``max_bytes`` (the
+    files in ``keep``, the range being served, stay whatever their size). -> bytes freed."""
+    entries = []
+    for p in folder.glob("*.bin"):
+        with contextlib.suppress(OSError):
+            st = p.stat()
+            entries.append((st.st_mtime, p, st.st_size))
+    total = sum(size for _, _, size in entries)
+    freed = 0
+    for _, p, size in sorted(entries, key=lambda e: e[0]):
+        if total - freed <= max_bytes:
+            break
+        if p in keep:
+            continue
+        with contextlib.suppress(OSError):
+            p.unlink()
+            freed += size
+    if freed:
+        log.info("weight cache: dropped %.1f MB of least recently used tensors (bound %.1f MB)", freed / 1e6,
+                 max_bytes / 1e6)
+    return freed
 
 
 def verify_manifest(manifest: Manifest, expected_fingerprint: str | None) -> None:
     """The manifest's digests must give the range fingerprint the plan names."""
     names = stage_tensor_names(manifest.config, manifest.layers, embed=manifest.embed, norm=manifest.norm)
     entries = {t.name: t for t in manifest.tensors}
+    if len(entries) != len(manifest.tensors):
+        raise WeightsError("the manifest names a tensor twice")
     missing = [n for n in names if n not in entries]
     if missing:
         raise WeightsError(f"the manifest lacks {len(missing)} tensor(s) of the range, e.g. {missing[0]}")
-    fp = fingerprint(manifest.config, {n: entries[n].sha256 for n in names})
+    extra = set(entries) - set(names) - {ROPE_FREQS}
+    if extra:
+        raise WeightsError(f"the manifest holds {len(extra)} tensor(s) outside the range, e.g. {sorted(extra)[0]}")
+    covered = [*names, *([ROPE_FREQS] if ROPE_FREQS in entries else [])]
+    fp = fingerprint(manifest.config, {n: entry_digest(entries[n].sha256, entries[n].info) for n in covered})
     if fp != manifest.fingerprint or (expected_fingerprint and fp != expected_fingerprint):
         raise WeightsError(f"range fingerprint mismatch: digests give {fp}, expected "
                            f"{expected_fingerprint or manifest.fingerprint}")
@@ -236,10 +309,12 @@ async def fetch_range(
     cache_dir: Path,
     expected_fingerprint: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    cache_max_bytes: int | None = None,
 ) -> tuple[FetchedSource, int]:
     """Fetch (or find in the cache) exactly the tensors of a range; verify them. -> (source, bytes transferred).
     A progress bar (bytes, rate, time left) goes to stderr when it is a terminal; ``progress(done, total)`` is
-    called as bytes arrive."""
+    called as bytes arrive. Partial files of earlier fetches are removed first; with ``cache_max_bytes`` the cache
+    is trimmed afterwards, least recently used first, never below this range's tensors (trim_cache)."""
     params = {"start": str(layers.start), "end": str(layers.end), "embed": "1" if embed else "0",
               "norm": "1" if norm else "0"}
     timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
@@ -253,6 +328,7 @@ async def fetch_range(
     verify_manifest(manifest, expected_fingerprint)
     folder = cache_dir / "tensors"
     folder.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(remove_partial, folder)
     files = {t.name: folder / f"{t.sha256}.bin" for t in manifest.tensors}
     missing = await asyncio.to_thread(lambda: [t for t in manifest.tensors if not _cached(files[t.name], t.sha256)])
     total = sum(t.nbytes for t in missing)
@@ -283,6 +359,8 @@ async def fetch_range(
     finally:
         bar.close()
     took = time.perf_counter() - t0
+    if cache_max_bytes is not None:
+        await asyncio.to_thread(trim_cache, folder, cache_max_bytes, set(files.values()))
     log.info("range %s: %d tensors, %.1f MB, %.1f MB transferred in %.2f s (%.1f MB/s)", layers, len(files),
              manifest.nbytes / 1e6, transferred / 1e6, took, transferred / 1e6 / max(took, 1e-9))
     return FetchedSource(manifest, files), transferred
@@ -312,5 +390,10 @@ async def _download(session: aiohttp.ClientSession, url: str, entry: TensorEntry
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(f".part{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk: no partial file stays behind, and the load fails with the reason
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise WeightsError(f"cannot store {path.name}: {e}") from e

@@ -55,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"keeps the agent id and fetched weights (default ${env.STATE_DIR} or "
                    f"{env.DEFAULT_STATE_DIR})")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's physical cores)")
+    p.add_argument("--cache-max-gb", type=float, default=None, metavar="GB",
+                   help="bound the fetched-weights cache in the state folder (least recently used dropped first)")
     p.add_argument("--secret", default=None, help=f"shared secret (prefer ${env.SECRET})")
     p.add_argument("--cluster-key-file", type=Path, default=None, metavar="PATH",
                    help=f"the cluster key (default ${env.CLUSTER_KEY}, else the state folder's cluster.key; the "
@@ -98,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "cluster": args.cluster, "name": args.name, "leader": args.leader, "model": args.model, "draft": args.draft,
         "interfaces": args.interfaces, "peers": args.peers, "mdns": args.mdns, "port": args.port,
         "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
+        "cache_max_gb": args.cache_max_gb,
         "secret": args.secret, "cluster_key_file": args.cluster_key_file, "insecure": args.insecure,
         "api_key": args.api_key, "api_insecure": args.api_insecure, "api_cors": args.api_cors,
         "wire_dtype": args.wire_dtype, "decoding": args.decoding,

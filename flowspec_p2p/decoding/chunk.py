@@ -33,10 +33,11 @@ from .context import DecodingMode, ModeContext, prefill
 CHUNK_TREE = TreeShape(total_tokens=24, depth=6, top_k=4)
 
 
-def _verify(ctx: ModeContext, tree: DraftTree, f: torch.Tensor) -> Verdict:
-    """f: [n, hidden] target features of the whole tree. LM-head rows only where the walk goes."""
+def _verify(ctx: ModeContext, tree: DraftTree, f: torch.Tensor, committed: int) -> Verdict:
+    """f: [n, hidden] target features of the whole tree, whose root sits at position ``committed``. LM-head rows
+    only where the walk goes."""
     rows = walk_rows(tree, len(tree), lambda idx: ctx.logits(f[idx]))
-    verdict = verify_tree(tree, rows, ctx.params, ctx.gen, stop_ids=ctx.stop_ids)
+    verdict = verify_tree(tree, rows, ctx.params, ctx.gen, stop_ids=ctx.stop_ids, root_position=committed)
     ctx.note_walk(rows, verdict, verdict.emitted(tree))
     return verdict
 
@@ -81,7 +82,7 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
                                   tag=k)
             # 3. verify once the last segment is back; keep the accepted path on every stage
             f = torch.cat([ctx.features((await ctx.recv_forward())[1]) for _ in bounds])  # [n, hidden]
-            verdict: Verdict = await ctx.compute(_verify, ctx, tree, f)
+            verdict: Verdict = await ctx.compute(_verify, ctx, tree, f, committed)
             await ctx.prune(len(verdict.accepted), verdict.accepted)
             committed += len(verdict.accepted)
             out = verdict.emitted(tree)[:remaining]

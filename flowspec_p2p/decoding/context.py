@@ -38,7 +38,7 @@ import torch
 
 from ..errors import LinkLost, PeerGone, StageFailed
 from ..model.generate import GenStats
-from ..model.sampling import SamplingParams, choose
+from ..model.sampling import PositionalDraws, SamplingParams, choose
 from ..model.shard import Shard
 from ..pipeline.codec import wire_dtype
 from ..pipeline.messages import DataMessage, Forward, Prune, StageError
@@ -49,6 +49,8 @@ from .settings import LeaderSettings
 from .trace import RequestTrace, TokenLogprob, token_logprobs
 
 T = TypeVar("T")
+
+RETURN_SLACK = 16  # returned messages a request may hold beyond what it sent (a stage's own StageErrors)
 Tensors = dict[str, torch.Tensor]
 
 
@@ -144,7 +146,10 @@ class ModeContext:
         self.head: Shard = parts.head
         self.drafter = parts.drafter
         self.settings = parts.settings
-        self.gen: torch.Generator | None = None if params.greedy else params.generator()
+        # sampled tokens come from (seed, absolute position) only (sampling.PositionalDraws): a resumed request
+        # continues exactly as it would have undisturbed
+        self.gen: PositionalDraws | None = None if params.greedy else PositionalDraws(params.seed)
+        self.next_position = len(prompt)  # absolute position of the token the next next_token() decides
         self.queue: asyncio.Queue[Frame | _Failure] = asyncio.Queue()
         self.seq = 0  # next sequence number of this request
         self.in_flight = 0  # forwards sent whose result has not come back
@@ -162,7 +167,11 @@ class ModeContext:
             self.queue.put_nowait(_Failure(error))
 
     def deliver(self, frame: Frame) -> None:
-        """A message of this request came back from the pipeline (the leader's demultiplexer calls this)."""
+        """A message of this request came back from the pipeline (the leader's demultiplexer calls this). Every
+        returned message answers one this request sent: more than it sent fails the request (a stage is broken)."""
+        if self.queue.qsize() >= max(self.seq, 1) + RETURN_SLACK:
+            self.fail(StageFailed(f"the pipeline returned more messages than request {self.request_id} sent"))
+            return
         self.returned += isinstance(frame.msg, Forward)
         self.queue.put_nowait(frame)
 
@@ -265,15 +274,19 @@ class ModeContext:
         with torch.inference_mode():
             return self.head.logits(features)
 
-    def choose(self, features: torch.Tensor) -> int:
-        """The next token at one position. features: [hidden]"""
-        return choose(self.logits(features), self.params, self.gen)
+    def choose(self, features: torch.Tensor, position: int) -> int:
+        """The token at absolute ``position``. features: [hidden]"""
+        logits = self.logits(features)
+        return choose(logits, self.params, None) if self.gen is None else self.gen.sample(logits, self.params,
+                                                                                          position)
 
     def next_token(self, features: torch.Tensor) -> int:
-        """``choose``, for a token the mode commits: its logprobs are noted when the request asked. features:
-        [hidden]"""
+        """The token at ``next_position`` (then one further), for a token the mode commits: its logprobs are noted
+        when the request asked. features: [hidden]"""
         logits = self.logits(features)  # [vocab]
-        token = choose(logits, self.params, self.gen)
+        position, self.next_position = self.next_position, self.next_position + 1
+        token = choose(logits, self.params, None) if self.gen is None else self.gen.sample(logits, self.params,
+                                                                                           position)
         if self.trace.top_logprobs is not None:
             self.pending_logprobs.append(token_logprobs(logits, token, self.trace.top_logprobs))
         return token

@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
     """Verify the verified prefix of the current tree from its root (LM-head rows only where the walk goes)."""
     rows = walk_rows(state.tree, state.verified, lambda idx: ctx.logits(torch.stack([state.feats[i] for i in idx])))
-    verdict = verify_tree(state.tree, rows, ctx.params, ctx.gen, verified_end=state.verified, stop_ids=ctx.stop_ids)
+    verdict = verify_tree(state.tree, rows, ctx.params, ctx.gen, verified_end=state.verified, stop_ids=ctx.stop_ids,
+                          root_position=state.committed)
     ctx.note_walk(rows, verdict, verdict.emitted(state.tree))
     return verdict
 

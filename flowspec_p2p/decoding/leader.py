@@ -20,8 +20,9 @@ arriving while there is no pipeline (planning, loading) wait ``ready_timeout_s``
 (HTTP 503 with Retry-After). A request whose pipeline breaks — a link down, no reply within ``step_timeout_s``, a
 re-plan (``set_pipeline``) — **resumes**: the leader waits up to ``resume_timeout_s`` for the next pipeline (the
 re-plan that a device leaving sets off) and continues from the tokens it already committed, prompt and committed
-tokens prefilled again. That is lossless: every mode decodes the target's distribution given the prefix (sampling
-draws from a fresh seed-derived stream, so the continuation does not reuse the first attempt's draws). Without a
+tokens prefilled again. That is lossless: every mode decodes the target's distribution given the prefix, and a sampled
+request gives the text it would have given undisturbed: the token at each absolute position comes from one uniform
+of (seed, position) (sampling.PositionalDraws; a request without a seed gets one). Without a
 new pipeline in time, or after ``resume_attempts`` resumptions, it ends with ``PeerGone``; a stage error ends it
 with ``StageFailed``. It never hangs.
 
@@ -35,6 +36,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import time
 import uuid
 from collections import deque
@@ -46,7 +48,7 @@ from ..model.generate import GenStats, check_context
 from ..model.sampling import SamplingParams
 from ..model.shard import Shard
 from ..pipeline.messages import Release
-from ..pipeline.transport import Frame, LinkDown
+from ..pipeline.transport import Frame, Inbox, LinkDown
 from ..spec.drafter import Drafter
 from .ar import AR
 from .auto import ModeChooser
@@ -69,11 +71,12 @@ def _decode_window(stats: GenStats, busy: list[tuple[float, float]]) -> None:
     stats.extra["leader_busy_s"] = round(sum(max(0.0, min(b, end) - max(a, start)) for a, b in busy), 4)
 
 
-def _attempt_params(params: SamplingParams, attempt: int) -> SamplingParams:
-    """A resumed attempt samples from its own stream (derived from the seed), not the first attempt's draws again."""
-    if attempt == 0 or params.seed is None:
+def _job_params(params: SamplingParams) -> SamplingParams:
+    """A sampled request without a seed gets one: its draws depend only on (seed, position)
+    (sampling.PositionalDraws), so every attempt of it continues the same text."""
+    if params.greedy or params.seed is not None:
         return params
-    return params.model_copy(update={"seed": (params.seed * 1_000_003 + attempt) % 2**63})
+    return params.model_copy(update={"seed": secrets.randbits(63)})
 
 
 def _sum(a: GenStats, b: GenStats) -> GenStats:
@@ -132,7 +135,7 @@ class Leader:
         self.chooser = ModeChooser(self.settings.auto)
         self.register_mode(DecodingMode("auto", self._run_auto, description="per request, the mode measured "
                                         "fastest on this pipeline for requests like it (decoding/auto.py)"))
-        self.inbox: asyncio.Queue = asyncio.Queue()  # the return link's RingServer delivers here
+        self.inbox: asyncio.Queue = Inbox()  # the return link's RingServer delivers here (bounded: backpressure)
         self.pipeline: Pipeline | None = None
         self._ready = asyncio.Event()
         self._swapped = asyncio.Event()  # set whenever a new pipeline is installed
@@ -270,7 +273,7 @@ class Leader:
         self.counters["requests"] += 1
         trace = trace if trace is not None else RequestTrace()
         trace.mode, trace.prompt_tokens = spec.name, len(prompt)
-        job = _Job(spec, list(prompt), params, budget, frozenset(stop_ids or ()), stats, timeline, trace)
+        job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), stats, timeline, trace)
         await self._take_turn()
         self.traces.append(trace)
         outcome = "failed"
@@ -304,7 +307,7 @@ class Leader:
         job.current = cur = GenStats(mode=job.spec.name)
         rid = uuid.uuid4().hex[:16]
         ctx = ModeContext(self.parts, pipeline, rid, [*job.prompt, *job.committed],
-                          _attempt_params(job.params, attempt), job.budget - len(job.committed), job.stops, cur,
+                          job.params, job.budget - len(job.committed), job.stops, cur,
                           job.trace)
         self._active[rid] = ctx
         self.idle.clear()

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ContextOverflow
 from .kv_cache import KVCache
-from .sampling import SamplingParams, choose
+from .sampling import PositionalDraws, SamplingParams, choose
 from .shard import Shard
 from .tokenizer import Detokenizer, Tokenizer
 
@@ -95,11 +95,11 @@ class ARDecoder:
         stats.prompt_tokens = len(prompt)
         if budget == 0:
             return
-        gen = None if params.greedy else params.generator()
+        gen = None if params.greedy else PositionalDraws(params.seed)  # (seed, position) -> the token
         cache = self.model.new_cache(len(prompt) + budget)
         t0 = time.perf_counter()
         feat = prefill_features(self.model, cache, prompt)[-1]
-        token = choose(self.model.logits(feat), params, gen)
+        token = choose(self.model.logits(feat), params, gen, len(prompt))
         stats.prefill_s = time.perf_counter() - t0
         stats.steps, stats.new_tokens = 1, 1
         t1 = time.perf_counter()
@@ -107,7 +107,7 @@ class ARDecoder:
             yield [token]
             while stats.new_tokens < budget and token not in stop_ids:
                 feat = self.model(torch.tensor([[token]]), cache)[0, -1]
-                token = choose(self.model.logits(feat), params, gen)
+                token = choose(self.model.logits(feat), params, gen, len(prompt) + stats.new_tokens)
                 stats.steps += 1
                 stats.new_tokens += 1
                 yield [token]

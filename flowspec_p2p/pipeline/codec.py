@@ -14,12 +14,14 @@ the shapes account for exactly the payload's bytes, that a Forward's tensors hav
 float tensors are finite. Every failure raises ``ProtocolError`` with the reason.
 
 Activations go on the wire in float16 or bfloat16 (``encode(..., float_dtype=...)``; tests use float64 so
-pipelines stay exact).
+pipelines stay exact). A link agrees on its wire dtype at the handshake (transport.RingHello); the sender makes
+every value representable in it (clamped to its range) and the receiver refuses float tensors of another dtype.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import struct
 import sys
@@ -31,6 +33,8 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from ..errors import ProtocolError
 from ..model.dtypes import DTYPE_NAMES, FLOAT_DTYPES, TORCH_DTYPES
 from .messages import PROTOCOL_VERSION, TENSOR_NAMES, WIRE_DTYPES, DataMessage, Forward, TensorSpec
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"FSPF"
 PREFIX = struct.Struct("<4sI")  # magic, header length
@@ -71,8 +75,8 @@ def encode(msg, tensors: Tensors | None = None, *, float_dtype: torch.dtype | No
     tensors = tensors or {}
     specs, blobs = [], []
     for name, t in tensors.items():
-        if float_dtype is not None and t.is_floating_point():
-            t = t.to(float_dtype)
+        if t.is_floating_point():
+            t = _representable(t, float_dtype or t.dtype)
         if DTYPE_NAMES.get(t.dtype) not in WIRE_DTYPES:
             raise ProtocolError(f"tensor {name!r} has dtype {t.dtype}, which cannot go on the wire")
         t = t.detach().contiguous().cpu()
@@ -92,8 +96,23 @@ def encode(msg, tensors: Tensors | None = None, *, float_dtype: torch.dtype | No
     return frame
 
 
-def decode(frame: bytes | bytearray | memoryview, *, max_frame_bytes: int = MAX_FRAME_BYTES) -> tuple[object, Tensors]:
-    """Parse and validate one frame -> (message, tensors). Raises ProtocolError with the reason."""
+def _representable(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` cast to the wire dtype ``dtype`` with every value finite there: values beyond the dtype's range are
+    clamped to it (an activation above 65504 on a float16 wire), NaN becomes 0, so the receiver never sees a
+    non-finite tensor from a sender that works. A frame with such values is rare; it is logged."""
+    if t.numel() == 0:
+        return t.to(dtype)
+    top = torch.finfo(dtype).max
+    if bool(torch.isfinite(t).all()) and float(t.abs().max()) <= top:
+        return t.to(dtype)
+    log.warning("a %s tensor holds values beyond %s's range or non-finite; clamped", tuple(t.shape), dtype)
+    return torch.nan_to_num(t.double(), nan=0.0, posinf=top, neginf=-top).clamp(-top, top).to(dtype)
+
+
+def decode(frame: bytes | bytearray | memoryview, *, max_frame_bytes: int = MAX_FRAME_BYTES,
+           float_dtype: str | None = None) -> tuple[object, Tensors]:
+    """Parse and validate one frame -> (message, tensors). ``float_dtype``: the wire dtype the link agreed on at
+    its handshake; a float tensor of another dtype is refused. Raises ProtocolError with the reason."""
     size = len(frame)
     if size > max_frame_bytes:
         raise ProtocolError(f"frame of {size} bytes exceeds the limit of {max_frame_bytes}")
@@ -108,6 +127,10 @@ def decode(frame: bytes | bytearray | memoryview, *, max_frame_bytes: int = MAX_
         raise ProtocolError(f"truncated frame: header of {hlen} bytes, only {size - PREFIX.size} present")
     msg = _parse_header(bytes(frame[PREFIX.size : PREFIX.size + hlen]))
     specs: list[TensorSpec] = list(getattr(msg, "tensors", []))
+    if float_dtype is not None:
+        for s in specs:
+            if s.name != "tokens" and s.dtype != float_dtype:
+                raise ProtocolError(f"tensor {s.name!r} is {s.dtype}; this link carries {float_dtype}")
     offset = PREFIX.size + hlen
     need = offset + sum(_nbytes(s) for s in _check_specs(msg, specs))
     if need != size:

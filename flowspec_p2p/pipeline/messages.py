@@ -27,18 +27,28 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from ..types import FrozenModel, RequestId
+from ..types import FrozenModel
 
 PROTOCOL_VERSION = 1
 MAX_STAGES = 256  # stage_s entries a Forward may carry
+MAX_REQUEST_ID = 64  # characters of a request id (the leader's are 16)
+MAX_NODES = 4096  # nodes one Forward carries, and entries of a Prune's keep (a prefill chunk or a tree segment)
+MAX_POSITION = 1 << 20  # absolute positions (every stage also checks them against its KV capacity)
+MAX_SEQ = 1 << 40  # sequence numbers and tags
+MAX_ERROR_TEXT = 1000  # characters of a StageError's message
 WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int64", "int32")
 TENSOR_NAMES = ("tokens", "hidden", "features")
+
+# every field a peer controls is bounded here, so a frame is refused before anything is allocated for it
+RequestId = Annotated[str, Field(max_length=MAX_REQUEST_ID)]
+Seq = Annotated[int, Field(ge=0, le=MAX_SEQ)]
+NodeIndex = Annotated[int, Field(ge=0, lt=MAX_NODES)]
 
 
 class TensorSpec(FrozenModel):
     name: Literal["tokens", "hidden", "features"]
     dtype: Literal["float16", "bfloat16", "float32", "float64", "int64", "int32"]
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = Field(max_length=4)
 
 
 class Forward(FrozenModel):
@@ -46,18 +56,21 @@ class Forward(FrozenModel):
 
     kind: Literal["forward"] = "forward"
     request_id: RequestId
-    seq: int = Field(ge=0)
-    first: int = Field(ge=0)  # tree index of the first node; must equal the stage's pending count
-    parents: list[int]  # per node: parent tree index (< own index), or -1 (hangs off the committed prefix)
-    positions: list[int]  # per node: absolute position = committed + depth
+    seq: Seq
+    first: NodeIndex  # tree index of the first node; must equal the stage's pending count
+    # per node: parent tree index (< own index), or -1 (hangs off the committed prefix)
+    parents: list[Annotated[int, Field(ge=-1, lt=MAX_NODES)]] = Field(max_length=MAX_NODES)
+    # per node: absolute position = committed + depth
+    positions: list[Annotated[int, Field(ge=0, lt=MAX_POSITION)]] = Field(max_length=MAX_NODES)
     commit: bool = False  # commit the nodes right after the forward (prefill chunks, autoregressive steps)
-    tag: int = 0  # the leader's segment id, echoed back unchanged
-    dead: list[int] = Field(default_factory=list)  # rows a queued Prune already discards: not computed, zeros
+    tag: Annotated[int, Field(ge=-MAX_SEQ, le=MAX_SEQ)] = 0  # the leader's segment id, echoed back unchanged
+    # rows a queued Prune already discards: not computed, zeros
+    dead: list[NodeIndex] = Field(default_factory=list, max_length=MAX_NODES)
     # each stage appends its busy seconds for this forward (compute + any emulated slowdown): the leader sizes
     # FlowSpec's segments from what the stages really cost (flowstate.StageCost)
     stage_s: list[Annotated[float, Field(ge=0.0, le=86_400.0, allow_inf_nan=False)]] = Field(
         default_factory=list, max_length=MAX_STAGES)
-    tensors: list[TensorSpec] = Field(default_factory=list)
+    tensors: list[TensorSpec] = Field(default_factory=list, max_length=len(TENSOR_NAMES))
 
     @property
     def computed_rows(self) -> int:
@@ -72,9 +85,9 @@ class Prune(FrozenModel):
 
     kind: Literal["prune"] = "prune"
     request_id: RequestId
-    seq: int = Field(ge=0)
-    accept: int = Field(ge=0)
-    keep: list[int]
+    seq: Seq
+    accept: Annotated[int, Field(ge=0, le=MAX_NODES)]
+    keep: list[NodeIndex] = Field(max_length=MAX_NODES)
 
 
 class Release(FrozenModel):
@@ -82,7 +95,7 @@ class Release(FrozenModel):
 
     kind: Literal["release"] = "release"
     request_id: RequestId
-    seq: int = Field(ge=0)
+    seq: Seq
 
 
 class StageError(FrozenModel):
@@ -90,9 +103,9 @@ class StageError(FrozenModel):
 
     kind: Literal["error"] = "error"
     request_id: RequestId
-    seq: int = Field(ge=0)
-    stage: int
-    message: str
+    seq: Seq
+    stage: Annotated[int, Field(ge=0, le=MAX_STAGES)]
+    message: str = Field(max_length=MAX_ERROR_TEXT)
     # "link_lost": the stage lost its inbound link (the leader resumes the request on the next pipeline)
     reason: Literal["failed", "link_lost"] = "failed"
 

@@ -40,6 +40,8 @@ from .transport import (
 
 log = logging.getLogger(__name__)
 
+MAX_INBOUND_LINKS = 8  # open inbound links at once (a ring has one per epoch; a switch overlaps two)
+
 
 @dataclass
 class _Inbound:
@@ -64,6 +66,7 @@ class RingServer:
         self.allowed = allowed  # optional extra check (e.g. "is the sender my planned predecessor?")
         self.authenticated = authenticated  # the agent id a request proved (None: the hello's word is taken)
         self.max_frame_bytes = max_frame_bytes
+        self.wire_dtype: str | None = None  # the plan's wire dtype: every link must carry exactly it (None: any)
         self.links: dict[int, _Inbound] = {}
         self.refused = 0
         self.bad_frames = 0
@@ -98,6 +101,10 @@ class RingServer:
             return CLOSE_STALE_EPOCH, f"plan epoch {hello.epoch} is not the current epoch {self.epoch}"
         if self.inbox is None:
             return CLOSE_REFUSED, "this agent serves no stage"
+        if self.wire_dtype is not None and hello.wire_dtype != self.wire_dtype:
+            return CLOSE_REFUSED, f"wire dtype {hello.wire_dtype} is not the plan's {self.wire_dtype}"
+        if len(self.links) >= MAX_INBOUND_LINKS:
+            return CLOSE_REFUSED, f"already {len(self.links)} inbound links"
         if self.allowed is not None and not self.allowed(hello):
             return CLOSE_REFUSED, f"{hello.sender} is not this agent's planned predecessor"
         return None
@@ -136,10 +143,12 @@ class RingServer:
                     break
                 if m.type != aiohttp.WSMsgType.BINARY:
                     raise ProtocolError(f"unexpected {m.type.name} frame")
-                msg, tensors = codec.decode(m.data, max_frame_bytes=self.max_frame_bytes)
+                msg, tensors = codec.decode(m.data, max_frame_bytes=self.max_frame_bytes,
+                                            float_dtype=hello.wire_dtype)
                 link.counters.frames += 1
                 link.counters.bytes += len(m.data)
-                inbox.put_nowait(Frame(msg, tensors, hello.sender, link.id, time.time()))
+                # a bounded inbox (stage_host.TapQueue) makes this wait: the socket is not read meanwhile
+                await inbox.put(Frame(msg, tensors, hello.sender, link.id, time.time()))
             reason = f"closed by {hello.sender} (code {ws.close_code})"
             if ws.exception() is not None:
                 reason = f"broken: {ws.exception()}"

@@ -25,11 +25,13 @@ from ..errors import ContextOverflow, FlowSpecError, ForwardStopped, ProtocolErr
 from ..model.dtypes import dtype_name
 from ..model.kv_cache import KVCache
 from ..model.shard import Shard
-from .messages import DataMessage, Forward, Prune, Release, StageError, TensorSpec
+from .messages import MAX_ERROR_TEXT, MAX_NODES, DataMessage, Forward, Prune, Release, StageError, TensorSpec
 
 log = logging.getLogger(__name__)
 
-MAX_REQUESTS = 16  # concurrent request states a stage keeps; the oldest is evicted beyond this
+MAX_REQUESTS = 16  # request states one inbound link may hold; its least recently used one is evicted beyond this
+MAX_TOTAL_REQUESTS = 64  # request states a stage holds over all its links; a new request beyond this is refused
+MAX_PENDING = MAX_NODES  # pending tree nodes (live and dead) a request may hold on a stage
 
 
 Tensors = dict[str, torch.Tensor]
@@ -42,6 +44,7 @@ class RequestState:
     depth: list[int] = field(default_factory=list)  # per pending node
     slot: list[int | None] = field(default_factory=list)  # per pending node: pending KV offset, None if dead
     next_seq: int = 0
+    link: int = 0  # the inbound link that opened it: only messages of that link touch it
 
 
 def ancestor_mask(committed: int, parents: list[int], first: int, slot: list[int | None] | None = None,
@@ -81,16 +84,24 @@ class StageCore:
     # ------------------------------------------------------------------------------------------ dispatch
 
     def handle(self, msg: DataMessage, tensors: Tensors, upcoming: Sequence[DataMessage] = (),
-               stop: Callable[[], bool] | None = None) -> tuple[DataMessage, Tensors]:
-        """Apply one message. Errors specific to a request become a StageError passed on; they never raise.
-        ``upcoming``: messages queued behind this one (look-ahead: a Forward skips rows a queued Prune discards).
-        ``stop``: asked between layers of a tree forward; yes means a prune that arrived since discards every
-        node of it, so the forward stops there and passes its rows on as dead (the worker decides, worker.py)."""
+               stop: Callable[[], bool] | None = None, link: int = 0) -> tuple[DataMessage, Tensors] | None:
+        """Apply one message that arrived on inbound link ``link``. Errors specific to a request become a StageError
+        passed on; they never raise. ``upcoming``: messages of the same link queued behind this one (look-ahead: a
+        Forward skips rows a queued Prune discards). ``stop``: asked between layers of a tree forward; yes means a
+        prune that arrived since discards every node of it, so the forward stops there and passes its rows on as
+        dead (the worker decides, worker.py). -> None when the message names a request another link holds: it is
+        dropped (logged and counted), and that request goes on untouched."""
+        held = self.requests.get(msg.request_id)
+        if held is not None and held.link != link:
+            self.counters["foreign"] = self.counters.get("foreign", 0) + 1
+            log.warning("stage %d: dropped a %s for request %s from link %d: link %d holds it", self.index, msg.kind,
+                        msg.request_id, link, held.link)
+            return None
         if isinstance(msg, StageError):
             self.requests.pop(msg.request_id, None)
             return msg, {}
         try:
-            state = self._state(msg)
+            state = self._state(msg, link)
             if isinstance(msg, Forward):
                 out = self._forward(state, msg, tensors, _next_prune(msg.request_id, upcoming), stop)
             elif isinstance(msg, Prune):
@@ -103,28 +114,50 @@ class StageCore:
                 raise ProtocolError(f"unexpected message {type(msg).__name__}")
             state.next_seq = msg.seq + 1
             return out
-        except FlowSpecError as e:
+        except Exception as e:
+            # request only, never the stage
             self.counters["errors"] += 1
             self.requests.pop(msg.request_id, None)
-            log.warning("stage %d: request %s failed: %s", self.index, msg.request_id, e)
-            return StageError(request_id=msg.request_id, seq=msg.seq, stage=self.index, message=str(e)), {}
+            if isinstance(e, FlowSpecError):
+                log.warning("stage %d: request %s failed: %s", self.index, msg.request_id, e)
+            else:
+                log.exception("stage %d: request %s failed", self.index, msg.request_id)
+            text = f"{type(e).__name__}: {e}" if not isinstance(e, FlowSpecError) else str(e)
+            return StageError(request_id=msg.request_id, seq=msg.seq, stage=self.index,
+                              message=text[:MAX_ERROR_TEXT]), {}
 
-    def _state(self, msg: DataMessage) -> RequestState:
+    def _state(self, msg: DataMessage, link: int) -> RequestState:
         state = self.requests.get(msg.request_id)
         if state is None:
             if msg.seq != 0 or not isinstance(msg, Forward):
                 if isinstance(msg, Release):  # releasing an unknown request is harmless
                     return RequestState(cache=None)  # type: ignore[arg-type]
                 raise ProtocolError(f"unknown request {msg.request_id} at seq {msg.seq}")
-            if len(self.requests) >= MAX_REQUESTS:
-                oldest = next(iter(self.requests))
-                log.warning("stage %d: evicting request %s (too many open requests)", self.index, oldest)
-                del self.requests[oldest]
-            state = RequestState(cache=self.shard.new_cache(self.capacity))
-            self.requests[msg.request_id] = state
-        elif msg.seq != state.next_seq:
-            raise ProtocolError(f"request {msg.request_id}: expected seq {state.next_seq}, got {msg.seq}")
+            self._check_opening(msg)
+            mine = [rid for rid, st in self.requests.items() if st.link == link]
+            if len(mine) >= MAX_REQUESTS:
+                log.warning("stage %d: evicting request %s (link %d holds %d requests)", self.index, mine[0], link,
+                            len(mine))
+                del self.requests[mine[0]]
+            elif len(self.requests) >= MAX_TOTAL_REQUESTS:
+                raise ProtocolError(f"this stage holds {len(self.requests)} requests; refusing a new one")
+            state = RequestState(cache=self.shard.new_cache(self.capacity), link=link)
+        else:
+            if msg.seq != state.next_seq:
+                raise ProtocolError(f"request {msg.request_id}: expected seq {state.next_seq}, got {msg.seq}")
+            del self.requests[msg.request_id]  # re-inserted below: the dict's order is least recently used first
+        self.requests[msg.request_id] = state
         return state
+
+    def _check_opening(self, msg: Forward) -> None:
+        """A request's first forward, checked before its KV cache is allocated: it starts an empty tree at
+        position 0 and fits the capacity."""
+        m = len(msg.parents)
+        if m == 0 or len(msg.positions) != m or msg.first != 0:
+            raise ProtocolError(f"a request's first forward starts at node 0 with one position per node (got "
+                                f"first {msg.first}, {m} parents, {len(msg.positions)} positions)")
+        if m > self.capacity or max(msg.positions) >= self.capacity:
+            raise ContextOverflow(f"request {msg.request_id} exceeds this stage's KV capacity {self.capacity}")
 
     # ---------------------------------------------------------------------------------------- messages
 
@@ -166,6 +199,10 @@ class StageCore:
             raise ProtocolError(f"forward needs one parent and one position per node (got {m}, {len(msg.positions)})")
         if first != len(state.parents):
             raise ProtocolError(f"forward starts at node {first} but this stage holds {len(state.parents)} pending")
+        if first + m > MAX_PENDING:
+            raise ProtocolError(f"forward would grow the pending tree to {first + m} nodes (at most {MAX_PENDING})")
+        if state.cache.committed + first + m > state.cache.capacity:  # every node, dead or live, counts
+            raise ContextOverflow(f"request {msg.request_id} exceeds this stage's KV capacity {state.cache.capacity}")
         if msg.commit and (state.parents or msg.dead):
             raise ProtocolError("a committing forward needs an empty pending tree and no dead rows")
         if any(not 0 <= r < m for r in msg.dead):

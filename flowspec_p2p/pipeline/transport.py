@@ -29,13 +29,14 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import aiohttp
 import torch
 from pydantic import Field, ValidationError
 
 from ..errors import PeerGone, ProtocolError
+from ..model.dtypes import DTYPE_NAMES
 from ..types import FrozenModel
 from . import codec
 from .emulation import NO_LINK_EMULATION, LinkEmulation, Pacer
@@ -61,6 +62,8 @@ class RingHello(FrozenModel):
     cluster: str = Field(min_length=1, max_length=128)
     epoch: int = Field(ge=0)
     sender: str = Field(min_length=1, max_length=128)
+    # the dtype of every float tensor on this link (None: not fixed; a server whose plan names one refuses that)
+    wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
 
 
 class RingWelcome(FrozenModel):
@@ -102,6 +105,40 @@ class LinkDown:
 
 
 Event = Frame | LinkDown
+
+INBOX_FRAMES = 64  # frames an Inbox holds; a sender's put waits for room beyond this (backpressure)
+
+
+class Inbox(asyncio.Queue):
+    """A stage's inbound queue: ``put`` of a Frame waits while ``limit`` frames are queued (the ring server then
+    stops reading that socket, so TCP pushes back on the sender); a ``LinkDown`` always goes in at once, so the
+    news of a lost link is never held back or lost."""
+
+    def __init__(self, limit: int = INBOX_FRAMES):
+        super().__init__()
+        self.limit = limit
+        self.frames = 0  # Frames queued (LinkDowns do not count)
+        self._room = asyncio.Event()
+        self._room.set()
+
+    async def put(self, item) -> None:
+        while isinstance(item, Frame) and self.frames >= self.limit:
+            self._room.clear()
+            await self._room.wait()
+        self.put_nowait(item)
+
+    def put_nowait(self, item) -> None:
+        super().put_nowait(item)
+        if isinstance(item, Frame):
+            self.frames += 1
+
+    def get_nowait(self):
+        item = super().get_nowait()
+        if isinstance(item, Frame):
+            self.frames -= 1
+            if self.frames < self.limit:
+                self._room.set()
+        return item
 
 
 class Sender(Protocol):
@@ -166,6 +203,8 @@ class Link:
     ) -> Link:
         """Dial ``url`` (``ws://host:port/ring``) and handshake, each within ``timeout_s``. Raises PeerGone
         (unreachable, no answer) or ProtocolError (refused: the reason says why, e.g. a stale plan epoch)."""
+        if float_dtype is not None and hello.wire_dtype is None:
+            hello = hello.model_copy(update={"wire_dtype": DTYPE_NAMES[float_dtype]})
         owns = session is None
         session = session or aiohttp.ClientSession()
         try:
@@ -304,7 +343,7 @@ class QueueSender:
         elif self.float_dtype is not None:
             tensors = {k: v.to(self.float_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         self.counters.frames += 1
-        self.queue.put_nowait(Frame(msg, tensors, self.peer, self.id, time.time()))
+        await self.queue.put(Frame(msg, tensors, self.peer, self.id, time.time()))  # a bounded inbox: backpressure
 
     async def close(self) -> None:
         self._closed = True

@@ -21,6 +21,7 @@ downstream, so the leader resumes it at once instead of waiting for a timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -30,13 +31,16 @@ from dataclasses import asdict, dataclass
 from ..errors import PeerGone
 from ..model.native_shard import StopFlag
 from .emulation import Device
-from .messages import DataMessage, Forward, Prune, Release, StageError
+from .messages import MAX_ERROR_TEXT, DataMessage, Forward, Prune, Release, StageError
 from .stage import StageCore, Tensors
-from .transport import Frame, LinkDown, Sender
+from .transport import Frame, Inbox, LinkDown, Sender
 
 log = logging.getLogger(__name__)
 
 TIMELINE_LENGTH = 8192  # busy intervals kept per stage
+OUTBOX_FRAMES = 64  # results waiting for the successor link; more and the stage stops taking frames
+BACKLOG_FRAMES = 256  # inbound frames a stage takes ahead of the one it computes (look-ahead)
+RECENT_FORWARDS = 64  # forwards whose busy time sets the stall bound the leader checks (forward_slowest_s)
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,8 @@ class _DiscardWatch:
     """Whether the first prune of a tree forward's request that arrives behind it discards every node of it.
     Arriving events are appended to the worker's backlog in order (they are handled after the forward)."""
 
-    def __init__(self, msg: Forward, backlog: deque):
-        self.msg, self.backlog = msg, backlog
+    def __init__(self, msg: Forward, backlog: deque, link: int = 0):
+        self.msg, self.backlog, self.link = msg, backlog, link
         self.nodes = set(range(msg.first, msg.first + len(msg.parents)))
         self.armed = not msg.commit  # committing forwards (prefill) are never discarded
         self.discarded = False
@@ -67,9 +71,10 @@ class _DiscardWatch:
                 break
 
     def _decides(self, ev) -> bool:
-        """Whether ``ev`` is the message that settles this forward's fate (a prune or the request's end)."""
-        return isinstance(ev, Frame) and ev.msg.request_id == self.msg.request_id and isinstance(
-            ev.msg, Prune | Release | StageError)
+        """Whether ``ev`` is the message that settles this forward's fate (a prune or the request's end, on the
+        forward's own link)."""
+        return isinstance(ev, Frame) and ev.link == self.link and ev.msg.request_id == self.msg.request_id \
+            and isinstance(ev.msg, Prune | Release | StageError)
 
     def arrived(self, ev) -> None:
         self.backlog.append(ev)
@@ -88,14 +93,15 @@ class StageWorker:
                  device: Device | None = None, name: str | None = None):
         self.core = core
         self.successor = successor
-        self.inbox: asyncio.Queue = inbox if inbox is not None else asyncio.Queue()
+        self.inbox: asyncio.Queue = inbox if inbox is not None else Inbox()
         self.device = device or Device()
         self.name = name or f"stage{core.index}"
         self.timeline_buffer: deque[BusyInterval] = deque(maxlen=TIMELINE_LENGTH)
         self.counters = {"frames_in": 0, "frames_out": 0, "dropped_out": 0, "compute_s": 0.0, "busy_s": 0.0,
                          "max_queue": 0}
-        self._origin: dict[str, int] = {}  # request id -> the inbound link it arrived on
-        self._out: asyncio.Queue = asyncio.Queue()
+        self._out: asyncio.Queue = asyncio.Queue(OUTBOX_FRAMES)  # full: the compute loop waits (backpressure)
+        self._forward_since: float | None = None  # time.perf_counter() when the forward computing now began
+        self._recent_s: deque[float] = deque(maxlen=RECENT_FORWARDS)  # busy seconds of the last forwards
         self.running = False
 
     async def set_successor(self, successor: Sender | None) -> None:
@@ -120,7 +126,7 @@ class StageWorker:
         """The next inbound event; everything already queued moves to ``backlog`` so forwards can look ahead."""
         if not backlog:
             backlog.append(await self.inbox.get())
-        while not self.inbox.empty():
+        while not self.inbox.empty() and len(backlog) < BACKLOG_FRAMES:
             backlog.append(self.inbox.get_nowait())
         self.counters["max_queue"] = max(self.counters["max_queue"], len(backlog))
         return backlog.popleft()
@@ -131,45 +137,50 @@ class StageWorker:
         while True:
             ev = await self._next(backlog)
             if isinstance(ev, LinkDown):
-                self._link_down(ev)
+                await self._link_down(ev)
                 continue
             assert isinstance(ev, Frame)
             msg = ev.msg
             self.counters["frames_in"] += 1
-            self._origin[msg.request_id] = ev.link
             if isinstance(msg, Forward):
                 out = await self._forward(loop, executor, ev, backlog)
             else:
-                out = self.core.handle(msg, ev.tensors)
-            if isinstance(out[0], Release | StageError):
-                self._origin.pop(msg.request_id, None)
-            self._out.put_nowait(out)
+                out = self.core.handle(msg, ev.tensors, link=ev.link)
+            if out is not None:
+                await self._out.put(out)
 
     async def _forward(self, loop, executor: ThreadPoolExecutor, ev: Frame, backlog: deque
-                       ) -> tuple[DataMessage, Tensors]:
+                       ) -> tuple[DataMessage, Tensors] | None:
         """Run one Forward, then let the device finish it. Frames that arrive meanwhile join ``backlog``; when the
         first prune of this request among them discards every node of the forward, the forward stops at its next
         layer (stage.py) and an emulated device at its next emulated layer boundary."""
         msg = ev.msg
         start = time.time()
         t0 = time.perf_counter()
-        upcoming = [e.msg for e in backlog if isinstance(e, Frame)]  # look-ahead (stage.py)
+        upcoming = [e.msg for e in backlog if isinstance(e, Frame) and e.link == ev.link]  # look-ahead (stage.py)
         stop = StopFlag()  # set from this loop, read by the forward between layers
-        watch = _DiscardWatch(msg, backlog)
-        job = loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming, stop.is_set)
-        if await self._watch(job, None, watch):
-            stop.set()
-            await job
-        out = job.result()
-        compute_s = time.perf_counter() - t0
-        result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
-        rows = len(msg.parents) if result is None else result.computed_rows
-        await self.device.finish(rows, compute_s, t0, len(self.core.shard.layers), watch.discarded,
-                                 lambda deadline: self._watch(None, deadline, watch))
+        watch = _DiscardWatch(msg, backlog, ev.link)
+        self._forward_since = t0
+        try:
+            job = loop.run_in_executor(executor, self.core.handle, msg, ev.tensors, upcoming, stop.is_set, ev.link)
+            if await self._watch(job, None, watch):
+                stop.set()
+                await job
+            out = job.result()
+            if out is None:
+                return None
+            compute_s = time.perf_counter() - t0
+            result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
+            rows = len(msg.parents) if result is None else result.computed_rows
+            await self.device.finish(rows, compute_s, t0, len(self.core.shard.layers), watch.discarded,
+                                     lambda deadline: self._watch(None, deadline, watch))
+        finally:
+            self._forward_since = None
         if result is not None and (stop.is_set() or watch.discarded):
             result = result.model_copy(update={"dead": list(range(len(msg.parents)))})
             self.counters["cut"] = self.counters.get("cut", 0) + 1
         end = time.time()
+        self._recent_s.append(end - start)
         self.counters["compute_s"] += compute_s
         self.counters["busy_s"] += end - start
         self.timeline_buffer.append(BusyInterval(start, end, compute_s, msg.request_id, len(msg.parents), msg.tag))
@@ -182,7 +193,7 @@ class StageWorker:
         backlog. -> True as soon as ``watch`` sees a prune that discards the forward (the wait is cut short)."""
         if watch.discarded:
             return True
-        if not watch.armed:
+        if not watch.armed or len(watch.backlog) >= BACKLOG_FRAMES:
             if job is not None:
                 await job
             else:
@@ -198,27 +209,29 @@ class StageWorker:
                 await asyncio.wait({getter})  # it may have taken a frame before the cancel landed
             if not getter.cancelled():
                 watch.arrived(getter.result())
-                while not self.inbox.empty():
+                while not self.inbox.empty() and len(watch.backlog) < BACKLOG_FRAMES:
                     watch.arrived(self.inbox.get_nowait())
             if watch.discarded:
                 return True
+            if len(watch.backlog) >= BACKLOG_FRAMES:  # taken far enough ahead: wait without reading more
+                return await self._watch(job, deadline, watch)
             if (job is not None and job.done()) or (deadline is not None and time.perf_counter() >= deadline):
                 return False
             if not watch.armed:  # the deciding message came and keeps some node: nothing more to watch for
                 return await self._watch(job, deadline, watch)
 
-    def _link_down(self, ev: LinkDown) -> None:
+    async def _link_down(self, ev: LinkDown) -> None:
+        """The requests that came through a lost inbound link end here (their states are freed) and downstream."""
         if ev.direction != "in":
             return
-        lost = [rid for rid, link in self._origin.items() if link == ev.link]
-        for rid in lost:
-            del self._origin[rid]
-            state = self.core.requests.get(rid)
-            if state is None:
-                continue
+        lost = [(rid, st) for rid, st in self.core.requests.items() if st.link == ev.link]
+        for rid, state in lost:
+            text = f"stage {self.core.index} lost its link from {ev.peer}: {ev.reason}"
             err = StageError(request_id=rid, seq=state.next_seq, stage=self.core.index, reason="link_lost",
-                             message=f"stage {self.core.index} lost its link from {ev.peer}: {ev.reason}")
-            self._out.put_nowait(self.core.handle(err, {}))
+                             message=text[:MAX_ERROR_TEXT])
+            out = self.core.handle(err, {}, link=ev.link)
+            if out is not None:
+                await self._out.put(out)
         if lost:
             log.warning("%s: link from %s down (%s); failed %d request(s)", self.name, ev.peer, ev.reason, len(lost))
 
@@ -236,12 +249,27 @@ class StageWorker:
             except PeerGone as e:
                 self.counters["dropped_out"] += 1
                 log.warning("%s: dropped %s of request %s: %s", self.name, msg.kind, msg.request_id, e)
+            except Exception as e:
+                self.counters["dropped_out"] += 1
+                log.warning("%s: cannot send %s of request %s (%s); failing the request", self.name, msg.kind,
+                            msg.request_id, e)
+                self.core.requests.pop(msg.request_id, None)
+                if not isinstance(msg, StageError):
+                    err = StageError(request_id=msg.request_id, seq=msg.seq, stage=self.core.index,
+                                     message=f"stage {self.core.index} could not send its result: {e}"[:MAX_ERROR_TEXT])
+                    with contextlib.suppress(Exception):
+                        await succ.send(err, {})
 
     # ------------------------------------------------------------------------------------ observability
 
     def snapshot(self) -> dict:
         """Counters for /cluster: the core's (forwards, tokens, prunes, errors) and the worker's."""
         c = dict(self.counters)
+        since = self._forward_since
+        # the leader's stall check (coordinator.py): how long the forward in progress has run, against the slowest
+        # of the recent ones
+        c["forward_running_s"] = 0.0 if since is None else round(time.perf_counter() - since, 3)
+        c["forward_slowest_s"] = round(max(self._recent_s, default=0.0), 4)
         c["compute_s"] = round(c["compute_s"], 4)
         c["busy_s"] = round(c["busy_s"], 4)
         return {

@@ -24,7 +24,7 @@ import torch
 from pydantic import Field
 
 from ..model.generate import GenStats, check_context, prefill_features
-from ..model.sampling import SamplingParams, choose
+from ..model.sampling import PositionalDraws, SamplingParams, choose
 from ..model.shard import Shard
 from ..types import Settings
 from .drafter import Drafter
@@ -98,14 +98,14 @@ class AutoDecoder:
         if budget == 0:
             return
         model, drafter, cfg, shapes = self.model, self.drafter, self.cfg, self.shapes
-        gen = None if params.greedy else params.generator()
+        gen = None if params.greedy else PositionalDraws(params.seed)  # (seed, position) -> the token
         cache = model.new_cache(len(prompt) + budget + max(s.total_tokens for s in shapes))
         drafter.reset(len(prompt) + budget + max(s.draft_slots() for s in shapes))
         costs = [_Cost(cfg.decay, cfg.recheck) for _ in range(1 + len(shapes))]  # kind 0: AR; k: shapes[k - 1]
         t0 = time.perf_counter()
         feats = prefill_features(model, cache, prompt)  # [P, hidden]
         cache.commit(cache.pending)
-        token = choose(model.logits(feats[-1]), params, gen)
+        token = choose(model.logits(feats[-1]), params, gen, len(prompt))
         # committed tokens the drafter has not seen yet, with their target features (fed before a spec step)
         behind_tokens, behind_feats = list(prompt), [feats]
         stats.prefill_s = time.perf_counter() - t0
@@ -123,7 +123,7 @@ class AutoDecoder:
                     cache.commit(1)
                     behind_tokens.append(token)
                     behind_feats.append(feat[0])
-                    out = [choose(model.logits(feat[0, -1]), params, gen)]
+                    out = [choose(model.logits(feat[0, -1]), params, gen, cache.committed)]  # the next position
                 else:
                     # the drafter catches up on the tokens committed since the last spec step (after AR steps, many:
                     # that catch-up is the price of switching to speculation, so it counts against it)
@@ -134,7 +134,7 @@ class AutoDecoder:
                     pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
                     f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
                     rows = walk_rows(tree, len(tree), lambda idx, f=f: model.logits(f[idx]))
-                    verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids)
+                    verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids, root_position=c)
                     cache.keep(verdict.accepted)
                     cache.commit(len(verdict.accepted))
                     out = verdict.emitted(tree)[:remaining]

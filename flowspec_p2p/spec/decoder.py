@@ -23,7 +23,7 @@ import torch
 from .. import env
 from ..model.generate import GenStats, check_context, prefill_features
 from ..model.native_shard import NativeShard
-from ..model.sampling import SamplingParams, choose
+from ..model.sampling import PositionalDraws, SamplingParams, choose
 from ..model.shard import Shard
 from .drafter import Drafter, HeadDrafter, TreeShape
 from .head import DraftBundle, find_compatible_drafts, find_draft
@@ -148,7 +148,7 @@ class SpecDecoder:
         if budget == 0:
             return
         model, drafter = self.model, self.drafter
-        gen = None if params.greedy else params.generator()
+        gen = None if params.greedy else PositionalDraws(params.seed)  # (seed, position) -> the token
         capacity = len(prompt) + budget + self.shape.total_tokens
         cache = model.new_cache(capacity)
         drafter.reset(len(prompt) + budget + self.shape.draft_slots())
@@ -157,7 +157,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         feats = prefill_features(model, cache, prompt)  # [P, hidden]
         cache.commit(cache.pending)
-        token = choose(model.logits(feats[-1]), params, gen)
+        token = choose(model.logits(feats[-1]), params, gen, len(prompt))
         td = time.perf_counter()
         drafter.feed(prompt, feats, token)
         stats.extra["draft_prefill_s"] = round(time.perf_counter() - td, 4)
@@ -178,7 +178,7 @@ class SpecDecoder:
                 f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
                 # 3. verify; keep the accepted path's K/V
                 rows = walk_rows(tree, len(tree), lambda idx, f=f: model.logits(f[idx]))  # where the walk goes
-                verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids)
+                verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids, root_position=c)
                 cache.keep(verdict.accepted)
                 cache.commit(len(verdict.accepted))
                 out = verdict.emitted(tree)[:remaining]

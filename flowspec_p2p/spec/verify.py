@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..model.sampling import SamplingParams, target_probs
+from ..model.sampling import PositionalDraws, SamplingParams, inverse_cdf, target_probs
 from .tree import DraftTree
 
 
@@ -193,12 +193,52 @@ def verify_sampling(
         return Verdict(accepted, y, nxt)
 
 
-def verify_tree(tree: DraftTree, logits: Rows, params: SamplingParams, gen: torch.Generator | None, *,
-                verified_end: int | None = None, stop_ids: frozenset[int] = frozenset()) -> Verdict:
-    """Verify ``tree`` as ``params`` say: the greedy walk (temperature 0), else exact rejection sampling with
-    ``len(tree) + 1`` uniforms from ``gen``. logits: target logits rows (usually ``LazyRows``)."""
+def verify_positional(
+    tree: DraftTree,
+    probs: Rows,
+    draws: PositionalDraws,
+    root_position: int,
+    *,
+    verified_end: int | None = None,
+    stop_ids: frozenset[int] = frozenset(),
+) -> Verdict:
+    """The walk of ``verify_greedy`` with the argmax replaced by the target's own sample at each position: the token
+    after node i (at depth d) is ``inverse_cdf(p_i, u(root_position + d + 1))``, and the walk moves to the child with
+    that token. Every emitted token is an exact draw from the target given the prefix, with one uniform per absolute
+    position, so the reply depends only on (seed, prompt): the same text whatever tree was drafted, and after a
+    resume. A child holding that token is accepted with probability p(x), the same as sibling-by-sibling
+    rejection of deterministic drafts (``verify_sampling``).
+
+    probs: rows [vocab] of the target distribution for nodes < verified_end (default len(probs)).
+    root_position: absolute position of the tree's root token (the committed tokens before it)."""
+    end = len(probs) if verified_end is None else verified_end
+    assert 1 <= end <= len(tree)
+    depth = tree.depth.tolist()
+    node, accepted = 0, [0]
+    while True:
+        if node and tree.token_list[node] in stop_ids:
+            return Verdict(accepted, None, None)
+        y = inverse_cdf(_row(probs[node]), draws.uniform(root_position + depth[node] + 1))
+        child = tree.child_with_token(node, y)
+        if child is not None and child < end:
+            accepted.append(child)
+            node = child
+            continue
+        return Verdict(accepted, y, child)
+
+
+def verify_tree(tree: DraftTree, logits: Rows, params: SamplingParams, gen: torch.Generator | PositionalDraws | None,
+                *, verified_end: int | None = None, stop_ids: frozenset[int] = frozenset(),
+                root_position: int | None = None) -> Verdict:
+    """Verify ``tree`` as ``params`` say: the greedy walk (temperature 0); with ``PositionalDraws`` and the root's
+    absolute position, ``verify_positional``; else exact rejection sampling with ``len(tree) + 1`` uniforms from
+    ``gen``. logits: target logits rows (usually ``LazyRows``)."""
     if params.greedy:
         return verify_greedy(tree, logits, verified_end=verified_end, stop_ids=stop_ids)
+    if isinstance(gen, PositionalDraws):
+        assert root_position is not None, "positional draws need the root's position"
+        probs = LazyRows(len(logits), lambda i: target_probs(logits[i], params))
+        return verify_positional(tree, probs, gen, root_position, verified_end=verified_end, stop_ids=stop_ids)
     probs = LazyRows(len(logits), lambda i: target_probs(logits[i], params))
     uniforms = torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64)
     return verify_sampling(tree, probs, uniforms, verified_end=verified_end, stop_ids=stop_ids)
@@ -211,8 +251,4 @@ def _row(row: torch.Tensor | np.ndarray) -> np.ndarray:
     return np.array(row, dtype=np.float64)  # copy
 
 
-def _inverse_cdf(p: np.ndarray, u: float) -> int:
-    """Token for one uniform draw from the (possibly unnormalised) distribution p. [vocab] -> id with p > 0."""
-    cdf = np.cumsum(p)
-    y = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    return min(y, p.shape[0] - 1)
+_inverse_cdf = inverse_cdf

@@ -193,3 +193,29 @@ def test_default_addresses_leave_out_docker_vpn_loopback_and_link_local(monkeypa
     assert discovery.default_addresses() == ["192.168.1.5"]
     monkeypatch.setattr(discovery, "bindable", lambda a: False)  # never advertise what cannot be bound
     assert discovery.default_addresses() == ["127.0.0.1"]
+
+
+async def test_a_flood_of_mdns_changes_starts_a_bounded_number_of_resolves_and_remembers_a_bounded_number(monkeypatch):
+    from zeroconf import ServiceStateChange
+
+    monkeypatch.setattr(discovery, "MAX_IGNORED", 4)
+    d = Discovery(peer("me"), asyncio.Queue(), addresses=["127.0.0.1"], mdns=False)
+    gate = asyncio.Event()
+    started = []
+
+    async def slow_resolve(name):
+        started.append(name)
+        await gate.wait()
+
+    monkeypatch.setattr(d, "_resolve_one", slow_resolve)
+    for i in range(discovery.MAX_RESOLVING * 3):
+        for _ in range(3):  # the same name changing again starts no second task
+            d._on_change(None, discovery.SERVICE_TYPE, f"n{i}.{discovery.SERVICE_TYPE}", ServiceStateChange.Updated)
+    await asyncio.sleep(0)
+    assert len(started) == len(d._tasks) == discovery.MAX_RESOLVING
+    gate.set()
+    await asyncio.gather(*d._tasks)
+    assert not d._resolving
+    for i in range(10):
+        d._ignore(f"bad{i}", "malformed")
+    assert list(d.ignored) == [f"bad{i}" for i in range(6, 10)]

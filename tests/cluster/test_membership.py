@@ -85,3 +85,29 @@ def test_events_about_unknown_or_self_are_ignored(state):
     assert apply(state, Heard("x", at=1.0)) == state
     assert apply(state, Left("x", at=1.0)) == state
     assert apply(state, Joined(info("lead", role="leader"), at=1.0)) == state
+
+
+def test_a_failed_member_that_still_answers_is_retried_with_backoff(state, monkeypatch):
+    from flowspec_p2p.cluster import membership
+
+    monkeypatch.setattr(membership, "RETRY_BASE_S", 10.0)
+    s = replay(state, Joined(info("a"), at=0.0), Planned(at=0.0), Heard("a", at=1.0, epoch=3, state="failed"),
+               Planned(at=1.5))
+    assert [d.id for d in devices(s)] == ["lead"]
+    s = replay(s, Heard("a", at=5.0, epoch=2, state="ready"), Heard("a", at=8.0, epoch=2, state="ready"),
+               Heard("a", at=10.5, epoch=2, state="ready"), Tick(at=10.9))
+    assert s.members["a"].failed  # not yet: 10 s after the failure
+    s = apply(s, Tick(at=11.0))
+    assert [d.id for d in devices(s)] == ["a", "lead"]
+    assert s.changed_at == 11.0
+    # a stale report of the same failure (epoch 3 or older) does not count again; a new one does, and waits 20 s
+    s = replay(s, Planned(at=11.5), Heard("a", at=12.0, epoch=3, state="failed"))
+    assert not s.members["a"].failed
+    s = replay(s, Heard("a", at=13.0, epoch=4, state="failed"), Heard("a", at=14.0, epoch=4, state="ready"),
+               *(Heard("a", at=float(t), epoch=4, state="ready") for t in range(16, 33, 2)), Tick(at=32.9))
+    assert s.members["a"].failed
+    assert s.members["a"].failures == 2
+    assert not apply(s, Tick(at=33.0)).members["a"].failed
+    # one that stays silent after failing is not retried (and times out)
+    quiet = replay(state, Joined(info("b"), at=0.0), Heard("b", at=1.0, epoch=1, state="failed"))
+    assert apply(quiet, Tick(at=3.0)).members["b"].failed

@@ -89,3 +89,44 @@ async def test_a_request_in_flight_when_its_stage_vanishes_resumes_on_the_new_pl
         assert leader.coordinator.plan.agents == (leader.id,)
         data = await complete(leader, [1, *prompt], 8)
         assert data["choices"][0]["text"] == ByteTokenizer().decode(parts.reference(prompt, 8))
+
+
+async def test_a_stage_whose_compute_hangs_is_planned_around_and_the_request_resumes(make, parts, monkeypatch):
+    """The stage's forward hangs with its sockets and heartbeats alive: once it has run past the stall bound the
+    leader marks it failed, re-plans without it, and the request resumes with the single-device text."""
+    import threading
+
+    from flowspec_p2p.cluster import coordinator
+
+    monkeypatch.setattr(coordinator, "STALL_MIN_S", 1.0)
+    leader = Agent(make("lead", leader=True, profile={"gflops": 1.0, "memory_mb": 2000.0}), tokenizer=ByteTokenizer())
+    hung = Agent(make("hung", profile={"gflops": 50.0, "memory_mb": 2000.0}))
+    release = threading.Event()
+    async with running(leader, hung):
+        await until(serving(leader, 1))
+        assert hung.id in leader.coordinator.plan.agents
+        epoch = leader.coordinator.update.epoch
+        core = hung.stage_host.active.worker.core
+        real = core.handle
+        calls = []
+
+        def handle(msg, *a, **k):
+            calls.append(msg.kind)
+            if msg.kind == "forward" and len(calls) > 4:
+                release.wait(30)  # the compute hangs; the agent's event loop goes on
+            return real(msg, *a, **k)
+
+        core.handle = handle
+        prompt = ByteTokenizer().encode("abc")
+        try:
+            t0 = asyncio.get_running_loop().time()
+            data = await complete(leader, [1, *prompt], 40)
+            took = asyncio.get_running_loop().time() - t0
+        finally:
+            release.set()
+        assert data["choices"][0]["text"] == ByteTokenizer().decode(parts.reference(prompt, 40))
+        assert data["stats"]["resumed"] == 1
+        assert took < 15
+        assert leader.coordinator.membership.members[hung.id].failed
+        assert leader.coordinator.plan.agents == (leader.id,)
+        assert leader.coordinator.update.epoch > epoch

@@ -2,6 +2,7 @@
 builds the same shard as from a local copy; tampered bytes are refused."""
 
 import hashlib
+import time
 
 import aiohttp
 import pytest
@@ -146,3 +147,44 @@ async def test_a_fetch_reports_its_progress_in_bytes_up_to_the_total_and_logs_it
         _, again = await fetch_range(s, url, LayerRange(start=0, end=2), embed=True, norm=False, cache_dir=tmp_path,
                                      progress=lambda done, total: seen.append((done, total)))
     assert (again, seen) == (0, [])  # all from the cache: nothing to report
+
+
+async def test_partial_files_are_cleaned_and_the_cache_is_bounded_least_recently_used_first(tiny_server, tmp_path):
+    import os
+
+    from flowspec_p2p.cluster.weight_server import trim_cache
+
+    _source, _ws, url = tiny_server
+    folder = tmp_path / "tensors"
+    folder.mkdir()
+    (folder / "dead.part999999").write_bytes(b"x" * 100)  # left by an agent killed mid-write
+    first, second = LayerRange(start=0, end=1), LayerRange(start=2, end=3)
+    async with aiohttp.ClientSession() as s:
+        a, _ = await fetch_range(s, url, first, embed=True, norm=False, cache_dir=tmp_path)
+        assert not list(folder.glob("*.part*"))
+        old = time.time() - 100
+        for p in folder.glob("*.bin"):
+            os.utime(p, (old, old))  # the first range was used long ago
+        b, _ = await fetch_range(s, url, second, embed=False, norm=True, cache_dir=tmp_path, cache_max_bytes=1)
+    kept = set(folder.glob("*.bin"))
+    # the first range's files went (least recently used); the bound never drops the range in use
+    assert kept == {folder / f"{t.sha256}.bin" for t in b.manifest.tensors}
+    assert a.manifest.tensors[0].sha256 not in {p.stem for p in kept}
+    size = sum(p.stat().st_size for p in kept)
+    assert trim_cache(folder, 0, set()) == size
+    assert not list(folder.glob("*.bin"))
+
+
+def test_a_full_disk_leaves_no_partial_file_and_fails_with_a_weights_error(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from flowspec_p2p.cluster import weight_server
+
+    def full(self, data):
+        Path.write_text(self, "partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(WeightsError, match="No space left"):
+        weight_server._write_atomic(tmp_path / "t.bin", b"abc")
+    assert list(tmp_path.iterdir()) == []

@@ -229,17 +229,23 @@ def resume_modes(parts, random_head):
     return [AR, CHUNK, make_pipedec(), make_flowspec()], HeadDrafter(random_head, parts.head)
 
 
+SEEDED_T1 = SamplingParams(temperature=1.0, seed=11)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED_T1], ids=["greedy", "seeded-t1"])
 @pytest.mark.parametrize("mode", ["ar", "chunk", "pipedec", "flowspec"])
-async def test_a_request_whose_pipeline_is_replanned_resumes_on_the_next_one_losslessly(parts, random_head, mode):
+async def test_a_request_whose_pipeline_is_replanned_resumes_on_the_next_one_losslessly(parts, random_head, mode,
+                                                                                        params):
     """A re-plan mid-request (a device left): the request waits for the next pipeline and continues from the tokens
-    it committed; greedy output equals single-device decoding token for token (float64), in every mode."""
+    it committed; the output equals single-device decoding token for token (float64), in every mode: greedy, and
+    seeded at T=1 too, since a sampled token depends only on (seed, position)."""
     modes, drafter = resume_modes(parts, random_head)
     leader = Leader(parts.head, None, drafter=drafter, modes=modes, settings=LeaderSettings(
         max_context=160, prefill_chunk=4, step_timeout_s=10.0, resume_timeout_s=5.0))
     n = 40
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
         stats = GenStats(mode="?")
-        gen = leader.generate(PROMPT, params=GREEDY, max_tokens=n, stop_ids=NO_STOP, mode=mode, stats=stats)
+        gen = leader.generate(PROMPT, params=params, max_tokens=n, stop_ids=NO_STOP, mode=mode, stats=stats)
         out = list(await anext(gen))
         out += await anext(gen)
         await leader.set_pipeline(None)  # the coordinator re-plans: the request's pipeline is gone
@@ -251,13 +257,28 @@ async def test_a_request_whose_pipeline_is_replanned_resumes_on_the_next_one_los
         out += await nxt
         async for chunk in gen:
             out += chunk
-    assert out == parts.reference(PROMPT, n)
+    assert out == parts.reference(PROMPT, n, params)
     assert 0 < before < n
     assert stats.new_tokens == n
     assert stats.extra["resumed"] == 1
     assert stats.prompt_tokens == len(PROMPT)
     assert leader.counters["resumed"] == 1
     assert leader.counters["completed"] == 1
+
+
+async def test_every_mode_gives_the_same_seeded_text(parts, random_head):
+    """Sampling at T=1 with a seed: the token at each position comes from one uniform of (seed, position), so AR and
+    every speculative mode, whatever tree they draft, give the single-device text."""
+    modes, drafter = resume_modes(parts, random_head)
+    leader = Leader(parts.head, None, drafter=drafter, modes=modes, settings=LeaderSettings(
+        max_context=160, prefill_chunk=4, step_timeout_s=10.0))
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
+        outs = {m: (await run(leader, PROMPT, 30, mode=m, params=SEEDED_T1))[0]
+                for m in ("ar", "chunk", "pipedec", "flowspec")}
+    ref = parts.reference(PROMPT, 30, SEEDED_T1)
+    assert all(o == ref for o in outs.values()), outs
+    other = parts.reference(PROMPT, 30, SEEDED_T1.model_copy(update={"seed": 12}))
+    assert other != ref
 
 
 async def test_resumption_gives_up_after_resume_attempts(parts):
@@ -277,16 +298,13 @@ async def test_resumption_gives_up_after_resume_attempts(parts):
     assert (leader.counters["resumed"], leader.counters["failed"]) == (1, 1)
 
 
-def test_a_resumed_attempt_samples_from_its_own_seeded_stream():
-    from flowspec_p2p.decoding.leader import _attempt_params
+def test_an_unseeded_sampled_request_gets_one_seed_for_all_its_attempts():
+    from flowspec_p2p.decoding.leader import _job_params
 
-    p = SamplingParams(temperature=1.0, seed=7)
-    assert _attempt_params(p, 0) is p
-    seeds = {_attempt_params(p, a).seed for a in range(4)}
-    assert len(seeds) == 4  # each attempt its own stream, reproducible from the request's seed
-    assert _attempt_params(p, 2) == _attempt_params(p, 2)
-    assert _attempt_params(SamplingParams(temperature=1.0), 1).seed is None  # unseeded stays unseeded
-
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    assert _job_params(seeded) is seeded
+    assert _job_params(GREEDY) is GREEDY
+    assert _job_params(SamplingParams(temperature=1.0)).seed is not None
 
 
 async def test_a_request_waiting_to_resume_can_be_cancelled(parts):
@@ -331,3 +349,17 @@ async def test_auto_runs_each_mode_then_the_fastest_and_equals_ar(parts):
     assert all(m["samples"] >= 1 for m in rates[key].values())
     fastest = max(rates[key], key=lambda m: rates[key][m]["tokens_per_s"])
     assert sum(m == fastest for m, _ in chose[2:]) >= 2
+
+
+def test_a_request_that_gets_back_more_than_it_sent_fails_instead_of_growing_its_queue(parts):
+    from flowspec_p2p.decoding.context import RETURN_SLACK, ModeContext
+    from flowspec_p2p.pipeline.messages import Release as Rel
+    from flowspec_p2p.pipeline.transport import Frame
+
+    leader = make_leader(parts)
+    ctx = ModeContext(leader.parts, Pipeline(QueueSender(asyncio.Queue(), "s1"), epoch=0, stages=1), "r", [1, 2],
+                      GREEDY, 4, frozenset(), GenStats(mode="ar"))
+    for _ in range(RETURN_SLACK + 5):
+        ctx.deliver(Frame(Rel(request_id="r", seq=0), {}, "last"))
+    assert isinstance(ctx.error, StageFailed)
+    assert ctx.queue.qsize() == 1 + RETURN_SLACK + 1  # frames up to the limit (nothing sent: 1 + slack), the failure

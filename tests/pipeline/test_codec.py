@@ -131,12 +131,33 @@ def test_malformed_frames_are_rejected_with_a_reason(frame, reason):
 
 
 def test_non_finite_activations_are_rejected():
+    """A frame whose payload holds inf or NaN (written by hand: encode never sends them) is refused."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         for bad in (float("nan"), float("inf"), float("-inf")):
-            h = torch.zeros(4, 8, dtype=dtype)
-            h[2, 3] = bad
+            frame = codec.encode(forward(), {"hidden": torch.zeros(4, 8, dtype=dtype)})
+            tail = torch.tensor([bad], dtype=dtype).view(torch.uint8).numpy().tobytes()
             with pytest.raises(ProtocolError, match="non-finite"):
-                codec.decode(codec.encode(forward(), {"hidden": h}))
+                codec.decode(frame[: len(frame) - len(tail)] + tail)
+
+
+def test_the_sender_clamps_values_its_wire_dtype_cannot_hold():
+    """Activations above float16's 65504 (or float64's 1e300 on a float32 wire), inf and NaN go out finite:
+    clamped to the wire dtype's range, NaN as 0, so the receiver never drops the link over them."""
+    h = torch.tensor([[1e5, -7e4, 1.5, float("inf")], [float("nan"), float("-inf"), 0.0, 65504.0]])
+    _, t = codec.decode(codec.encode(forward(2), {"hidden": h}, float_dtype=torch.float16))
+    top = torch.finfo(torch.float16).max
+    assert t["hidden"].dtype == torch.float16
+    assert t["hidden"].float().tolist() == [[top, -top, 1.5, top], [0.0, -top, 0.0, 65504.0]]
+    big = torch.full((4, 8), 1e300, dtype=torch.float64)
+    _, t = codec.decode(codec.encode(forward(), {"hidden": big}, float_dtype=torch.float32))
+    assert bool(torch.isfinite(t["hidden"]).all())
+
+
+def test_a_link_refuses_float_tensors_of_another_dtype_than_its_handshake_named():
+    frame = codec.encode(forward(), {"hidden": torch.zeros(4, 8, dtype=torch.float64)})
+    assert codec.decode(frame, float_dtype="float64")[1]["hidden"].dtype == torch.float64
+    with pytest.raises(ProtocolError, match="this link carries float16"):
+        codec.decode(frame, float_dtype="float16")
 
 
 def test_frame_size_limit_is_enforced_before_parsing():

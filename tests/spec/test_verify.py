@@ -8,8 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
 
+from flowspec_p2p.model.sampling import PositionalDraws, inverse_cdf
 from flowspec_p2p.spec.tree import DraftTree
-from flowspec_p2p.spec.verify import LazyRows, likely_next, verify_greedy, verify_sampling, walk_rows
+from flowspec_p2p.spec.verify import (
+    LazyRows,
+    likely_next,
+    verify_greedy,
+    verify_positional,
+    verify_sampling,
+    walk_rows,
+)
 
 from .test_tree import trees
 
@@ -226,3 +234,40 @@ def test_tree_rejection_sampling_reproduces_the_target_distribution(widths, wron
     # the same test detects a 2% distortion of the target at this sample size (it has power)
     biased = 0.98 * m + 0.02 * np.eye(V)[(np.arange(V) + 1) % V]
     assert chi_square_p(biased, root, samples) < P_MIN
+
+
+def emitted_first3_positional(m, tree, n_draws):
+    """As emitted_first3, with verify_positional: draw d uses seed d, one uniform per absolute position (the root at
+    position 0); a walk that ends at an unverified child continues on the pruned subtree at its own position."""
+    probs = m[np.array(tree.token_list)]
+    out = np.full((n_draws, 3), -1)
+    pruned = {}
+    for d in range(n_draws):
+        draws = PositionalDraws(d)
+        v = verify_positional(tree, probs, draws, 0, verified_end=max(2, int(0.4 * len(tree))))
+        toks = v.emitted(tree)
+        if v.next_child is not None:
+            key = (*v.accepted, v.next_child)
+            if key not in pruned:
+                sub, keep = tree.prune(v.accepted, v.next_child)
+                pruned[key] = sub, probs[keep[len(v.accepted):]]
+            sub, sub_probs = pruned[key]
+            toks += verify_positional(sub, sub_probs, draws, len(v.accepted)).emitted(sub)
+        while len(toks) < 3:  # what the next walk would emit, from the same (seed, position) draws
+            toks.append(inverse_cdf(m[toks[-1] if toks else tree.token_list[0]], draws.uniform(len(toks) + 1)))
+        out[d] = toks[:3]
+    return out
+
+
+def test_positional_verification_reproduces_the_target_distribution_and_depends_on_the_seed_only():
+    m = markov_target(seed=31)
+    tree = draft_tree_for(m, 0, [3, 2, 2], 1)
+    samples = emitted_first3_positional(m, tree, 30_000)
+    assert chi_square_p(m, 0, samples) > P_MIN
+    # the same seed gives the same tokens whatever tree was drafted (here: none but the root)
+    bare = DraftTree.from_lists([0], [-1])
+    probs = m[np.array(tree.token_list)]
+    for seed in range(50):
+        v = verify_positional(tree, probs, PositionalDraws(seed), 0)
+        first = verify_positional(bare, m[[0]], PositionalDraws(seed), 0).token
+        assert v.emitted(tree)[0] == first

@@ -1,0 +1,139 @@
+"""Load against a running cluster's API (``flowspec load``): N clients send greedy requests back to back for S
+seconds. Reported: status counts (503s must carry Retry-After), latency percentiles of the 200s, whether every 200
+equals the reply of one request sent alone before the load, and the agents' RSS over time (GET /cluster, every
+SAMPLE_S) with each agent's drift from the first to the last quarter of the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import Counter
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+SAMPLE_S = 1.0  # RSS sampling interval
+PROMPT = "Name three colours."
+
+
+def _body(max_tokens: int, prompt: str) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+
+
+def _reply(data: dict) -> str:
+    return data["choices"][0]["message"]["content"]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def rss_of(view: dict) -> dict[str, int]:
+    """Agent id -> RSS bytes from a GET /cluster answer (each stage's heartbeat counters, and the leader's own)."""
+    out: dict[str, int] = {}
+    for s in view.get("stages") or []:
+        c = s.get("counters") or {}
+        if c.get("rss_bytes"):
+            out[str(s.get("agent_id") or s.get("agent"))] = int(c["rss_bytes"])
+    lead = view.get("leader") or {}
+    if lead.get("rss_bytes"):
+        out.setdefault("leader", int(lead["rss_bytes"]))
+    return out
+
+
+def drift(samples: list[tuple[float, dict[str, int]]]) -> dict[str, float]:
+    """Per agent: mean RSS of the last quarter of the samples over that of the first quarter, minus 1."""
+    if len(samples) < 4:
+        return {}
+    q = max(1, len(samples) // 4)
+    first, last = samples[:q], samples[-q:]
+    out = {}
+    for agent in samples[0][1]:
+        a = [s[agent] for _, s in first if agent in s]
+        b = [s[agent] for _, s in last if agent in s]
+        if a and b:
+            out[agent] = round(statistics.mean(b) / statistics.mean(a) - 1.0, 4)
+    return out
+
+
+async def run_load(url: str, *, clients: int, seconds: float, max_tokens: int = 16, prompt: str = PROMPT,
+                   api_key: str | None = None, sample_s: float = SAMPLE_S) -> dict:
+    """Load ``url`` (the leader's API base) -> the report (see the module docstring)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=max(60.0, seconds + 600.0))
+    conn = aiohttp.TCPConnector(limit=clients + 2)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=conn) as session:
+        async with session.post(url + "/v1/chat/completions", json=_body(max_tokens, prompt)) as r:
+            if r.status != 200:
+                raise RuntimeError(f"the single request before the load got {r.status}: {await r.text()}")
+            reference = _reply(await r.json())
+        statuses: Counter = Counter()
+        latencies: list[float] = []
+        mismatched = 0
+        no_retry_after = 0
+        samples: list[tuple[float, dict[str, int]]] = []
+        t0 = time.monotonic()
+        end = t0 + seconds
+
+        async def client() -> None:
+            nonlocal mismatched, no_retry_after
+            while time.monotonic() < end:
+                t = time.monotonic()
+                try:
+                    async with session.post(url + "/v1/chat/completions", json=_body(max_tokens, prompt)) as r:
+                        data = await r.json(content_type=None)
+                        statuses[str(r.status)] += 1
+                        if r.status == 200:
+                            latencies.append(time.monotonic() - t)
+                            mismatched += _reply(data) != reference
+                        elif r.status == 503:
+                            no_retry_after += "Retry-After" not in r.headers
+                            await asyncio.sleep(min(float(r.headers.get("Retry-After", 1)), 0.5))
+                except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                    statuses[f"error: {type(e).__name__}"] += 1
+                    await asyncio.sleep(0.2)
+
+        async def sampler() -> None:
+            while time.monotonic() < end:
+                try:
+                    async with session.get(url + "/cluster") as r:
+                        rss = rss_of(await r.json())
+                    if rss:
+                        samples.append((round(time.monotonic() - t0, 2), rss))
+                except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                    log.warning("load: GET /cluster failed: %s", e)
+                await asyncio.sleep(sample_s)
+
+        await asyncio.gather(sampler(), *(client() for _ in range(clients)))
+        took = time.monotonic() - t0
+    ok = statuses.get("200", 0)
+    return {
+        "clients": clients, "seconds": round(took, 2), "statuses": dict(statuses), "completed_per_s": round(
+            ok / took, 3), "latency_s": {f"p{q}": _round(percentile(latencies, q)) for q in (50, 90, 99)},
+        "mismatched_200s": mismatched, "503s_without_retry_after": no_retry_after, "reference": reference,
+        "rss_samples": samples, "rss_drift": drift(samples),
+    }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def render(report: dict) -> str:
+    lines = [f"{report['clients']} clients for {report['seconds']} s: {report['statuses']}",
+             f"completed {report['completed_per_s']} requests/s; latency of the 200s {report['latency_s']}",
+             f"200s unlike the single-client reply: {report['mismatched_200s']}; 503s without Retry-After: "
+             f"{report['503s_without_retry_after']}"]
+    for agent, d in report["rss_drift"].items():
+        first = report["rss_samples"][0][1].get(agent, 0)
+        last = report["rss_samples"][-1][1].get(agent, 0)
+        lines.append(f"RSS {agent}: {first / 2**20:.1f} MiB -> {last / 2**20:.1f} MiB (quarter-to-quarter drift "
+                     f"{d * 100:+.1f}%)")
+    return "\n".join(lines)

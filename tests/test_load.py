@@ -1,0 +1,40 @@
+"""Load (bench/load.py) on an in-process cluster of a leader and a member: 16 clients for LOAD_S seconds get only
+200s and 503s with Retry-After, every 200 equals the single-client reply, and RSS holds within 15% from the first to
+the last quarter. CI runs LOAD_S = 8 s; ``flowspec load --clients 16 --seconds 30`` against ``flowspec cluster up``
+is the by-hand run (docs/experiments.md)."""
+
+from flowspec_p2p.agent import Agent
+from flowspec_p2p.bench.load import drift, percentile, run_load
+
+from .agent_fixtures import make_fixture, parts_fixture, quick_timing_fixture, running, serving, until
+from .ring_fixtures import ByteTokenizer
+
+__all__ = ["make_fixture", "parts_fixture", "quick_timing_fixture"]
+
+LOAD_S = 8.0
+CLIENTS = 16
+
+
+async def test_sixteen_clients_get_200s_and_503s_with_retry_after_and_rss_holds(make):
+    leader = Agent(make("lead", leader=True, profile={"gflops": 1.0, "memory_mb": 2000.0}), tokenizer=ByteTokenizer())
+    member = Agent(make("m", profile={"gflops": 50.0, "memory_mb": 2000.0}))
+    async with running(leader, member):
+        await until(serving(leader, 1))
+        report = await run_load(leader.api_url, clients=CLIENTS, seconds=LOAD_S, max_tokens=8, sample_s=0.25)
+    statuses = report["statuses"]
+    assert set(statuses) <= {"200", "503"}, statuses
+    assert statuses["200"] >= 4
+    assert statuses.get("503", 0) > 0  # 16 clients, one in flight and 8 waiting: the rest are told to retry
+    assert report["503s_without_retry_after"] == 0
+    assert report["mismatched_200s"] == 0
+    assert report["latency_s"]["p50"] is not None
+    assert len(report["rss_samples"]) >= 8
+    assert report["rss_drift"], report["rss_samples"][:2]
+    assert all(abs(d) <= 0.15 for d in report["rss_drift"].values()), report["rss_drift"]
+
+
+def test_percentiles_and_drift():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([], 90) is None
+    samples = [(float(t), {"a": 100 if t < 4 else 110}) for t in range(8)]
+    assert drift(samples) == {"a": 0.1}
