@@ -27,9 +27,9 @@ from ..model.generate import GenStats, check_context, prefill_features
 from ..model.sampling import PositionalDraws, SamplingParams, choose
 from ..model.shard import Shard
 from ..types import Settings
+from .decoder import verify_step
 from .drafter import Drafter
 from .shape import TreeShape
-from .verify import verify_tree, walk_rows
 
 
 class AutoConfig(Settings):
@@ -130,13 +130,7 @@ class AutoDecoder:
                     drafter.feed(behind_tokens, torch.cat(behind_feats), token)
                     behind_tokens, behind_feats = [], []
                     tree = drafter.draft(shapes[kind - 1].capped(remaining - 1))
-                    c = cache.committed
-                    pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
-                    f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
-                    rows = walk_rows(tree, len(tree), lambda idx, f=f: model.logits(f[idx]))
-                    verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids, root_position=c)
-                    cache.keep(verdict.accepted)
-                    cache.commit(len(verdict.accepted))
+                    verdict, f = verify_step(model, cache, tree, params, gen, stop_ids)
                     out = verdict.emitted(tree)[:remaining]
                     acc = torch.tensor(verdict.accepted)
                     behind_tokens, behind_feats = tree.tokens[acc].tolist(), [f[acc]]

@@ -22,6 +22,7 @@ import torch
 
 from .. import env
 from ..model.generate import GenStats, check_context, prefill_features
+from ..model.kv_cache import KVCache
 from ..model.native_shard import NativeShard
 from ..model.sampling import PositionalDraws, SamplingParams, choose
 from ..model.shard import Shard
@@ -29,7 +30,8 @@ from .drafter import Drafter, HeadDrafter, TreeShape
 from .head import DraftBundle, find_compatible_drafts, find_draft
 from .native_head import NativeDraftHead
 from .ngram import LookupDrafter
-from .verify import verify_tree, walk_rows
+from .tree import DraftTree
+from .verify import Verdict, verify_tree, walk_rows
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,21 @@ def _agreement(target: Shard, drafter: LookupDrafter, probe: list[int]) -> float
     return drafter.base.agreement(probe, feats, target_next)
 
 
+def verify_step(model: Shard, cache: KVCache, tree: DraftTree, params: SamplingParams,
+                gen: PositionalDraws | None, stop_ids: frozenset[int]) -> tuple[Verdict, torch.Tensor]:
+    """One target forward over ``tree`` (rooted at the next position, cache.committed), the verification walk (LM-head
+    rows only where it goes), and the cache cut to the accepted path and committed. -> (verdict, the tree's target
+    features [n, hidden])"""
+    c = cache.committed
+    pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
+    f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
+    rows = walk_rows(tree, len(tree), lambda idx: model.logits(f[idx]))
+    verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids, root_position=c)
+    cache.keep(verdict.accepted)
+    cache.commit(len(verdict.accepted))
+    return verdict, f
+
+
 class SpecDecoder:
     """Speculative decoding on a whole-model shard with a ``Drafter``; a *decoder* as in generate.py."""
 
@@ -172,15 +189,8 @@ class SpecDecoder:
                 td = time.perf_counter()
                 tree = drafter.draft(self.shape.capped(remaining - 1))
                 draft_s += time.perf_counter() - td
-                # 2. one target forward over the whole tree
-                c = cache.committed
-                pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
-                f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
-                # 3. verify; keep the accepted path's K/V
-                rows = walk_rows(tree, len(tree), lambda idx, f=f: model.logits(f[idx]))  # where the walk goes
-                verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids, root_position=c)
-                cache.keep(verdict.accepted)
-                cache.commit(len(verdict.accepted))
+                # 2. one target forward over the whole tree; 3. verify, keep the accepted path's K/V
+                verdict, f = verify_step(model, cache, tree, params, gen, stop_ids)
                 out = verdict.emitted(tree)[:remaining]
                 stats.steps += 1
                 stats.new_tokens += len(out)

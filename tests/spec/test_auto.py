@@ -6,14 +6,13 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.spec.auto import AutoConfig, AutoDecoder
 from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
 
-from .test_decoder import PROMPTS, one_thread, toy  # noqa: F401 (fixtures)
+from .test_decoder import PROMPTS, assert_follows_the_target, one_thread, toy  # noqa: F401 (fixtures)
 from .test_drafter import random_head, tiny_target
 
 SHAPE = TreeShape(total_tokens=8, depth=4, top_k=3)
@@ -72,35 +71,10 @@ def test_auto_runs_the_kind_of_step_that_measures_cheaper(tiny_llama, slow, expe
 def test_sampled_auto_follows_the_target_distribution(toy):  # noqa: F811 (the fixture)
     """The joint law of the first three reply tokens with AR and speculative steps interleaved (temperature 1.2,
     top-k 4) matches the target's, computed exactly; chi-square over 2000 replies."""
-    import itertools
-
-    import numpy as np
-    from scipy.stats import chisquare
-
-    from flowspec_p2p.model.sampling import target_probs
-
-    prompt, vocab, draws = [1, 3, 0], 5, 2000
-    params = SamplingParams(temperature=1.2, top_k=4)
-    exact = np.zeros(vocab**3)
-    with torch.inference_mode():
-        for i, seq in enumerate(itertools.product(range(vocab), repeat=3)):
-            probs = target_probs(toy.logits(toy(torch.tensor([prompt + list(seq[:2])]), None)[0]), params)
-            n = len(prompt)
-            exact[i] = float(probs[n - 1, seq[0]] * probs[n, seq[1]] * probs[n + 1, seq[2]])
     # first token from the prefill, the second from an AR step, the rest from a speculative one
     auto = AutoDecoder(toy, OracleDrafter(toy), TreeShape(total_tokens=8, depth=3, top_k=3),
                        cfg=AutoConfig(probe_ar=1, probe_spec=1))
-    counts = np.zeros(vocab**3)
-    for i in range(draws):
-        out, _ = generate_ids(auto, prompt, params.model_copy(update={"seed": i}), 3)
-        counts[(out[0] * vocab + out[1]) * vocab + out[2]] += 1
-    expected = exact * draws
-    assert counts[expected == 0].sum() == 0
-    big, rare = expected >= 5, (expected > 0) & (expected < 5)
-    obs, exp = counts[big], expected[big]
-    if rare.any():
-        obs, exp = np.append(obs, counts[rare].sum()), np.append(exp, expected[rare].sum())
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert_follows_the_target(toy, auto, [1, 3, 0], SamplingParams(temperature=1.2, top_k=4))
 
 
 def test_seeded_sampled_auto_gives_ar_s_text_across_switches(tiny_llama):

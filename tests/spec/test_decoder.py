@@ -176,39 +176,54 @@ def toy(tmp_path_factory):
     return Shard.from_source(src, LayerRange(start=0, end=2), embed=True, head=True, dtype=torch.float64).eval()
 
 
-def test_sampled_speculation_follows_the_target_distribution(toy):
-    """The joint law of the first three reply tokens (temperature 1.2, top-k 4) matches the target's, computed
-    exactly by enumeration; chi-square over 2000 replies, rare cells pooled."""
+def first_three_law(toy, prompt: list[int], params: SamplingParams):
+    """The exact joint law of a reply's first three tokens under the target ``toy`` -> [vocab ** 3]"""
     import itertools
 
     import numpy as np
-    from scipy.stats import chisquare
 
     from flowspec_p2p.model.sampling import target_probs
 
-    prompt, vocab, draws = [1, 3, 0], 5, 2000
-    params = SamplingParams(temperature=1.2, top_k=4)
+    vocab = toy.cfg.vocab_size
     exact = np.zeros(vocab**3)
     with torch.inference_mode():
         for i, seq in enumerate(itertools.product(range(vocab), repeat=3)):
             probs = target_probs(toy.logits(toy(torch.tensor([prompt + list(seq[:2])]), None)[0]), params)
             n = len(prompt)
             exact[i] = float(probs[n - 1, seq[0]] * probs[n, seq[1]] * probs[n + 1, seq[2]])
-    spec = SpecDecoder(toy, OracleDrafter(toy), TreeShape(total_tokens=8, depth=3, top_k=3))
-    counts = np.zeros(vocab**3)
-    multi = 0
+    return exact
+
+
+def assert_follows_the_target(toy, decoder, prompt: list[int], params: SamplingParams, draws: int = 2000) -> list:
+    """Chi-square of ``draws`` replies' first three tokens (seeds 0..draws-1) against the exact law, rare cells
+    pooled. -> each reply's stats"""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    vocab = toy.cfg.vocab_size
+    exact = first_three_law(toy, prompt, params)
+    counts, stats = np.zeros(vocab**3), []
     for i in range(draws):
-        out, stats = run(spec, prompt, 3, params.model_copy(update={"seed": i}))
+        out, st = run(decoder, prompt, 3, params.model_copy(update={"seed": i}))
         counts[(out[0] * vocab + out[1]) * vocab + out[2]] += 1
-        multi += stats.steps < 3
-    assert multi > draws // 4, "the draft must often be accepted past the root's children"
+        stats.append(st)
     expected = exact * draws
-    assert counts[expected == 0].sum() == 0  # top-p removed these continuations
+    assert counts[expected == 0].sum() == 0  # top-k removed these continuations
     big, rare = expected >= 5, (expected > 0) & (expected < 5)
     obs, exp = counts[big], expected[big]
     if rare.any():
         obs, exp = np.append(obs, counts[rare].sum()), np.append(exp, expected[rare].sum())
     assert chisquare(obs, exp).pvalue > 1e-3
+    return stats
+
+
+def test_sampled_speculation_follows_the_target_distribution(toy):
+    """The joint law of the first three reply tokens (temperature 1.2, top-k 4) matches the target's, computed
+    exactly by enumeration; chi-square over 2000 replies, rare cells pooled."""
+    spec = SpecDecoder(toy, OracleDrafter(toy), TreeShape(total_tokens=8, depth=3, top_k=3))
+    stats = assert_follows_the_target(toy, spec, [1, 3, 0], SamplingParams(temperature=1.2, top_k=4))
+    multi = sum(st.steps < 3 for st in stats)
+    assert multi > len(stats) // 4, "the draft must often be accepted past the root's children"
 
 
 # -- the real model with the shipped head (float32) ---------------------------------------------------------
