@@ -33,9 +33,10 @@ from .shape import TreeShape
 
 
 class AutoConfig(Settings):
-    probe_ar: int = Field(4, ge=1)  # AR steps that measure a token's cost (the first ones, and each re-probe)
-    probe_spec: int = Field(6, ge=1)  # speculative steps of a probe
-    recheck: int = Field(48, ge=1)  # tokens before a losing kind is probed again (doubling while it loses)
+    probe_ar: int = Field(3, ge=1)  # AR steps that measure a token's cost (the first ones, and each re-probe)
+    probe_spec: int = Field(5, ge=1)  # speculative steps of a probe ...
+    hopeless: float = Field(1.5, gt=1.0)  # ... cut short after two once it costs this many times the cheapest
+    recheck: int = Field(64, ge=1)  # tokens before a losing kind is probed again (doubling while it loses)
     max_recheck: int = Field(768, ge=1)
     decay: float = Field(0.8, gt=0.0, lt=1.0)  # per step, of the seconds and tokens behind a running estimate
     margin: float = Field(0.05, ge=0.0)  # another kind must be this much cheaper before the running one yields
@@ -142,7 +143,9 @@ class AutoDecoder:
                 # what to run next: the rest of a probe, else a kind never measured, else a due probe, else
                 # the cheapest kind
                 left -= 1
-                if left > 0:
+                probed = [c.per_token for c in costs if c.per_token is not None]
+                if left > 0 and not (kind != 0 and costs[kind].steps >= 2
+                                     and costs[kind].per_token > cfg.hopeless * min(probed)):
                     continue
                 nxt = _next_kind(costs, kind, stats.new_tokens, cfg.max_recheck, cfg.margin)
                 left = 1 if nxt == kind else (cfg.probe_ar if nxt == 0 else cfg.probe_spec)
@@ -172,8 +175,8 @@ def _label(s: TreeShape) -> str:
 def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int, margin: float = 0.0) -> int:
     """After a run of ``kind`` ends with ``done`` tokens committed: the next kind to run. Kinds: 0 AR, 1 the given
     tree, then (tree_variants) a smaller and a larger one. AR and the given tree are measured first; the smaller
-    tree once the given one is measured, the larger only if the given one beats AR (a bigger tree costs more
-    per step: it can only pay where speculation already does)."""
+    tree if the given one costs under 1.25x AR, the larger only if the given one beats AR (a bigger tree costs
+    more per step: it can only pay where speculation already does)."""
     for k in (0, 1):
         if costs[k].per_token is None:
             return k
@@ -182,7 +185,8 @@ def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int, margi
     if costs[kind].per_token <= (1 + margin) * costs[best].per_token:
         best = kind  # within the margin: no switch on noise
     spec_best = min(measured[1:], key=lambda k: costs[k].per_token)
-    if spec_best == 1 and len(costs) > 2 and costs[2].per_token is None:
+    if spec_best == 1 and len(costs) > 2 and costs[2].per_token is None \
+            and costs[1].per_token < 1.25 * costs[0].per_token:  # a smaller tree may pay where the given nearly does
         return 2
     if (spec_best == 1 and len(costs) > 3 and costs[3].per_token is None
             and costs[1].per_token < costs[0].per_token):
