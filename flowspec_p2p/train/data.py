@@ -92,7 +92,8 @@ def _sigterm(signum, frame):
 def generate_data(cfg: DataConfig, progress: bool = True) -> FeatureStore:
     """Answer the first ``cfg.prompts`` pool prompts not yet stored; return the store."""
     torch.set_num_threads(cfg.threads)
-    lm = load_model(cfg.model, dtype=torch.float32)
+    # the torch engine: batched generation needs a many-row KV cache (the native engine runs one request's rows)
+    lm = load_model(cfg.model, dtype=torch.float32, engine="torch")
     if cfg.source == "sharegpt":
         return teacher_forced_data(cfg, lm, progress)
     store = FeatureStore(cfg.run_dir / "features", hidden=lm.shard.cfg.hidden_size,
