@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ..model.load import load_model
 from ..types import Settings
 from .batchgen import BatchGenerator, Finished, Request
+from .corpus import is_heldout
 from .prompts import Prompt, build_pool, load_pool, save_pool, sharegpt_candidates, sharegpt_path
 from .store import FeatureStore
 
@@ -48,6 +49,11 @@ class DataConfig(Settings):
     shard_tokens: int = Field(16384, ge=1)  # flush a shard once this many tokens are pending
     threads: int = Field(1, ge=1)
     source: Literal["generate", "sharegpt"] = "generate"
+    # answer only the pool's held-out prompts (corpus.Corpus.split): a held-out set that no head trained on by
+    # this pipeline has seen, sooner than the pool's order would reach one
+    heldout_only: bool = False
+    heldout_first: int = Field(0, ge=0)  # answer this many held-out prompts first, then the part as usual
+    max_seconds: float | None = Field(None, gt=0)  # stop (saving what is finished) after this long
 
 
 def pool_for(run_dir: Path, seed: int) -> list[Prompt]:
@@ -70,8 +76,16 @@ def _temperature(key: str, fraction: float) -> float:
 
 
 def _part(pool: list[Prompt], cfg: DataConfig) -> list[Prompt]:
-    """The pool prompts this run answers: ``cfg.prompts`` of them from ``cfg.skip_prompts`` on."""
-    return pool[cfg.skip_prompts : cfg.skip_prompts + cfg.prompts]
+    """The pool prompts this run answers: ``cfg.prompts`` of them from ``cfg.skip_prompts`` on (of the held-out
+    ones only, with ``heldout_only``)."""
+    if cfg.heldout_only:
+        pool = [p for p in pool if is_heldout(p.key)]
+    part = pool[cfg.skip_prompts : cfg.skip_prompts + cfg.prompts]
+    if cfg.heldout_first:
+        first = [p for p in pool if is_heldout(p.key)][: cfg.heldout_first]
+        keys = {p.key for p in first}
+        part = first + [p for p in part if p.key not in keys]
+    return part
 
 
 def _requests(pool: list[Prompt], done: set[str], tokenizer, cfg: DataConfig, skipped: list[str]) -> Iterator[Request]:
@@ -83,6 +97,15 @@ def _requests(pool: list[Prompt], done: set[str], tokenizer, cfg: DataConfig, sk
             skipped.append(p.key)
             continue
         yield Request(p.key, ids, _temperature(p.key, cfg.sampled_fraction), zlib.crc32(p.key.encode()) + cfg.seed)
+
+
+def _flush(store: FeatureStore, t0: float) -> None:
+    """Write the pending conversations; the manifest's ``seconds`` adds the time spent since the last flush
+    (what ``draft train --minutes`` counts against each data step's budget across restarts)."""
+    now = time.perf_counter()
+    store.manifest["seconds"] = round(store.manifest.get("seconds", 0.0) + now - store.flushed_at(t0), 1)
+    store.flush()
+    store.mark_flushed(now)
 
 
 def _sigterm(signum, frame):
@@ -118,11 +141,14 @@ def generate_data(cfg: DataConfig, progress: bool = True) -> FeatureStore:
             bar.set_postfix(answer_tok=new_tokens, tok_s=f"{new_tokens / (time.perf_counter() - t0):.1f}",
                             refresh=False)
             if store.pending_tokens >= cfg.shard_tokens:
-                store.flush()
+                _flush(store, t0)
+            if cfg.max_seconds and time.perf_counter() - t0 >= cfg.max_seconds:
+                log.info("time budget (%.0f s) spent: stopping", cfg.max_seconds)
+                break
     except KeyboardInterrupt:
         log.warning("interrupted: saving the finished conversations")
     finally:
-        store.flush()
+        _flush(store, t0)
         bar.close()
         signal.signal(signal.SIGTERM, old)
     log.info("feature store: %d conversations, %d tokens (%d prompts over %d tokens skipped)", store.conversations,
@@ -174,11 +200,14 @@ def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureSt
                 bar.set_postfix(answer_tok=n_tokens, tok_s=f"{n_tokens / (time.perf_counter() - t0):.1f}",
                                 refresh=False)
                 if store.pending_tokens >= cfg.shard_tokens:
-                    store.flush()
+                    _flush(store, t0)
+                if cfg.max_seconds and time.perf_counter() - t0 >= cfg.max_seconds:
+                    log.info("time budget (%.0f s) spent: stopping", cfg.max_seconds)
+                    break
     except KeyboardInterrupt:
         log.warning("interrupted: saving the finished conversations")
     finally:
-        store.flush()
+        _flush(store, t0)
         bar.close()
         signal.signal(signal.SIGTERM, old)
     log.info("teacher-forced store: %d conversations, %d tokens", store.conversations, store.tokens)

@@ -62,6 +62,13 @@ class FeatureStore:
                 raise ConfigError(f"no feature store at {self.root}")
             self.manifest = {"hidden": hidden, "target_fingerprint": target_fingerprint, "shards": []}
         self._pending: list[Finished] = []
+        self._flushed_at: float | None = None  # perf_counter of the last data._flush (time accounting)
+
+    def flushed_at(self, default: float) -> float:
+        return default if self._flushed_at is None else self._flushed_at
+
+    def mark_flushed(self, t: float) -> None:
+        self._flushed_at = t
 
     # ---------------------------------------------------------------------------------------- writing
 
@@ -73,8 +80,12 @@ class FeatureStore:
         return sum(len(f.tokens) for f in self._pending)
 
     def flush(self) -> None:
-        """Write the pending conversations as one new shard and list it in the manifest."""
+        """Write the pending conversations as one new shard and list it in the manifest (rewritten even with
+        nothing pending: it may carry new bookkeeping)."""
         if not self._pending:
+            if self.manifest["shards"]:
+                self.root.mkdir(parents=True, exist_ok=True)
+                _write_json(self.root / MANIFEST, self.manifest)
             return
         items, self._pending = self._pending, []
         self.root.mkdir(parents=True, exist_ok=True)

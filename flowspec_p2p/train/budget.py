@@ -1,0 +1,78 @@
+"""``flowspec draft train``: a draft head for any model in a bounded time, in resumable phases.
+
+    phase    share   what it does (each phase is one of the ``flowspec draft`` steps, given a time limit)
+    distil   0.30    the target answers the prompt pool, HELDOUT_FIRST held-out prompts first  -> <run>/features
+    force    0.35    ShareGPT's recorded answers teacher-forced through the target            -> <run>/fixed
+    fit      0.30    the head's training, its cosine schedule run on time (FitConfig.max_seconds)
+    (the last ~5%: held-out evaluation and export, bounded by the held-out set's size)
+
+Without the ShareGPT package the force phase is skipped and its share goes to distil. Every phase's spent time
+is kept with its output (a store's manifest "seconds", the checkpoint's "train_seconds"), so a rerun (after a
+kill, or with a larger ``minutes``) gives each phase what is left of its share; once all are spent a rerun only
+evaluates and exports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .data import DataConfig, generate_data
+from .fit import FitConfig, fit
+from .prompts import sharegpt_available
+from .store import MANIFEST
+
+log = logging.getLogger(__name__)
+
+SHARES = {"distil": 0.30, "force": 0.35, "fit": 0.30}
+HELDOUT_FIRST = 64  # held-out prompts the distil phase answers before the pool's order (the evaluation set)
+MIN_PHASE_S = 10.0  # a phase with less than this left is skipped
+
+
+@dataclass(frozen=True)
+class Plan:
+    distil_s: float
+    force_s: float
+    fit_s: float
+
+    @classmethod
+    def for_minutes(cls, minutes: float, teacher_forcing: bool = True) -> Plan:
+        total = 60.0 * minutes
+        force = SHARES["force"] * total if teacher_forcing else 0.0
+        distil = SHARES["distil"] * total + (0.0 if teacher_forcing else SHARES["force"] * total)
+        return cls(distil, force, SHARES["fit"] * total)
+
+
+def spent_seconds(store_dir: Path) -> float:
+    """Seconds the data steps have spent writing the store in ``store_dir`` (0 for none yet)."""
+    path = store_dir / MANIFEST
+    return float(json.loads(path.read_text()).get("seconds", 0.0)) if path.is_file() else 0.0
+
+
+def _say(msg: str) -> None:
+    sys.stderr.write(f"[draft train] {msg}\n")
+    sys.stderr.flush()
+
+
+def train(data: DataConfig, fitting: FitConfig, minutes: float, progress: bool = True) -> FitConfig:
+    """Run the data and fit phases within ``minutes`` (see the module doc); -> the fit config used (its
+    ``max_seconds`` set), for evaluation and export."""
+    plan = Plan.for_minutes(minutes, teacher_forcing=sharegpt_available())
+    run = data.run_dir
+    phases = [("distil", plan.distil_s, run / "features", data.model_copy(update={"source": "generate",
+                                                                                 "heldout_first": HELDOUT_FIRST})),
+              ("force", plan.force_s, run / "fixed", data.model_copy(update={"source": "sharegpt"}))]
+    for i, (name, share, store, cfg) in enumerate(phases, 1):
+        left = share - spent_seconds(store)
+        if left < MIN_PHASE_S:
+            _say(f"phase {i}/3 {name}: its {share / 60:.1f} min are spent")
+            continue
+        _say(f"phase {i}/3 {name}: {left / 60:.1f} of {share / 60:.1f} min left")
+        generate_data(cfg.model_copy(update={"max_seconds": left}), progress=progress)
+    fitting = fitting.model_copy(update={"max_seconds": plan.fit_s})
+    _say(f"phase 3/3 fit: {plan.fit_s / 60:.1f} min in all (resumes from {fitting.checkpoint} if there)")
+    fit(fitting, progress=progress)
+    return fitting
