@@ -93,6 +93,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "answers' tokens, table in <run>/draft_vocab.json)")
     fit.add_argument("--feature-weight", type=float, default=0.1, help="SmoothL1 feature loss weight (default 0.1)")
     fit.add_argument("--noise", type=float, default=0.05, help="input feature noise, x feature RMS (default 0.05)")
+    fit.add_argument("--bf16", action="store_true",
+                     help="bfloat16 matmuls in training (float32 weights, optimiser and softmax): faster on CPUs "
+                     "with AMX or AVX512-BF16 (+24%% targets per CPU second measured here), slower elsewhere")
     fit.add_argument("--heldout-per-mille", type=int, default=50,
                      help="conversations held out for evaluation, per mille, by key hash (default 50)")
     fit.add_argument("--no-fixed", action="store_true", help="ignore the teacher-forced store (<run>/fixed)")
@@ -163,6 +166,7 @@ def _fit_config(args: argparse.Namespace):
                      vocab_coverage=AUTO_COVERAGE if auto else None, feature_weight=args.feature_weight,
                      noise=args.noise, threads=args.threads, heldout_per_mille=args.heldout_per_mille,
                      use_fixed=not args.no_fixed, init_from=args.init_from, also_features=args.also_features,
+                     bf16=args.bf16, bf16_block=args.bf16,
                      warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20))
 
 

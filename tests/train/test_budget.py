@@ -18,6 +18,7 @@ from flowspec_p2p.train.evaluate import evaluate
 from flowspec_p2p.train.export import export, run_eval
 from flowspec_p2p.train.fit import FitConfig, fit, load_target, prepare
 from flowspec_p2p.train.prompts import Prompt, save_pool
+from flowspec_p2p.train.store import FeatureStore
 
 from .test_fit import _cfg, peaked_llama, run, tiny  # noqa: F401  (fixtures)
 
@@ -71,7 +72,8 @@ def test_warm_start_from_an_exported_bundle_and_evaluate_a_bundle_per_category(r
                                                                                        "steps": 8}
 
     # every conversation held out, two categories in the pool
-    keys = [json.loads((mine / "features" / f"{n}.keys.json").read_text()) for n in ("shard-00000",)][0]
+    keys = [k for n in FeatureStore(mine / "features").shard_names()
+            for k in json.loads((mine / "features" / f"{n}.keys.json").read_text())]
     save_pool([Prompt(k, "math" if i % 2 else "chat", "x") for i, k in enumerate(keys)], mine / "pool.jsonl")
     ecfg = _cfg(mine, peaked_llama, heldout_per_mille=1000)
     got = run_eval(ecfg, depth=3, progress=False, bundle=stem)
