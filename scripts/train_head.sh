@@ -5,12 +5,20 @@
 # in the comments and in the exported head's JSON ("data", "training").
 #
 #   bash scripts/train_head.sh            # all steps, then export to ~/.cache/flowspec_p2p/drafts
+#   bash scripts/train_head.sh v2         # only the v2 steps (issue 22), from v1 as committed in git
+#
+# For any other model, in a bounded time (no script needed):
+#   flowspec draft train --model PATH.gguf --minutes 60     # -> ~/.cache/flowspec_p2p/drafts/PATH-eagle.*
 #
 # The run folders live under ${FLOWSPEC_CACHE_DIR:-~/.cache/flowspec_p2p}/train/. Spec-Bench prompts never enter the prompt pool.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$ROOT"
 TRAIN="${FLOWSPEC_CACHE_DIR:-$HOME/.cache/flowspec_p2p}/train"
+ONLY="${1:-all}"
+
+if [ "$ONLY" != v2 ]; then
+# ---------------------------------------------------------------------------------------------- v1 (stops 6-14)
 
 # 1. self-distillation: the target answers the pool (greedy, 20% at T=1); ~17 answer tokens/s per core
 #    (stopped at 613 conversations, 100k answer tokens)
@@ -54,3 +62,12 @@ flowspec draft export --run self --also-features "$TRAIN/main2/features" --no-fi
 #     --warmup 10 --threads 2
 #   flowspec draft export --run self24 --also-features "$TRAIN/main2/features" --no-fixed --name eagle24k --out DIR
 #   flowspec bench --modes ar,flowspec --per-dataset 1 --max-tokens 48 --temperature 0 --draft DIR/eagle24k
+fi
+
+# ---------------------------------------------------------------------------------------------- v2 (issue 22)
+# v2 fine-tunes v1 (the head above, as committed before issue 22: its training stores are gone) on fresh data.
+V1=e2215aa  # the last commit that ships v1
+mkdir -p "$TRAIN/v1"
+git show "$V1:flowspec_p2p/spec/assets/smollm2-135m-instruct-eagle.json" > "$TRAIN/v1/v1-head.json"
+git show "$V1:flowspec_p2p/spec/assets/smollm2-135m-instruct-eagle.safetensors" > "$TRAIN/v1/v1-head.safetensors"
+V2_STEPS_PLACEHOLDER

@@ -93,6 +93,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "answers' tokens, table in <run>/draft_vocab.json)")
     fit.add_argument("--feature-weight", type=float, default=0.1, help="SmoothL1 feature loss weight (default 0.1)")
     fit.add_argument("--noise", type=float, default=0.05, help="input feature noise, x feature RMS (default 0.05)")
+    fit.add_argument("--fit-minutes", type=float, default=None,
+                     help="training time budget, summed over resumed sessions: the cosine schedule runs on the "
+                     "larger of steps and time spent, and training stops at either end (default: steps only)")
     fit.add_argument("--bf16", action="store_true",
                      help="bfloat16 matmuls in training (float32 weights, optimiser and softmax): faster on CPUs "
                      "with AMX or AVX512-BF16 (+24%% targets per CPU second measured here), slower elsewhere")
@@ -167,6 +170,7 @@ def _fit_config(args: argparse.Namespace):
                      noise=args.noise, threads=args.threads, heldout_per_mille=args.heldout_per_mille,
                      use_fixed=not args.no_fixed, init_from=args.init_from, also_features=args.also_features,
                      bf16=args.bf16, bf16_block=args.bf16,
+                     max_seconds=None if args.fit_minutes is None else 60 * args.fit_minutes,
                      warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20))
 
 

@@ -75,9 +75,15 @@ def evaluate(head: DraftHead, corpus: Corpus, idx: list[int], fz: Frozen, cfg: F
         ex = make_example(tokens, feats, p, fz.in_vocab, ecfg.max_prompt_context, 10**9)
         if ex is None:
             continue
-        loss, s = example_loss(head, ex, fz, ecfg, train=False)
-        # chains: every start i whose depth targets all lie in the answer (draft vocab not required)
+        # chains: every start i whose depth targets all lie in the answer (draft vocab not required); the same
+        # pairs as ``ex`` (only the loss mask differs), so the head's unrolled predictions serve both
         raw = make_example(tokens, feats, p, None, ecfg.max_prompt_context, 10**9)
+        n = raw.features.shape[0]
+        nxt = torch.zeros(n + depth - 1, dtype=torch.long)
+        m = min(n + depth - 1, raw.tokens.numel() - 1)
+        nxt[:m] = raw.tokens[1 : m + 1]
+        outs = unrolled(head, raw.features.float(), fz.embed[nxt], raw.offset, depth)
+        loss, s = example_loss(head, ex, fz, ecfg, train=False, outs=outs)
         chosen = raw.tokens[2:][raw.valid]  # tokens the answer targets choose
         covered = chosen.numel() if fz.in_vocab is None else int(fz.in_vocab[chosen].sum())
         for t in tallies:
@@ -87,11 +93,6 @@ def evaluate(head: DraftHead, corpus: Corpus, idx: list[int], fz: Frozen, cfg: F
             t.loss_n += s.targets[0] if s.targets else 0
             t.answer_targets += chosen.numel()
             t.covered += covered
-        n = raw.features.shape[0]
-        nxt = torch.zeros(n + depth - 1, dtype=torch.long)
-        m = min(n + depth - 1, raw.tokens.numel() - 1)
-        nxt[:m] = raw.tokens[1 : m + 1]
-        outs = unrolled(head, raw.features.float(), fz.embed[nxt], raw.offset, depth)
         starts = torch.nonzero(raw.valid[: max(0, n - depth + 1)])[:, 0]  # [s]
         if starts.numel() == 0:
             continue

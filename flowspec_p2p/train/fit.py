@@ -158,9 +158,10 @@ def load_target(model: str | None) -> Shard:
 
 
 def example_loss(
-    head: DraftHead, ex: Example, fz: Frozen, cfg: FitConfig, train: bool
+    head: DraftHead, ex: Example, fz: Frozen, cfg: FitConfig, train: bool, outs: list[torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, StepStats]:
-    """Weighted loss summed over the example's targets (see module doc), and per-step top-1 counts."""
+    """Weighted loss summed over the example's targets (see module doc), and per-step top-1 counts. ``outs``: the
+    head's unrolled predictions for ``ex`` when the caller has them already (evaluation, no noise)."""
     n = ex.features.shape[0]
     steps = cfg.unroll
     feats = ex.features.float()  # [n, hidden]
@@ -170,8 +171,10 @@ def example_loss(
     m = min(n + steps - 1, ex.tokens.numel() - 1)
     nxt[:m] = ex.tokens[1 : m + 1]
     embeds = fz.embed[nxt]  # [n + steps - 1, hidden]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_block):
-        outs = [g.float() for g in unrolled(head, feats, embeds, ex.offset, steps)]
+    if outs is None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_block):
+            outs = [g.float() for g in unrolled(head, feats, embeds, ex.offset, steps)]
+    assert len(outs) == steps
     w = fz.head_matrix(cfg.bf16)  # [hidden, V_d]
     rows = ex.valid.nonzero()[:, 0]  # [m] target rows taking part
     stats = StepStats(targets=[0] * steps, top1=[0] * steps)
