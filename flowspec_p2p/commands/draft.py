@@ -115,6 +115,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "flowspec_p2p/spec/assets) on the run's held-out conversations instead of the run's checkpoint")
 
     budget = argparse.ArgumentParser(add_help=False)
+    budget.add_argument("--no-warm-start", action="store_true",
+                        help="train from scratch even when a head for a model of the same architecture is "
+                        "installed (default: start from it, e.g. the shipped head for a requantized SmolLM2)")
     budget.add_argument("--minutes", type=float, default=60.0,
                         help="time budget of data + fit (default 60; split 30%% self-distillation, 35%% teacher "
                         "forcing, 30%% training, then held-out evaluation and export)")
@@ -207,7 +210,8 @@ def run_train(args: argparse.Namespace) -> int:
     from ..train.budget import train
     from ..train.export import export, run_eval
 
-    cfg = train(_data_config(args), _fit_config(args), args.minutes, progress=not args.no_progress)
+    cfg = train(_data_config(args), _fit_config(args), args.minutes, progress=not args.no_progress,
+                warm_start=not args.no_warm_start)
     evaluation = None if args.no_eval else run_eval(cfg, progress=not args.no_progress)
     stem = export(cfg, Path(args.out) if args.out else None, _name(args), evaluation)
     sys.stdout.write(f"{stem}\n")

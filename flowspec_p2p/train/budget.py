@@ -6,6 +6,11 @@
     fit      0.30    the head's training, its cosine schedule run on time (FitConfig.max_seconds)
     (the last ~5%: held-out evaluation and export, bounded by the held-out set's size)
 
+A model with no checkpoint in its run starts from a head trained for a model of the same architecture when one is
+installed (the shipped one, or one in ~/.cache/flowspec_p2p/drafts; matched by the target config, which includes
+the vocabulary size and special token ids): another quantization of the default model then needs minutes, not
+hours. ``init_from`` (or none, with ``--no-warm-start``) overrides it.
+
 Without the ShareGPT package the force phase is skipped and its share goes to distil. Every phase's spent time
 is kept with its output (a store's manifest "seconds", the checkpoint's "train_seconds"), so a rerun (after a
 kill, or with a larger ``minutes``) gives each phase what is left of its share; once all are spent a rerun only
@@ -20,6 +25,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import env
+from ..model.weights import open_source
+from ..spec.head import ASSETS
 from .data import DataConfig, generate_data
 from .fit import FitConfig, fit
 from .prompts import sharegpt_available
@@ -52,12 +60,27 @@ def spent_seconds(store_dir: Path) -> float:
     return float(json.loads(path.read_text()).get("seconds", 0.0)) if path.is_file() else 0.0
 
 
+def same_architecture_head(model: str | None, search: list[Path] | None = None) -> Path | None:
+    """The stem of an installed head whose target config equals ``model``'s (shipped assets first)."""
+    want = json.loads(open_source(model).config.canonical_json())
+    for folder in search or [ASSETS, env.cache_dir() / "drafts"]:
+        for meta_path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                meta = json.loads(meta_path.read_text())
+            except (OSError, ValueError):
+                continue
+            if meta.get("target_config") == want and meta_path.with_suffix(".safetensors").is_file():
+                return meta_path.with_suffix("")
+    return None
+
+
 def _say(msg: str) -> None:
     sys.stderr.write(f"[draft train] {msg}\n")
     sys.stderr.flush()
 
 
-def train(data: DataConfig, fitting: FitConfig, minutes: float, progress: bool = True) -> FitConfig:
+def train(data: DataConfig, fitting: FitConfig, minutes: float, progress: bool = True,
+          warm_start: bool = True) -> FitConfig:
     """Run the data and fit phases within ``minutes`` (see the module doc); -> the fit config used (its
     ``max_seconds`` set), for evaluation and export."""
     plan = Plan.for_minutes(minutes, teacher_forcing=sharegpt_available())
@@ -73,6 +96,11 @@ def train(data: DataConfig, fitting: FitConfig, minutes: float, progress: bool =
         _say(f"phase {i}/3 {name}: {left / 60:.1f} of {share / 60:.1f} min left")
         generate_data(cfg.model_copy(update={"max_seconds": left}), progress=progress)
     fitting = fitting.model_copy(update={"max_seconds": plan.fit_s})
+    if warm_start and fitting.init_from is None and not fitting.checkpoint.is_file():
+        donor = same_architecture_head(fitting.model)
+        if donor is not None:
+            _say(f"warm start from {donor} (trained for a model of the same architecture)")
+            fitting = fitting.model_copy(update={"init_from": donor.with_suffix(".json")})
     _say(f"phase 3/3 fit: {plan.fit_s / 60:.1f} min in all (resumes from {fitting.checkpoint} if there)")
     fit(fitting, progress=progress)
     return fitting

@@ -87,6 +87,10 @@ def test_warm_start_from_an_exported_bundle_and_evaluate_a_bundle_per_category(r
     direct = evaluate(donor.head, corpus, held, fz, ecfg, depth=3)
     assert direct["heldout_top1"] == got["heldout_top1"]
 
+    # draft train's warm start: a head whose target config is the model's, else none
+    assert budget.same_architecture_head(str(peaked_llama), [tmp_path / "drafts"]) == stem
+    assert budget.same_architecture_head(str(peaked_llama), [tmp_path / "nothing"]) is None
+
 
 def test_draft_vocab_auto_writes_its_measurement(run, peaked_llama, tmp_path):  # noqa: F811
     mine = tmp_path / "run"
@@ -110,6 +114,7 @@ def test_train_gives_each_phase_what_is_left_of_its_share(tmp_path, monkeypatch)
     monkeypatch.setattr(budget, "generate_data", fake_data)
     monkeypatch.setattr(budget, "fit", lambda cfg, progress=True: calls.append(("fit", round(cfg.max_seconds))))
     monkeypatch.setattr(budget, "sharegpt_available", lambda: True)
+    monkeypatch.setattr(budget, "same_architecture_head", lambda model: None)
     data = DataConfig(run_dir=tmp_path)
     fitting = FitConfig(run_dir=tmp_path)
     out = budget.train(data, fitting, minutes=10, progress=False)
@@ -135,5 +140,6 @@ def test_draft_train_parses_minutes_and_auto_vocab():
     assert cfg.vocab_coverage is not None
     assert cfg.warmup == 20
     assert _name(args) == "other-eagle"
+    assert not args.no_warm_start
     with pytest.raises(SystemExit):
         build_parser().parse_args(["draft", "fit", "--draft-vocab", "many"])
