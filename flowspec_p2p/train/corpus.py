@@ -101,19 +101,25 @@ VOCAB_STEP = 1024  # draft vocabulary sizes ``size_for_coverage`` considers are 
 VOCAB_LADDER = (1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768)  # sizes ``coverage_table`` reports
 
 
-def coverage_table(counts: torch.Tensor, sizes: tuple[int, ...] = VOCAB_LADDER) -> dict[int, float]:
-    """Share of the counted answer tokens that the ``size`` most frequent tokens cover, per size (and for the
-    full vocabulary). counts: [vocab]"""
-    cum = counts.double().sort(descending=True).values.cumsum(0)
+def coverage_table(counts: torch.Tensor, sizes: tuple[int, ...] = VOCAB_LADDER,
+                   measured: torch.Tensor | None = None) -> dict[int, float]:
+    """Share of the ``measured`` answer tokens (default: the counted ones) that the ``size`` most frequent tokens
+    by ``counts`` cover, per size (and for the full vocabulary). counts, measured: [vocab]"""
+    measured = counts if measured is None else measured
+    cum = measured.double()[counts.double().sort(descending=True, stable=True).indices].cumsum(0)
     total = float(cum[-1]) or 1.0
     return {n: round(float(cum[min(n, cum.numel()) - 1]) / total, 4) for n in (*sizes, counts.numel())
             if n <= counts.numel()}
 
 
-def size_for_coverage(counts: torch.Tensor, coverage: float) -> int:
-    """The smallest multiple of VOCAB_STEP whose most frequent tokens cover ``coverage`` of the counted answer
-    tokens (at most the full vocabulary). counts: [vocab]"""
-    cum = counts.double().sort(descending=True).values.cumsum(0)
+def size_for_coverage(counts: torch.Tensor, coverage: float, measured: torch.Tensor | None = None) -> int:
+    """The smallest multiple of VOCAB_STEP whose most frequent tokens (by ``counts``) cover ``coverage`` of the
+    ``measured`` answer tokens (default: of ``counts`` itself), at most the full vocabulary. Measuring on held-out
+    answers keeps a small corpus from picking a vocabulary that covers only its own tokens. counts, measured:
+    [vocab]"""
+    measured = counts if measured is None else measured
+    order = counts.double().sort(descending=True, stable=True).indices
+    cum = measured.double()[order].cumsum(0)
     need = int(torch.searchsorted(cum, coverage * float(cum[-1]))) + 1
     return min(counts.numel(), -(-need // VOCAB_STEP) * VOCAB_STEP)
 

@@ -126,7 +126,8 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
             "target_tokens_seen": state["seen_tokens"],
             "wall_seconds": round(state.get("train_seconds", 0.0)),
             **{k: train[k] for k in ("tokens_per_step", "lr", "unroll", "step_decay", "token_weight",
-                                      "feature_weight", "noise", "draft_vocab") if k in train},
+                                      "feature_weight", "noise", "draft_vocab", "vocab_coverage", "bf16")
+               if k in train},
         },
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "reproduce": "flowspec draft train (see flowspec draft --help); the shipped head: scripts/train_head.sh",

@@ -51,6 +51,7 @@ from .unroll import unrolled
 log = logging.getLogger(__name__)
 
 
+MIN_MEASURED_TOKENS = 2000  # held-out answer tokens needed to size the draft vocabulary on them
 SELF_VOCAB_WEIGHT = 0.75  # share of self-distilled answers (vs teacher-forced ones) in the draft-vocab counts
 
 
@@ -259,9 +260,13 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
                 counts = (SELF_VOCAB_WEIGHT * counts / counts.sum().clamp(min=1)
                           + (1 - SELF_VOCAB_WEIGHT) * other / other.sum().clamp(min=1))
             size = cfg.draft_vocab
-            if cfg.vocab_coverage:
-                size = size_for_coverage(counts, cfg.vocab_coverage)
-                table = {"coverage_goal": cfg.vocab_coverage, "size": size, "coverage": coverage_table(counts)}
+            if cfg.vocab_coverage:  # measured on the held-out answers when there are enough of them
+                held_counts = answer_token_counts(corpus, held, target.cfg.vocab_size)
+                measured = held_counts if int(held_counts.sum()) >= MIN_MEASURED_TOKENS else None
+                size = size_for_coverage(counts, cfg.vocab_coverage, measured)
+                table = {"coverage_goal": cfg.vocab_coverage, "size": size,
+                         "measured_on": "held-out answers" if measured is not None else "training answers",
+                         "coverage": coverage_table(counts, measured=measured)}
                 (cfg.run_dir / "draft_vocab.json").write_text(json.dumps(table, indent=1) + "\n")
                 log.info("draft vocabulary sized by measurement: %d tokens for %.0f%% coverage (%s)", size,
                          100 * cfg.vocab_coverage, table["coverage"])

@@ -30,6 +30,12 @@ def test_the_draft_vocabulary_is_the_fewest_tokens_that_cover_the_goal():
     assert size_for_coverage(counts, 0.5) == 1024  # 1,024 x 10 = 55% of the tokens
     assert size_for_coverage(counts, 0.8) == 2048  # 1,500 x 10 + 0.5k = 84%; 1,024 tokens = 55%
     assert size_for_coverage(counts, 1.0) == 5000  # never beyond the vocabulary
+    measured = torch.zeros(5000, dtype=torch.long)  # held-out answers: half their tokens are rare in training
+    measured[:10] = 1
+    measured[4990:] = 1
+    assert size_for_coverage(counts, 0.5, measured) == 1024
+    assert size_for_coverage(counts, 0.9, measured) == 5000
+    assert coverage_table(counts, (1024,), measured) == {1024: 0.5, 5000: 1.0}
     table = coverage_table(counts, sizes=(1024, 4096))
     assert table == {1024: round(10240 / 18500, 4), 4096: round((15000 + 2596) / 18500, 4), 5000: 1.0}
 
