@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from tqdm import tqdm
 
-from ..errors import ConfigError
+from ..errors import ConfigError, WeightsError
 from ..model.shard import Shard
 from ..model.weights import open_source
 from ..spec.head import DraftBundle, DraftHead
@@ -267,10 +267,24 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
                 table = {"coverage_goal": cfg.vocab_coverage, "size": size,
                          "measured_on": "held-out answers" if measured is not None else "training answers",
                          "coverage": coverage_table(counts, measured=measured)}
-                (cfg.run_dir / "draft_vocab.json").write_text(json.dumps(table, indent=1) + "\n")
                 log.info("draft vocabulary sized by measurement: %d tokens for %.0f%% coverage (%s)", size,
                          100 * cfg.vocab_coverage, table["coverage"])
             vocab = draft_vocab_from_counts(counts, size)
+            donor = donor_vocab(cfg)
+            if donor is not None and (donor.numel() == 0 or int(donor.max()) >= target.cfg.vocab_size):
+                donor = None  # not this model's token ids
+            if cfg.vocab_coverage and donor is not None and measured is not None:
+                # a warm start's donor vocabulary was counted on its own (often far larger) corpus: keep it when
+                # it covers more of the held-out answers than this run's counts do
+                ours, theirs = (float(measured[v].sum() / measured.sum()) for v in (vocab, donor))
+                table.update(counted_heldout=round(ours, 4), donor_size=donor.numel(), donor_heldout=round(theirs, 4))
+                if theirs > ours:
+                    vocab = donor
+                    table["size"] = int(donor.numel())
+                    log.info("keeping the donor's draft vocabulary (%d tokens): it covers %.2f%% of held-out answers "
+                             "against %.2f%% for this run's counts", donor.numel(), 100 * theirs, 100 * ours)
+            if cfg.vocab_coverage:
+                (cfg.run_dir / "draft_vocab.json").write_text(json.dumps(table, indent=1) + "\n")
             cover = float(counts[vocab].sum() / counts.sum().clamp(min=1e-9))
             log.info("draft vocabulary: %d tokens cover %.2f%% of (weighted) answer tokens", vocab.numel(),
                      100 * cover)
@@ -321,6 +335,16 @@ def donor_weights(path: Path) -> tuple[dict[str, torch.Tensor], int | None]:
         raise ConfigError(f"--init-from {path}: no such checkpoint or draft bundle")
     _, tensors, _, meta = DraftBundle.read(path)
     return {k: v.float() for k, v in tensors.items()}, meta.get("training", {}).get("steps")
+
+
+def donor_vocab(cfg: FitConfig) -> torch.Tensor | None:
+    """The draft vocabulary of ``cfg.init_from`` when it is an exported bundle with one."""
+    if cfg.init_from is None or cfg.init_from.suffix == ".pt":
+        return None
+    try:
+        return DraftBundle.read(cfg.init_from)[2]
+    except (OSError, WeightsError):
+        return None
 
 
 def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:

@@ -98,7 +98,10 @@ def test_warm_start_from_an_exported_bundle_and_evaluate_a_bundle_per_category(r
     assert budget.same_architecture_head(str(peaked_llama), [tmp_path / "nothing"]) is None
 
 
-def test_draft_vocab_auto_writes_its_measurement(run, peaked_llama, tmp_path):  # noqa: F811
+def test_draft_vocab_auto_writes_its_measurement_and_may_keep_a_donors(run, peaked_llama, tmp_path,  # noqa: F811
+                                                                        monkeypatch):
+    from flowspec_p2p.train import fit as fit_mod
+
     mine = tmp_path / "run"
     shutil.copytree(run / "features", mine / "features")
     cfg = _cfg(mine, peaked_llama, draft_vocab=0, vocab_coverage=0.9)
@@ -106,6 +109,22 @@ def test_draft_vocab_auto_writes_its_measurement(run, peaked_llama, tmp_path):  
     table = json.loads((mine / "draft_vocab.json").read_text())
     assert table["size"] == fz.vocab.numel() <= 128  # the tiny model's whole vocabulary, at most
     assert table["coverage_goal"] == 0.9
+
+    # a warm start from a bundle whose vocabulary covers every held-out answer token keeps that vocabulary
+    from flowspec_p2p.train import corpus as corpus_mod
+
+    monkeypatch.setattr(fit_mod, "MIN_MEASURED_TOKENS", 1)
+    monkeypatch.setattr(corpus_mod, "VOCAB_STEP", 8)  # sizes below the tiny model's 96 tokens
+    head = DraftBundle(fit_mod.DraftHead(load_target(cfg.model).cfg), torch.arange(96), {"target_fingerprint": "x"})
+    head.save(tmp_path / "donor")
+    (mine / "draft_vocab.pt").unlink()
+    cfg = _cfg(mine, peaked_llama, draft_vocab=0, vocab_coverage=0.5, heldout_per_mille=300,
+               init_from=tmp_path / "donor.json")
+    _, _, _, fz = prepare(cfg, load_target(cfg.model))
+    table = json.loads((mine / "draft_vocab.json").read_text())
+    assert table["donor_heldout"] == 1.0
+    assert table["counted_heldout"] < 1.0  # half the held-out tokens were asked for: fewer than all 96 tokens
+    assert torch.equal(fz.vocab, torch.arange(96))
 
 
 def test_train_gives_each_phase_what_is_left_of_its_share(tmp_path, monkeypatch):
