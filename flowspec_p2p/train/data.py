@@ -99,13 +99,13 @@ def _requests(pool: list[Prompt], done: set[str], tokenizer, cfg: DataConfig, sk
         yield Request(p.key, ids, _temperature(p.key, cfg.sampled_fraction), zlib.crc32(p.key.encode()) + cfg.seed)
 
 
-def _flush(store: FeatureStore, t0: float) -> None:
-    """Write the pending conversations; the manifest's ``seconds`` adds the time spent since the last flush
-    (what ``draft train --minutes`` counts against each data step's budget across restarts)."""
+def _flush(store: FeatureStore, since: float) -> float:
+    """Write the pending conversations; the manifest's ``seconds`` adds the time spent since ``since`` (the last
+    flush: what ``draft train --minutes`` counts against each data step's budget across restarts). -> now"""
     now = time.perf_counter()
-    store.manifest["seconds"] = round(store.manifest.get("seconds", 0.0) + now - store.flushed_at(t0), 1)
+    store.manifest["seconds"] = round(store.manifest.get("seconds", 0.0) + now - since, 3)
     store.flush()
-    store.mark_flushed(now)
+    return now
 
 
 def _sigterm(signum, frame):
@@ -130,7 +130,7 @@ def generate_data(cfg: DataConfig, progress: bool = True) -> FeatureStore:
                          stop_ids=lm.tokenizer.stop_ids, max_prompt=cfg.max_prompt_tokens)
     skipped: list[str] = []
     new_tokens = 0
-    t0 = time.perf_counter()
+    t0 = mark = time.perf_counter()
     old = signal.signal(signal.SIGTERM, _sigterm)
     bar = tqdm(total=todo, desc="self-distill", unit="conv", disable=not progress, dynamic_ncols=True)
     try:
@@ -141,14 +141,14 @@ def generate_data(cfg: DataConfig, progress: bool = True) -> FeatureStore:
             bar.set_postfix(answer_tok=new_tokens, tok_s=f"{new_tokens / (time.perf_counter() - t0):.1f}",
                             refresh=False)
             if store.pending_tokens >= cfg.shard_tokens:
-                _flush(store, t0)
+                mark = _flush(store, mark)
             if cfg.max_seconds and time.perf_counter() - t0 >= cfg.max_seconds:
                 log.info("time budget (%.0f s) spent: stopping", cfg.max_seconds)
                 break
     except KeyboardInterrupt:
         log.warning("interrupted: saving the finished conversations")
     finally:
-        _flush(store, t0)
+        _flush(store, mark)
         bar.close()
         signal.signal(signal.SIGTERM, old)
     log.info("feature store: %d conversations, %d tokens (%d prompts over %d tokens skipped)", store.conversations,
@@ -180,6 +180,7 @@ def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureSt
     old = signal.signal(signal.SIGTERM, _sigterm)
     bar = tqdm(total=len(answers), desc="teacher-force", unit="conv", disable=not progress, dynamic_ncols=True)
     n_tokens, t0 = 0, time.perf_counter()
+    mark = t0
     try:
         with torch.inference_mode():
             for p in todo:
@@ -200,14 +201,14 @@ def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureSt
                 bar.set_postfix(answer_tok=n_tokens, tok_s=f"{n_tokens / (time.perf_counter() - t0):.1f}",
                                 refresh=False)
                 if store.pending_tokens >= cfg.shard_tokens:
-                    _flush(store, t0)
+                    mark = _flush(store, mark)
                 if cfg.max_seconds and time.perf_counter() - t0 >= cfg.max_seconds:
                     log.info("time budget (%.0f s) spent: stopping", cfg.max_seconds)
                     break
     except KeyboardInterrupt:
         log.warning("interrupted: saving the finished conversations")
     finally:
-        _flush(store, t0)
+        _flush(store, mark)
         bar.close()
         signal.signal(signal.SIGTERM, old)
     log.info("teacher-forced store: %d conversations, %d tokens", store.conversations, store.tokens)

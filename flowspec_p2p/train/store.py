@@ -62,13 +62,6 @@ class FeatureStore:
                 raise ConfigError(f"no feature store at {self.root}")
             self.manifest = {"hidden": hidden, "target_fingerprint": target_fingerprint, "shards": []}
         self._pending: list[Finished] = []
-        self._flushed_at: float | None = None  # perf_counter of the last data._flush (time accounting)
-
-    def flushed_at(self, default: float) -> float:
-        return default if self._flushed_at is None else self._flushed_at
-
-    def mark_flushed(self, t: float) -> None:
-        self._flushed_at = t
 
     # ---------------------------------------------------------------------------------------- writing
 

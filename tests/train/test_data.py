@@ -59,6 +59,7 @@ def test_teacher_forced_conversations_hold_the_targets_features_and_stop_at_the_
     assert a.tokens.tolist()[: len(prompt)] == prompt
     assert a.tokens.tolist()[len(prompt) :] == [*tok.encode("yo"), STOP]  # cut after the stop id
     assert a.temperature == FIXED_TEMPERATURE
+    assert store.manifest["seconds"] > 0  # the time spent, which draft train --minutes counts on resume
     full = shard(a.tokens[None, :-1], None)[0]  # [T - 1, hidden]
     torch.testing.assert_close(a.features.double(), full, atol=2e-3, rtol=2e-3)
     assert len(got["sharegpt:b"].tokens) == len(tok.chat([{"role": "user", "content": "why?"}])) + 10
