@@ -108,6 +108,21 @@ def _flush(store: FeatureStore, since: float) -> float:
     return now
 
 
+def _bar(cfg: DataConfig, conversations: int, desc: str, progress: bool) -> tqdm:
+    """A progress bar over the conversations to go, or over the time budget when there is one."""
+    if cfg.max_seconds:
+        return tqdm(total=round(cfg.max_seconds), desc=desc, unit="s", disable=not progress, dynamic_ncols=True)
+    return tqdm(total=conversations, desc=desc, unit="conv", disable=not progress, dynamic_ncols=True)
+
+
+def _tick(bar: tqdm, cfg: DataConfig, t0: float) -> None:
+    """One more conversation done."""
+    if cfg.max_seconds:
+        bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
+    else:
+        bar.update(1)
+
+
 def _sigterm(signum, frame):
     raise KeyboardInterrupt
 
@@ -132,12 +147,12 @@ def generate_data(cfg: DataConfig, progress: bool = True) -> FeatureStore:
     new_tokens = 0
     t0 = mark = time.perf_counter()
     old = signal.signal(signal.SIGTERM, _sigterm)
-    bar = tqdm(total=todo, desc="self-distill", unit="conv", disable=not progress, dynamic_ncols=True)
+    bar = _bar(cfg, todo, "self-distill", progress)
     try:
         for item in gen.run(_requests(pool, done, lm.tokenizer, cfg, skipped)):
             store.add(item)
             new_tokens += len(item.tokens) - item.prompt_len
-            bar.update(1)
+            _tick(bar, cfg, t0)
             bar.set_postfix(answer_tok=new_tokens, tok_s=f"{new_tokens / (time.perf_counter() - t0):.1f}",
                             refresh=False)
             if store.pending_tokens >= cfg.shard_tokens:
@@ -178,7 +193,7 @@ def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureSt
     log.info("teacher-forced store %s: %d conversations; %d to go", store.root, store.conversations, len(answers))
     tok = lm.tokenizer
     old = signal.signal(signal.SIGTERM, _sigterm)
-    bar = tqdm(total=len(answers), desc="teacher-force", unit="conv", disable=not progress, dynamic_ncols=True)
+    bar = _bar(cfg, len(answers), "teacher-force", progress)
     n_tokens, t0 = 0, time.perf_counter()
     mark = t0
     try:
@@ -186,7 +201,7 @@ def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureSt
             for p in todo:
                 if p.key not in answers:
                     continue
-                bar.update(1)
+                _tick(bar, cfg, t0)
                 prompt = tok.chat([{"role": "user", "content": p.text}])
                 text = tok.render([{"role": "user", "content": p.text},
                                    {"role": "assistant", "content": answers[p.key]}], add_generation_prompt=False)
