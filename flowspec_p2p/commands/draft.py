@@ -207,12 +207,14 @@ def _name(args: argparse.Namespace) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ..train.budget import train
+    from ..train.budget import keep_better, train
     from ..train.export import export, run_eval
 
     cfg = train(_data_config(args), _fit_config(args), args.minutes, progress=not args.no_progress,
                 warm_start=not args.no_warm_start)
     evaluation = None if args.no_eval else run_eval(cfg, progress=not args.no_progress)
     stem = export(cfg, Path(args.out) if args.out else None, _name(args), evaluation)
+    if cfg.init_from is not None and cfg.init_from.suffix != ".pt" and not args.no_eval:
+        keep_better(cfg, stem, progress=not args.no_progress)  # never ship a warm start worse than its donor
     sys.stdout.write(f"{stem}\n")
     return 0

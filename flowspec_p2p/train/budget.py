@@ -14,7 +14,8 @@ hours. ``init_from`` (or none, with ``--no-warm-start``) overrides it.
 Without the ShareGPT package the force phase is skipped and its share goes to distil. Every phase's spent time
 is kept with its output (a store's manifest "seconds", the checkpoint's "train_seconds"), so a rerun (after a
 kill, or with a larger ``minutes``) gives each phase what is left of its share; once all are spent a rerun only
-evaluates and exports.
+evaluates and exports. After a warm start, ``keep_better`` compares the trained head with its donor on the run's
+held-out conversations and ships the donor (under this model's fingerprint) when the fine-tune made it worse.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .. import env
 from ..model.weights import open_source
-from ..spec.head import ASSETS
+from ..spec.head import ASSETS, DraftBundle
 from .data import DataConfig, generate_data
+from .export import run_eval
 from .fit import FitConfig, fit
 from .prompts import sharegpt_available
 from .store import MANIFEST
@@ -104,3 +108,33 @@ def train(data: DataConfig, fitting: FitConfig, minutes: float, progress: bool =
     _say(f"phase 3/3 fit: {plan.fit_s / 60:.1f} min in all (resumes from {fitting.checkpoint} if there)")
     fit(fitting, progress=progress)
     return fitting
+
+
+def _score(result: dict) -> tuple[float, float]:
+    """Chain tau at the deepest evaluated depth, then step-0 top-1: what a drafted chain gains."""
+    taus = result.get("chain_tau") or {}
+    deepest = max(taus, key=int) if taus else None
+    return (float(taus[deepest]) if deepest else 0.0, float((result.get("heldout_top1") or [0.0])[0]))
+
+
+def keep_better(cfg: FitConfig, stem: Path, progress: bool = True) -> dict:
+    """After a warm start from a bundle: evaluate the exported head at ``stem`` and its donor on the run's held-out
+    conversations; when the donor scores higher (``_score``), rewrite ``stem`` with the donor's weights and draft
+    vocabulary and this model's fingerprint. -> {"trained": result, "donor": result, "kept": "trained" | "donor"}"""
+    assert cfg.init_from is not None
+    trained = run_eval(cfg, progress=progress, bundle=stem)
+    donor = run_eval(cfg, progress=progress, bundle=cfg.init_from)
+    kept = "donor" if _score(donor) > _score(trained) else "trained"
+    if kept == "donor":
+        ours = DraftBundle.load(stem)
+        theirs = DraftBundle.load(cfg.init_from)
+        meta = {**ours.meta, "heldout": donor, "heldout_top1": donor.get("heldout_top1"),
+                "chain_accept": donor.get("chain_accept"), "tau_chain": donor.get("chain_tau"),
+                "kept_donor": {"from": cfg.init_from.name, "reason": "the fine-tuned head scored lower on this "
+                               "model's held-out conversations", "trained_heldout": trained}}
+        for k in ("format", "weights_dtype", "draft_vocab_size", "target_config"):
+            meta.pop(k, None)
+        DraftBundle(theirs.head, theirs.draft_vocab, meta).save(stem, dtype=torch.float16)
+        _say(f"the donor drafts better for this model (chain tau {_score(donor)[0]:.3f} against "
+             f"{_score(trained)[0]:.3f}): {stem} holds the donor's weights")
+    return {"trained": trained, "donor": donor, "kept": kept}

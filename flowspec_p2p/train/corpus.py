@@ -127,7 +127,7 @@ def size_for_coverage(counts: torch.Tensor, coverage: float, measured: torch.Ten
 def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:
     """The ``size`` most frequent token ids, ascending. -> [size] int64"""
     size = min(size, counts.numel())
-    top = torch.topk(counts, size).indices
+    top = counts.sort(descending=True, stable=True).indices[:size]  # ties by id, as coverage_table counts them
     return top.sort().values
 
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from flowspec_p2p.spec.head import DraftBundle
+from flowspec_p2p.spec.head import DraftBundle, DraftHead
 from flowspec_p2p.train import budget
 from flowspec_p2p.train.corpus import coverage_table, is_heldout, size_for_coverage
 from flowspec_p2p.train.data import DataConfig, _part
@@ -21,6 +21,11 @@ from flowspec_p2p.train.prompts import Prompt, save_pool
 from flowspec_p2p.train.store import FeatureStore
 
 from .test_fit import _cfg, peaked_llama, run, tiny  # noqa: F401  (fixtures)
+
+
+def fit_mod_head(model) -> DraftHead:
+    """An untrained head for ``model`` (random weights, std 0.5: it drafts badly)."""
+    return DraftHead(load_target(str(model)).cfg).reset_parameters(seed=3, std=0.5)
 
 
 def test_the_draft_vocabulary_is_the_fewest_tokens_that_cover_the_goal():
@@ -92,6 +97,20 @@ def test_warm_start_from_an_exported_bundle_and_evaluate_a_bundle_per_category(r
     assert torch.equal(fz.vocab, donor.draft_vocab)  # the donor run's vocabulary was counted on the same store
     direct = evaluate(donor.head, corpus, held, fz, ecfg, depth=3)
     assert direct["heldout_top1"] == got["heldout_top1"]
+
+    # draft train ships the better of the fine-tune and its donor on the held-out conversations
+    fp = DraftBundle.load(stem).meta["target_fingerprint"]
+    bad = tmp_path / "other" / "bad"
+    DraftBundle(fit_mod_head(peaked_llama), donor.draft_vocab, {"target_fingerprint": fp}).save(bad)
+    kept = budget.keep_better(ecfg.model_copy(update={"init_from": stem.with_suffix(".json")}), bad, progress=False)
+    assert kept["kept"] == "donor"
+    shipped = DraftBundle.load(bad)
+    assert shipped.meta["target_fingerprint"] == fp
+    assert shipped.meta["kept_donor"]["from"] == "donor.json"
+    for name, w in shipped.head.state_dict().items():
+        torch.testing.assert_close(w, donor.head.state_dict()[name], msg=name)
+    assert budget.keep_better(ecfg.model_copy(update={"init_from": stem.with_suffix(".json")}), stem,
+                              progress=False)["kept"] == "trained"  # a tie keeps the trained head
 
     # draft train's warm start: a head whose target config is the model's, else none
     assert budget.same_architecture_head(str(peaked_llama), [tmp_path / "drafts"]) == stem
