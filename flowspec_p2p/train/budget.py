@@ -78,6 +78,14 @@ def same_architecture_head(model: str | None, search: list[Path] | None = None) 
     return None
 
 
+def _started_from(cfg: FitConfig, donor: Path) -> bool:
+    """Whether the run's fit starts (no checkpoint yet) or started (its checkpoint says so) from ``donor``."""
+    if not cfg.checkpoint.is_file():
+        return True
+    state = torch.load(cfg.checkpoint, weights_only=False, map_location="cpu")
+    return (state.get("warm_start") or {}).get("from") == donor.name
+
+
 def _say(msg: str) -> None:
     sys.stderr.write(f"[draft train] {msg}\n")
     sys.stderr.flush()
@@ -100,9 +108,9 @@ def train(data: DataConfig, fitting: FitConfig, minutes: float, progress: bool =
         _say(f"phase {i}/3 {name}: {left / 60:.1f} of {share / 60:.1f} min left")
         generate_data(cfg.model_copy(update={"max_seconds": left}), progress=progress)
     fitting = fitting.model_copy(update={"max_seconds": plan.fit_s})
-    if warm_start and fitting.init_from is None and not fitting.checkpoint.is_file():
+    if warm_start and fitting.init_from is None:
         donor = same_architecture_head(fitting.model)
-        if donor is not None:
+        if donor is not None and _started_from(fitting, donor.with_suffix(".json")):
             _say(f"warm start from {donor} (trained for a model of the same architecture)")
             fitting = fitting.model_copy(update={"init_from": donor.with_suffix(".json")})
     _say(f"phase 3/3 fit: {plan.fit_s / 60:.1f} min in all (resumes from {fitting.checkpoint} if there)")
