@@ -6,11 +6,23 @@
 #
 #   bash scripts/train_head.sh            # all steps, then export to ~/.cache/flowspec_p2p/drafts
 #
+# For another model, in a bounded time (no script needed; it resumes, and starts from an installed head of the
+# same architecture when there is one):
+#   flowspec draft train --model PATH.gguf --minutes 60 [--bf16]    # -> ~/.cache/flowspec_p2p/drafts/PATH-eagle.*
+#   bash scripts/train_head.sh v2         # only the v2 steps (issue 22), from v1 as committed in git
+#
+# For any other model, in a bounded time (no script needed):
+#   flowspec draft train --model PATH.gguf --minutes 60     # -> ~/.cache/flowspec_p2p/drafts/PATH-eagle.*
+#
 # The run folders live under ${FLOWSPEC_CACHE_DIR:-~/.cache/flowspec_p2p}/train/. Spec-Bench prompts never enter the prompt pool.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$ROOT"
 TRAIN="${FLOWSPEC_CACHE_DIR:-$HOME/.cache/flowspec_p2p}/train"
+ONLY="${1:-all}"
+
+if [ "$ONLY" != v2 ]; then
+# ---------------------------------------------------------------------------------------------- v1 (stops 6-14)
 
 # 1. self-distillation: the target answers the pool (greedy, 20% at T=1); ~17 answer tokens/s per core
 #    (stopped at 613 conversations, 100k answer tokens)
@@ -54,3 +66,34 @@ flowspec draft export --run self --also-features "$TRAIN/main2/features" --no-fi
 #     --warmup 10 --threads 2
 #   flowspec draft export --run self24 --also-features "$TRAIN/main2/features" --no-fixed --name eagle24k --out DIR
 #   flowspec bench --modes ar,flowspec --per-dataset 1 --max-tokens 48 --temperature 0 --draft DIR/eagle24k
+fi
+
+# ---------------------------------------------------------------------------------------------- v2 (issue 22)
+# v2 fine-tunes v1 (the head above, as committed before issue 22: its training stores are gone) on fresh data.
+V1=e2215aa  # the last commit that ships v1
+mkdir -p "$TRAIN/v1"
+git show "$V1:flowspec_p2p/spec/assets/smollm2-135m-instruct-eagle.json" > "$TRAIN/v1/v1-head.json"
+git show "$V1:flowspec_p2p/spec/assets/smollm2-135m-instruct-eagle.safetensors" > "$TRAIN/v1/v1-head.safetensors"
+V2_STEPS_PLACEHOLDER
+
+# Issue 22 (tried and not shipped; docs/experiments.md, "A second draft head from fresh data"). The stores above
+# were gone; this regenerates a held-out set, measures the shipped head (v1) on it, and fine-tunes v1 on fresh data.
+# The data steps were stopped by SIGTERM at the counts in the comments; 1 thread each, two jobs side by side.
+#   mkdir -p "$TRAIN/v1"; V1=e2215aa   # a commit that ships v1
+#   git show "$V1:flowspec_p2p/spec/assets/smollm2-135m-instruct-eagle.json" > "$TRAIN/v1/v1-head.json"
+#   git show "$V1:flowspec_p2p/spec/assets/smollm2-135m-instruct-eagle.safetensors" > "$TRAIN/v1/v1-head.safetensors"
+#   flowspec draft data --run v2 --prompts 20000 --threads 1                       # stopped at 67 conversations
+#   flowspec draft data --run v2 --heldout-only --prompts 300 --threads 1          # 292 held-out conversations, 24 min
+#   flowspec draft data --run v2 --source sharegpt --skip-prompts 2000 --prompts 30000 --threads 1
+#                                                  # stopped at 2,031 conversations (396,691 answer tokens), 45 min
+#   flowspec draft eval --run v2 --draft-vocab 12288 --head "$TRAIN/v1/v1-head" --threads 1   # v1: 0.492 top-1
+#   flowspec draft fit --run v2 --init-from "$TRAIN/v1/v1-head.json" --draft-vocab 12288 --steps 100000 \
+#     --fit-minutes 30 --tokens-per-step 2048 --lr 5e-4 --warmup 10 --bf16 --threads 1   # 179 steps (1,410 convs)
+#   flowspec draft data --run v2 --skip-prompts 3000 --prompts 20000 --threads 1   # stopped at 82 conversations
+#   # v2's weights with v1's vocabulary (it covers more held-out answers), as a bundle, then the same evaluation:
+#   mkdir -p "$TRAIN/v2v/ckpt"; for x in features fixed pool.jsonl; do ln -sfn "../v2/$x" "$TRAIN/v2v/$x"; done
+#   python -c 'import torch,pathlib as p; from flowspec_p2p.spec.head import DraftBundle as B; t=p.Path.home()/".cache/flowspec_p2p/train"; s=torch.load(t/"v2/ckpt/last.pt",weights_only=False); s["draft_vocab"]=B.read(t/"v1/v1-head")[2]; torch.save(s,t/"v2v/ckpt/last.pt")'
+#   flowspec draft export --run v2v --draft-vocab 12288 --no-eval --out DIR --name v2v
+#   flowspec draft eval --run v2 --draft-vocab 12288 --head DIR/v2v --threads 1     # 0.491 top-1
+#   flowspec bench-spec --data ../shared/data/spec-bench --per-dataset 4 --max-tokens 128 --threads 1 \
+#     --temperatures 0,1 --draft DIR/v2v        # and --draft "$TRAIN/v1/v1-head": tau 2.386 vs 2.388 at T=0

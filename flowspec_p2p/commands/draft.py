@@ -34,6 +34,13 @@ example (a long background job, 1 thread):
 """
 
 
+AUTO_COVERAGE = 0.95  # --draft-vocab auto: the share of answer tokens the draft vocabulary covers
+
+
+def _vocab_arg(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
+
+
 def _run_dir(args: argparse.Namespace) -> Path:
     return Path(args.run_dir) if args.run_dir else cache_dir() / "train" / args.run
 
@@ -59,6 +66,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--skip-prompts", type=int, default=0,
                       help="start this far into the pool (default 0), e.g. for a second process on another core "
                       "in another run folder; fit reads its store with --also-features")
+    data.add_argument("--heldout-only", action="store_true",
+                      help="answer only the pool's held-out prompts (key hash; never trained on): a held-out set "
+                      "for `draft eval`, sooner than the pool's order reaches one")
+    data.add_argument("--max-minutes", type=float, default=None,
+                      help="stop after this long, keeping what is finished (default: no limit)")
     data.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap (default 256)")
     data.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default 512)")
     data.add_argument("--batch", type=int, default=24, help="generation batch rows (default 24)")
@@ -75,10 +87,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     fit.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: steps / 20, <= 100)")
     fit.add_argument("--unroll", type=int, default=3, help="training-time-test steps (default 3)")
-    fit.add_argument("--draft-vocab", type=int, default=16384,
-                     help="draft vocabulary: most frequent answer tokens (default 16384; 0 = full)")
+    fit.add_argument("--draft-vocab", type=_vocab_arg, default=16384,
+                     help="draft vocabulary: most frequent answer tokens (default 16384, train: auto; 0 = full; "
+                     f"auto = sized by measurement: the fewest covering {100 * AUTO_COVERAGE:.0f}%% of the training "
+                     "answers' tokens, table in <run>/draft_vocab.json)")
     fit.add_argument("--feature-weight", type=float, default=0.1, help="SmoothL1 feature loss weight (default 0.1)")
     fit.add_argument("--noise", type=float, default=0.05, help="input feature noise, x feature RMS (default 0.05)")
+    fit.add_argument("--fit-minutes", type=float, default=None,
+                     help="training time budget, summed over resumed sessions: the cosine schedule runs on the "
+                     "larger of steps and time spent, and training stops at either end (default: steps only)")
+    fit.add_argument("--bf16", action="store_true",
+                     help="bfloat16 matmuls in training (float32 weights, optimiser and softmax): faster on CPUs "
+                     "with AMX or AVX512-BF16 (+24%% targets per CPU second measured here), slower elsewhere")
     fit.add_argument("--heldout-per-mille", type=int, default=50,
                      help="conversations held out for evaluation, per mille, by key hash (default 50)")
     fit.add_argument("--no-fixed", action="store_true", help="ignore the teacher-forced store (<run>/fixed)")
@@ -89,21 +109,39 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="also train on this feature store (another run's features/ folder, e.g. one written by "
                           "a second `draft data --skip-prompts` process); repeatable")
 
+    ev = argparse.ArgumentParser(add_help=False)
+    ev.add_argument("--head", type=Path, default=None, metavar="BUNDLE",
+                    help="evaluate this exported head (stem, .json or .safetensors; e.g. the shipped one in "
+                    "flowspec_p2p/spec/assets) on the run's held-out conversations instead of the run's checkpoint")
+
+    budget = argparse.ArgumentParser(add_help=False)
+    budget.add_argument("--no-warm-start", action="store_true",
+                        help="train from scratch even when a head for a model of the same architecture is "
+                        "installed (default: start from it, e.g. the shipped head for a requantized SmolLM2)")
+    budget.add_argument("--minutes", type=float, default=60.0,
+                        help="time budget of data + fit (default 60; split 30%% self-distillation, 35%% teacher "
+                        "forcing, 30%% training, then held-out evaluation and export)")
+
     out = argparse.ArgumentParser(add_help=False)
     out.add_argument("--out", default=None, help="export folder (default ~/.cache/flowspec_p2p/drafts; the "
                      "package's shipped head lives in flowspec_p2p/assets)")
-    out.add_argument("--name", default="eagle-head", help="bundle file stem (default eagle-head)")
+    out.add_argument("--name", default=None,
+                     help="bundle file stem (default: <model file stem>-eagle with --model, else eagle-head)")
     out.add_argument("--no-eval", action="store_true", help="export without (re)evaluating")
 
     for name, parents, helptext in [
-        ("train", [common, data, fit, out], "data, then fit, then eval and export (each resumes)"),
+        ("train", [common, data, fit, out, budget], "a head for --model in --minutes: data, fit, eval, export "
+                                                    "(resumable; a rerun continues each phase)"),
         ("data", [common, data], "self-distil: generate answers and store the target's features"),
         ("fit", [common, fit], "train the head on the stored features (resumes from <run>/ckpt/last.pt)"),
-        ("eval", [common, fit], "held-out top-1 per unrolled depth and chain acceptance of the latest checkpoint"),
+        ("eval", [common, fit, ev], "held-out top-1 per unrolled depth and chain acceptance of the latest checkpoint"),
         ("export", [common, fit, out], "evaluate and write the bundle (float16 weights + metadata)"),
     ]:
         sp = steps.add_parser(name, parents=parents, help=helptext, description=helptext)
         sp.set_defaults(func=globals()[f"run_{name}"])
+        if name == "train":
+            # the budget ends the fit, not a step count
+            sp.set_defaults(draft_vocab="auto", steps=10**6, warmup=20, tokens_per_step=2048)
     p.set_defaults(func=lambda a: (p.print_help(sys.stderr), 2)[1])
 
 
@@ -113,7 +151,8 @@ def _data_config(args: argparse.Namespace):
     return DataConfig(run_dir=_run_dir(args), model=args.model, prompts=args.prompts, skip_prompts=args.skip_prompts,
                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                       batch=args.batch, sampled_fraction=args.sampled_fraction, threads=args.threads,
-                      source=args.source)
+                      source=args.source, heldout_only=args.heldout_only,
+                      max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
 
 
 def run_data(args: argparse.Namespace) -> int:
@@ -127,11 +166,14 @@ def run_data(args: argparse.Namespace) -> int:
 def _fit_config(args: argparse.Namespace):
     from ..train.fit import FitConfig
 
+    auto = args.draft_vocab == "auto"
     return FitConfig(run_dir=_run_dir(args), model=args.model, steps=args.steps, tokens_per_step=args.tokens_per_step,
-                     lr=args.lr, unroll=args.unroll, draft_vocab=args.draft_vocab,
-                     feature_weight=args.feature_weight, noise=args.noise, threads=args.threads,
-                     heldout_per_mille=args.heldout_per_mille, use_fixed=not args.no_fixed, init_from=args.init_from,
-                     also_features=args.also_features,
+                     lr=args.lr, unroll=args.unroll, draft_vocab=0 if auto else args.draft_vocab,
+                     vocab_coverage=AUTO_COVERAGE if auto else None, feature_weight=args.feature_weight,
+                     noise=args.noise, threads=args.threads, heldout_per_mille=args.heldout_per_mille,
+                     use_fixed=not args.no_fixed, init_from=args.init_from, also_features=args.also_features,
+                     bf16=args.bf16, bf16_block=args.bf16,
+                     max_seconds=None if args.fit_minutes is None else 60 * args.fit_minutes,
                      warmup=args.warmup if args.warmup is not None else min(100, args.steps // 20))
 
 
@@ -145,7 +187,7 @@ def run_fit(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     from ..train.export import run_eval as evaluate
 
-    result = evaluate(_fit_config(args), progress=not args.no_progress)
+    result = evaluate(_fit_config(args), progress=not args.no_progress, bundle=args.head)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0
 
@@ -155,12 +197,24 @@ def run_export(args: argparse.Namespace) -> int:
 
     cfg = _fit_config(args)
     evaluation = None if args.no_eval else run_eval(cfg, progress=not args.no_progress)
-    stem = export(cfg, Path(args.out) if args.out else None, args.name, evaluation)
+    stem = export(cfg, Path(args.out) if args.out else None, _name(args), evaluation)
     sys.stdout.write(f"{stem}\n")
     return 0
 
 
+def _name(args: argparse.Namespace) -> str:
+    return args.name or (f"{Path(args.model).stem}-eagle" if args.model else "eagle-head")
+
+
 def run_train(args: argparse.Namespace) -> int:
-    run_data(args)
-    run_fit(args)
-    return run_export(args)
+    from ..train.budget import keep_better, train
+    from ..train.export import export, run_eval
+
+    cfg = train(_data_config(args), _fit_config(args), args.minutes, progress=not args.no_progress,
+                warm_start=not args.no_warm_start)
+    evaluation = None if args.no_eval else run_eval(cfg, progress=not args.no_progress)
+    stem = export(cfg, Path(args.out) if args.out else None, _name(args), evaluation)
+    if cfg.init_from is not None and cfg.init_from.suffix != ".pt" and not args.no_eval:
+        keep_better(cfg, stem, progress=not args.no_progress)  # never ship a warm start worse than its donor
+    sys.stdout.write(f"{stem}\n")
+    return 0

@@ -9,6 +9,7 @@
     fit.py       EAGLE loss, AdamW, checkpoints
     evaluate.py  held-out top-1 per depth, chain acceptance and tau
     export.py    ``DraftBundle`` with metadata, where ``spec.head.find_draft`` looks
+    budget.py    ``flowspec draft train --minutes``: the steps above within a time budget, resumable
 
 The command is ``flowspec draft`` (commands/draft.py). Nothing here runs during inference.
 

@@ -55,8 +55,13 @@ class Corpus:
         """-> (train indices, held-out indices)"""
         train, held = [], []
         for i, k in enumerate(self.keys):
-            (held if zlib.crc32(k.encode()) % 1000 < heldout_per_mille else train).append(i)
+            (held if is_heldout(k, heldout_per_mille) else train).append(i)
         return train, held
+
+
+def is_heldout(key: str, heldout_per_mille: int = HELDOUT_PER_MILLE) -> bool:
+    """Whether the conversation of ``key`` is held out of training (stable as stores grow)."""
+    return zlib.crc32(key.encode()) % 1000 < heldout_per_mille
 
 
 def load_corpus(*stores: FeatureStore) -> Corpus:
@@ -92,10 +97,37 @@ def answer_token_counts(corpus: Corpus, idx: list[int], vocab_size: int) -> torc
     return counts
 
 
+VOCAB_STEP = 1024  # draft vocabulary sizes ``size_for_coverage`` considers are multiples of this
+VOCAB_LADDER = (1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768)  # sizes ``coverage_table`` reports
+
+
+def coverage_table(counts: torch.Tensor, sizes: tuple[int, ...] = VOCAB_LADDER,
+                   measured: torch.Tensor | None = None) -> dict[int, float]:
+    """Share of the ``measured`` answer tokens (default: the counted ones) that the ``size`` most frequent tokens
+    by ``counts`` cover, per size (and for the full vocabulary). counts, measured: [vocab]"""
+    measured = counts if measured is None else measured
+    cum = measured.double()[counts.double().sort(descending=True, stable=True).indices].cumsum(0)
+    total = float(cum[-1]) or 1.0
+    return {n: round(float(cum[min(n, cum.numel()) - 1]) / total, 4) for n in (*sizes, counts.numel())
+            if n <= counts.numel()}
+
+
+def size_for_coverage(counts: torch.Tensor, coverage: float, measured: torch.Tensor | None = None) -> int:
+    """The smallest multiple of VOCAB_STEP whose most frequent tokens (by ``counts``) cover ``coverage`` of the
+    ``measured`` answer tokens (default: of ``counts`` itself), at most the full vocabulary. Measuring on held-out
+    answers keeps a small corpus from picking a vocabulary that covers only its own tokens. counts, measured:
+    [vocab]"""
+    measured = counts if measured is None else measured
+    order = counts.double().sort(descending=True, stable=True).indices
+    cum = measured.double()[order].cumsum(0)
+    need = int(torch.searchsorted(cum, coverage * float(cum[-1]))) + 1
+    return min(counts.numel(), -(-need // VOCAB_STEP) * VOCAB_STEP)
+
+
 def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:
     """The ``size`` most frequent token ids, ascending. -> [size] int64"""
     size = min(size, counts.numel())
-    top = torch.topk(counts, size).indices
+    top = counts.sort(descending=True, stable=True).indices[:size]  # ties by id, as coverage_table counts them
     return top.sort().values
 
 

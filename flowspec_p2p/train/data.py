@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ..model.load import load_model
 from ..types import Settings
 from .batchgen import BatchGenerator, Finished, Request
+from .corpus import is_heldout
 from .prompts import Prompt, build_pool, load_pool, save_pool, sharegpt_candidates, sharegpt_path
 from .store import FeatureStore
 
@@ -48,6 +49,11 @@ class DataConfig(Settings):
     shard_tokens: int = Field(16384, ge=1)  # flush a shard once this many tokens are pending
     threads: int = Field(1, ge=1)
     source: Literal["generate", "sharegpt"] = "generate"
+    # answer only the pool's held-out prompts (corpus.Corpus.split): a held-out set that no head trained on by
+    # this pipeline has seen, sooner than the pool's order would reach one
+    heldout_only: bool = False
+    heldout_first: int = Field(0, ge=0)  # answer this many held-out prompts first, then the part as usual
+    max_seconds: float | None = Field(None, gt=0)  # stop (saving what is finished) after this long
 
 
 def pool_for(run_dir: Path, seed: int) -> list[Prompt]:
@@ -70,8 +76,16 @@ def _temperature(key: str, fraction: float) -> float:
 
 
 def _part(pool: list[Prompt], cfg: DataConfig) -> list[Prompt]:
-    """The pool prompts this run answers: ``cfg.prompts`` of them from ``cfg.skip_prompts`` on."""
-    return pool[cfg.skip_prompts : cfg.skip_prompts + cfg.prompts]
+    """The pool prompts this run answers: ``cfg.prompts`` of them from ``cfg.skip_prompts`` on (of the held-out
+    ones only, with ``heldout_only``)."""
+    if cfg.heldout_only:
+        pool = [p for p in pool if is_heldout(p.key)]
+    part = pool[cfg.skip_prompts : cfg.skip_prompts + cfg.prompts]
+    if cfg.heldout_first:
+        first = [p for p in pool if is_heldout(p.key)][: cfg.heldout_first]
+        keys = {p.key for p in first}
+        part = first + [p for p in part if p.key not in keys]
+    return part
 
 
 def _requests(pool: list[Prompt], done: set[str], tokenizer, cfg: DataConfig, skipped: list[str]) -> Iterator[Request]:
@@ -85,6 +99,30 @@ def _requests(pool: list[Prompt], done: set[str], tokenizer, cfg: DataConfig, sk
         yield Request(p.key, ids, _temperature(p.key, cfg.sampled_fraction), zlib.crc32(p.key.encode()) + cfg.seed)
 
 
+def _flush(store: FeatureStore, since: float) -> float:
+    """Write the pending conversations; the manifest's ``seconds`` adds the time spent since ``since`` (the last
+    flush: what ``draft train --minutes`` counts against each data step's budget across restarts). -> now"""
+    now = time.perf_counter()
+    store.manifest["seconds"] = round(store.manifest.get("seconds", 0.0) + now - since, 3)
+    store.flush()
+    return now
+
+
+def _bar(cfg: DataConfig, conversations: int, desc: str, progress: bool) -> tqdm:
+    """A progress bar over the conversations to go, or over the time budget when there is one."""
+    if cfg.max_seconds:
+        return tqdm(total=round(cfg.max_seconds), desc=desc, unit="s", disable=not progress, dynamic_ncols=True)
+    return tqdm(total=conversations, desc=desc, unit="conv", disable=not progress, dynamic_ncols=True)
+
+
+def _tick(bar: tqdm, cfg: DataConfig, t0: float) -> None:
+    """One more conversation done."""
+    if cfg.max_seconds:
+        bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
+    else:
+        bar.update(1)
+
+
 def _sigterm(signum, frame):
     raise KeyboardInterrupt
 
@@ -92,7 +130,8 @@ def _sigterm(signum, frame):
 def generate_data(cfg: DataConfig, progress: bool = True) -> FeatureStore:
     """Answer the first ``cfg.prompts`` pool prompts not yet stored; return the store."""
     torch.set_num_threads(cfg.threads)
-    lm = load_model(cfg.model, dtype=torch.float32)
+    # the torch engine: batched generation needs a many-row KV cache (the native engine runs one request's rows)
+    lm = load_model(cfg.model, dtype=torch.float32, engine="torch")
     if cfg.source == "sharegpt":
         return teacher_forced_data(cfg, lm, progress)
     store = FeatureStore(cfg.run_dir / "features", hidden=lm.shard.cfg.hidden_size,
@@ -106,22 +145,25 @@ def generate_data(cfg: DataConfig, progress: bool = True) -> FeatureStore:
                          stop_ids=lm.tokenizer.stop_ids, max_prompt=cfg.max_prompt_tokens)
     skipped: list[str] = []
     new_tokens = 0
-    t0 = time.perf_counter()
+    t0 = mark = time.perf_counter()
     old = signal.signal(signal.SIGTERM, _sigterm)
-    bar = tqdm(total=todo, desc="self-distill", unit="conv", disable=not progress, dynamic_ncols=True)
+    bar = _bar(cfg, todo, "self-distill", progress)
     try:
         for item in gen.run(_requests(pool, done, lm.tokenizer, cfg, skipped)):
             store.add(item)
             new_tokens += len(item.tokens) - item.prompt_len
-            bar.update(1)
+            _tick(bar, cfg, t0)
             bar.set_postfix(answer_tok=new_tokens, tok_s=f"{new_tokens / (time.perf_counter() - t0):.1f}",
                             refresh=False)
             if store.pending_tokens >= cfg.shard_tokens:
-                store.flush()
+                mark = _flush(store, mark)
+            if cfg.max_seconds and time.perf_counter() - t0 >= cfg.max_seconds:
+                log.info("time budget (%.0f s) spent: stopping", cfg.max_seconds)
+                break
     except KeyboardInterrupt:
         log.warning("interrupted: saving the finished conversations")
     finally:
-        store.flush()
+        _flush(store, mark)
         bar.close()
         signal.signal(signal.SIGTERM, old)
     log.info("feature store: %d conversations, %d tokens (%d prompts over %d tokens skipped)", store.conversations,
@@ -151,14 +193,15 @@ def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureSt
     log.info("teacher-forced store %s: %d conversations; %d to go", store.root, store.conversations, len(answers))
     tok = lm.tokenizer
     old = signal.signal(signal.SIGTERM, _sigterm)
-    bar = tqdm(total=len(answers), desc="teacher-force", unit="conv", disable=not progress, dynamic_ncols=True)
+    bar = _bar(cfg, len(answers), "teacher-force", progress)
     n_tokens, t0 = 0, time.perf_counter()
+    mark = t0
     try:
         with torch.inference_mode():
             for p in todo:
                 if p.key not in answers:
                     continue
-                bar.update(1)
+                _tick(bar, cfg, t0)
                 prompt = tok.chat([{"role": "user", "content": p.text}])
                 text = tok.render([{"role": "user", "content": p.text},
                                    {"role": "assistant", "content": answers[p.key]}], add_generation_prompt=False)
@@ -173,11 +216,14 @@ def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureSt
                 bar.set_postfix(answer_tok=n_tokens, tok_s=f"{n_tokens / (time.perf_counter() - t0):.1f}",
                                 refresh=False)
                 if store.pending_tokens >= cfg.shard_tokens:
-                    store.flush()
+                    mark = _flush(store, mark)
+                if cfg.max_seconds and time.perf_counter() - t0 >= cfg.max_seconds:
+                    log.info("time budget (%.0f s) spent: stopping", cfg.max_seconds)
+                    break
     except KeyboardInterrupt:
         log.warning("interrupted: saving the finished conversations")
     finally:
-        store.flush()
+        _flush(store, mark)
         bar.close()
         signal.signal(signal.SIGTERM, old)
     log.info("teacher-forced store: %d conversations, %d tokens", store.conversations, store.tokens)

@@ -14,7 +14,8 @@ from ..errors import ConfigError
 from ..spec.head import DraftBundle, DraftHead
 from .corpus import load_corpus
 from .evaluate import evaluate
-from .fit import FitConfig, checkpoint_vocab, load_target, prepare, stores
+from .fit import FitConfig, Frozen, checkpoint_vocab, load_target, prepare, stores
+from .prompts import load_pool
 from .store import FeatureStore
 
 log = logging.getLogger(__name__)
@@ -49,18 +50,39 @@ def eval_indices(keys: list[str], temperatures: list[float], held: list[int], st
     return sorted(set(held) | set(range(seen_n, now)))
 
 
-def run_eval(cfg: FitConfig, depth: int | None = None, progress: bool = True) -> dict:
-    """Evaluate the run's latest checkpoint on its held-out split; also written to ``<run>/eval.json``."""
+def pool_groups(run_dir: Path) -> dict[str, str] | None:
+    """Conversation key -> the pool's category (chat, qa, math, code, summary), or None without a pool."""
+    path = run_dir / "pool.jsonl"
+    return {p.key: p.category for p in load_pool(path)} if path.is_file() else None
+
+
+def run_eval(cfg: FitConfig, depth: int | None = None, progress: bool = True, bundle: Path | None = None) -> dict:
+    """Evaluate the run's latest checkpoint on its held-out split, per pool category too; written to
+    ``<run>/eval.json``. With ``bundle``: that exported head instead (e.g. the shipped one, on its own draft
+    vocabulary) on the run's held-out conversations, written to ``<run>/eval-<bundle name>.json``."""
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.model)
     corpus, _, held, fz = prepare(cfg, target)
-    head, state = load_checkpoint(cfg, target.cfg)
-    idx = eval_indices(corpus.keys, corpus.temperature.tolist(), held, state)
+    if bundle is None:
+        head, state = load_checkpoint(cfg, target.cfg)
+        idx = eval_indices(corpus.keys, corpus.temperature.tolist(), held, state)
+        step, out = state["step"], cfg.run_dir / "eval.json"
+    else:
+        b = DraftBundle.load(Path(bundle))
+        fp = FeatureStore(cfg.run_dir / "features").manifest.get("target_fingerprint")
+        if b.meta.get("target_fingerprint") != fp:
+            log.warning("%s was trained for another target (%s) than the run's features (%s)", bundle,
+                        b.meta.get("target_fingerprint"), fp)
+        head, fz = b.head, Frozen.build(target, b.draft_vocab, fz.feature_rms)
+        idx = list(held)  # a foreign head: only the split's held-out conversations are known unseen
+        step = b.meta.get("training", {}).get("steps")
+        out = cfg.run_dir / f"eval-{Path(bundle).with_suffix('').name}.json"
     t0 = time.perf_counter()
-    result = {"step": state["step"], **evaluate(head, corpus, idx, fz, cfg, depth, progress)}
-    log.info("evaluated step %d on %d held-out or newer conversations in %.0f s", state["step"], len(idx),
+    groups = pool_groups(cfg.run_dir)
+    result = {"step": step, **evaluate(head, corpus, idx, fz, cfg, depth, progress, groups=groups)}
+    log.info("evaluated step %s on %d held-out or newer conversations in %.0f s", step, len(idx),
              time.perf_counter() - t0)
-    (cfg.run_dir / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
@@ -104,7 +126,8 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
             "target_tokens_seen": state["seen_tokens"],
             "wall_seconds": round(state.get("train_seconds", 0.0)),
             **{k: train[k] for k in ("tokens_per_step", "lr", "unroll", "step_decay", "token_weight",
-                                      "feature_weight", "noise", "draft_vocab") if k in train},
+                                      "feature_weight", "noise", "draft_vocab", "vocab_coverage", "bf16")
+               if k in train},
         },
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "reproduce": "flowspec draft train (see flowspec draft --help); the shipped head: scripts/train_head.sh",

@@ -16,6 +16,7 @@ whatever the store holds by then.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -28,19 +29,21 @@ import torch.nn.functional as F
 from pydantic import Field
 from tqdm import tqdm
 
-from ..errors import ConfigError
+from ..errors import ConfigError, WeightsError
 from ..model.shard import Shard
 from ..model.weights import open_source
-from ..spec.head import DraftHead
+from ..spec.head import DraftBundle, DraftHead
 from ..types import LayerRange, Settings
 from .corpus import (
     HELDOUT_PER_MILLE,
     Corpus,
     Example,
     answer_token_counts,
+    coverage_table,
     draft_vocab_from_counts,
     load_corpus,
     make_example,
+    size_for_coverage,
 )
 from .store import FeatureStore
 from .unroll import unrolled
@@ -48,6 +51,7 @@ from .unroll import unrolled
 log = logging.getLogger(__name__)
 
 
+MIN_MEASURED_TOKENS = 2000  # held-out answer tokens needed to size the draft vocabulary on them
 SELF_VOCAB_WEIGHT = 0.75  # share of self-distilled answers (vs teacher-forced ones) in the draft-vocab counts
 
 
@@ -67,6 +71,9 @@ class FitConfig(Settings):
     feature_weight: float = Field(0.1, ge=0)
     noise: float = Field(0.05, ge=0)  # uniform half-width, relative to the feature RMS
     draft_vocab: int = Field(16384, ge=0)  # 0 = the full vocabulary
+    # size the draft vocabulary by measurement instead: the fewest tokens (a multiple of 1024) that cover this
+    # share of the training answers' (weighted) tokens; the table of coverage per size goes to draft_vocab.json
+    vocab_coverage: float | None = Field(None, gt=0, le=1)
     max_prompt_context: int = Field(64, ge=0)  # prompt pairs kept before the answer
     max_len: int = Field(384, ge=2)  # pairs per example
     ckpt_every: int = Field(25, ge=1)
@@ -76,7 +83,13 @@ class FitConfig(Settings):
     heldout_per_mille: int = Field(HELDOUT_PER_MILLE, ge=0, le=1000)
     # warm start: a run with no checkpoint yet starts from this checkpoint's head weights (its optimiser state,
     # schedule and draft vocabulary start afresh: the head's weights do not depend on the draft vocabulary)
-    init_from: Path | None = None
+    init_from: Path | None = None  # a checkpoint (.pt) or an exported DraftBundle (stem, .json or .safetensors)
+    # a time budget (training seconds, summed over resumed sessions): the cosine schedule runs on the larger of
+    # step / steps and seconds spent / max_seconds, and training stops at either end
+    max_seconds: float | None = Field(None, gt=0)
+    # bfloat16 matmuls (float32 weights, optimiser and softmax): the LM head's (bf16) and the block's (bf16_block)
+    bf16: bool = False
+    bf16_block: bool = False
     also_features: tuple[Path, ...] = ()  # more self-distilled stores (other runs' features/ folders) to train on
 
     @property
@@ -95,6 +108,15 @@ class Frozen:
     vocab: torch.Tensor | None  # [V_d] target ids, or None = all
     in_vocab: torch.Tensor | None  # [vocab] bool
     feature_rms: float
+    lm_head_bf16: torch.Tensor | None = None  # [hidden, V_d] lm_head in bfloat16 (FitConfig.bf16), made on first use
+
+    def head_matrix(self, bf16: bool) -> torch.Tensor:
+        """The draft-vocabulary LM head, in bfloat16 for ``bf16`` (6x float32's matmul speed on a CPU with AMX)."""
+        if not bf16:
+            return self.lm_head
+        if self.lm_head_bf16 is None:
+            self.lm_head_bf16 = self.lm_head.to(torch.bfloat16)
+        return self.lm_head_bf16
 
     @classmethod
     def build(cls, target: Shard, vocab: torch.Tensor | None, feature_rms: float) -> Frozen:
@@ -137,9 +159,10 @@ def load_target(model: str | None) -> Shard:
 
 
 def example_loss(
-    head: DraftHead, ex: Example, fz: Frozen, cfg: FitConfig, train: bool
+    head: DraftHead, ex: Example, fz: Frozen, cfg: FitConfig, train: bool, outs: list[torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, StepStats]:
-    """Weighted loss summed over the example's targets (see module doc), and per-step top-1 counts."""
+    """Weighted loss summed over the example's targets (see module doc), and per-step top-1 counts. ``outs``: the
+    head's unrolled predictions for ``ex`` when the caller has them already (evaluation, no noise)."""
     n = ex.features.shape[0]
     steps = cfg.unroll
     feats = ex.features.float()  # [n, hidden]
@@ -149,7 +172,11 @@ def example_loss(
     m = min(n + steps - 1, ex.tokens.numel() - 1)
     nxt[:m] = ex.tokens[1 : m + 1]
     embeds = fz.embed[nxt]  # [n + steps - 1, hidden]
-    outs = unrolled(head, feats, embeds, ex.offset, steps)
+    if outs is None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_block):
+            outs = [g.float() for g in unrolled(head, feats, embeds, ex.offset, steps)]
+    assert len(outs) == steps
+    w = fz.head_matrix(cfg.bf16)  # [hidden, V_d]
     rows = ex.valid.nonzero()[:, 0]  # [m] target rows taking part
     stats = StepStats(targets=[0] * steps, top1=[0] * steps)
     total = feats.new_zeros(())
@@ -157,14 +184,14 @@ def example_loss(
         return total, stats
     target_f = ex.targets[rows].float()  # [m, hidden]
     with torch.no_grad():
-        p = (target_f @ fz.lm_head).softmax(-1)  # [m, V_d]
+        p = (target_f.to(w.dtype) @ w).float().softmax(-1)  # [m, V_d]
         p_top = p.argmax(-1)
     for k, g in enumerate(outs):
         sel = rows >= k  # step k's row i predicts target row i + k
         if not bool(sel.any()):
             continue
         gk = g[rows[sel] - k]  # [m_k, hidden]
-        logq = (gk @ fz.lm_head).log_softmax(-1)  # [m_k, V_d]
+        logq = (gk.to(w.dtype) @ w).float().log_softmax(-1)  # [m_k, V_d]
         ce = -(p[sel] * logq).sum(-1)  # [m_k]
         reg = F.smooth_l1_loss(gk, target_f[sel], reduction="none").mean(-1)  # [m_k]
         total = total + cfg.step_decay**k * (cfg.token_weight * ce.sum() + cfg.feature_weight * reg.sum())
@@ -174,10 +201,12 @@ def example_loss(
     return total, stats
 
 
-def lr_at(step: int, cfg: FitConfig) -> float:
+def lr_at(step: int, cfg: FitConfig, spent_s: float = 0.0) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    if cfg.max_seconds:
+        t = max(t, spent_s / cfg.max_seconds)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
@@ -209,17 +238,17 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
     vocab_path = cfg.run_dir / "draft_vocab.pt"
     vocab = checkpoint_vocab(cfg)
     if vocab is not None:  # a head is trained on this vocabulary already: never swap it under the head
-        if vocab.numel() != min(cfg.draft_vocab or target.cfg.vocab_size, target.cfg.vocab_size):
+        if not cfg.vocab_coverage and vocab.numel() != min(cfg.draft_vocab or target.cfg.vocab_size,
+                                                           target.cfg.vocab_size):
             log.warning("the checkpoint's draft vocabulary has %d tokens (not --draft-vocab %d): keeping it",
                         vocab.numel(), cfg.draft_vocab)
     elif cfg.checkpoint.is_file():  # a head trained on the full vocabulary: keep that too
-        if cfg.draft_vocab:
-            log.warning("the checkpoint was trained on the full vocabulary (not --draft-vocab %d): keeping it",
-                        cfg.draft_vocab)
-    elif cfg.draft_vocab:
+        if cfg.draft_vocab or cfg.vocab_coverage:
+            log.warning("the checkpoint was trained on the full vocabulary (not the one asked for): keeping it")
+    elif cfg.draft_vocab or cfg.vocab_coverage:
         if vocab_path.is_file():
             vocab = torch.load(vocab_path)
-            if vocab.numel() != min(cfg.draft_vocab, target.cfg.vocab_size):
+            if not cfg.vocab_coverage and vocab.numel() != min(cfg.draft_vocab, target.cfg.vocab_size):
                 log.warning("%s has %d tokens, not %d: recomputing", vocab_path, vocab.numel(), cfg.draft_vocab)
                 vocab = None
         if vocab is None:
@@ -230,7 +259,32 @@ def prepare(cfg: FitConfig, target: Shard) -> tuple[Corpus, list[int], list[int]
                 other = answer_token_counts(corpus, forced, target.cfg.vocab_size).double()
                 counts = (SELF_VOCAB_WEIGHT * counts / counts.sum().clamp(min=1)
                           + (1 - SELF_VOCAB_WEIGHT) * other / other.sum().clamp(min=1))
-            vocab = draft_vocab_from_counts(counts, cfg.draft_vocab)
+            size = cfg.draft_vocab
+            if cfg.vocab_coverage:  # measured on the held-out answers when there are enough of them
+                held_counts = answer_token_counts(corpus, held, target.cfg.vocab_size)
+                measured = held_counts if int(held_counts.sum()) >= MIN_MEASURED_TOKENS else None
+                size = size_for_coverage(counts, cfg.vocab_coverage, measured)
+                table = {"coverage_goal": cfg.vocab_coverage, "size": size,
+                         "measured_on": "held-out answers" if measured is not None else "training answers",
+                         "coverage": coverage_table(counts, measured=measured)}
+                log.info("draft vocabulary sized by measurement: %d tokens for %.0f%% coverage (%s)", size,
+                         100 * cfg.vocab_coverage, table["coverage"])
+            vocab = draft_vocab_from_counts(counts, size)
+            donor = donor_vocab(cfg)
+            if donor is not None and (donor.numel() == 0 or int(donor.max()) >= target.cfg.vocab_size):
+                donor = None  # not this model's token ids
+            if cfg.vocab_coverage and donor is not None and measured is not None:
+                # a warm start's donor vocabulary was counted on its own (often far larger) corpus: keep it when
+                # it covers more of the held-out answers than this run's counts do
+                ours, theirs = (float(measured[v].sum() / measured.sum()) for v in (vocab, donor))
+                table.update(counted_heldout=round(ours, 4), donor_size=donor.numel(), donor_heldout=round(theirs, 4))
+                if theirs > ours:
+                    vocab = donor
+                    table["size"] = int(donor.numel())
+                    log.info("keeping the donor's draft vocabulary (%d tokens): it covers %.2f%% of held-out answers "
+                             "against %.2f%% for this run's counts", donor.numel(), 100 * theirs, 100 * ours)
+            if cfg.vocab_coverage:
+                (cfg.run_dir / "draft_vocab.json").write_text(json.dumps(table, indent=1) + "\n")
             cover = float(counts[vocab].sum() / counts.sum().clamp(min=1e-9))
             log.info("draft vocabulary: %d tokens cover %.2f%% of (weighted) answer tokens", vocab.numel(),
                      100 * cover)
@@ -270,10 +324,32 @@ def _save_ckpt(path: Path, state: dict) -> None:
     tmp.replace(path)
 
 
+def donor_weights(path: Path) -> tuple[dict[str, torch.Tensor], int | None]:
+    """The head weights (float32) and training steps of a checkpoint (.pt) or an exported bundle."""
+    if path.suffix == ".pt":
+        if not path.is_file():
+            raise ConfigError(f"--init-from {path}: no such checkpoint")
+        donor = torch.load(path, weights_only=False, map_location="cpu")
+        return donor["head"], donor.get("step")
+    if not path.with_suffix(".json").is_file() and not Path(f"{path}.json").is_file():
+        raise ConfigError(f"--init-from {path}: no such checkpoint or draft bundle")
+    _, tensors, _, meta = DraftBundle.read(path)
+    return {k: v.float() for k, v in tensors.items()}, meta.get("training", {}).get("steps")
+
+
+def donor_vocab(cfg: FitConfig) -> torch.Tensor | None:
+    """The draft vocabulary of ``cfg.init_from`` when it is an exported bundle with one."""
+    if cfg.init_from is None or cfg.init_from.suffix == ".pt":
+        return None
+    try:
+        return DraftBundle.read(cfg.init_from)[2]
+    except (OSError, WeightsError):
+        return None
+
+
 def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
     """Train (or continue training) the head of ``cfg.run_dir``; -> the trained head."""
-    if cfg.init_from is not None and not cfg.init_from.is_file():
-        raise ConfigError(f"--init-from {cfg.init_from}: no such checkpoint")
+    donor = donor_weights(cfg.init_from) if cfg.init_from is not None and not cfg.checkpoint.is_file() else None
     torch.set_num_threads(cfg.threads)
     target = load_target(cfg.model)
     corpus, train_idx, held_idx, fz = prepare(cfg, target)
@@ -292,10 +368,10 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         spent_s = state.get("train_seconds", 0.0)
         warm_start = state.get("warm_start")
         log.info("resuming from %s at step %d (epoch %d)", ckpt, step, epoch)
-    elif cfg.init_from is not None:
-        donor = torch.load(cfg.init_from, weights_only=False, map_location="cpu")
-        head.load_state_dict(donor["head"])
-        warm_start = {"from": cfg.init_from.name, "steps": donor.get("step")}
+    elif donor is not None and cfg.init_from is not None:
+        weights, donor_steps = donor
+        head.load_state_dict(weights)
+        warm_start = {"from": cfg.init_from.name, "steps": donor_steps}
         log.info("warm start from the head weights of %s", cfg.init_from)
     fixed = [i for i in train_idx if float(corpus.temperature[i]) < 0]
     # which self-distilled conversations this fit could see (a count would shift when stores are listed or grow
@@ -315,13 +391,19 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         return ks
 
     perm = order(epoch)
-    bar = tqdm(total=cfg.steps, initial=step, desc="fit", unit="step", disable=not progress, dynamic_ncols=True)
+    timed = cfg.max_seconds is not None
+    bar = tqdm(total=round(cfg.max_seconds) if timed else cfg.steps, initial=round(spent_s) if timed else step,
+               desc="fit", unit="s" if timed else "step", disable=not progress, dynamic_ncols=True)
     running = StepStats()
     t0, session_tokens = time.perf_counter(), 0
+
+    def spent() -> float:
+        return spent_s + time.perf_counter() - t0
+
     head.train()
-    while step < cfg.steps:
+    while step < cfg.steps and not (timed and spent() >= cfg.max_seconds):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg, spent())
         stats = StepStats()
         while not stats.targets or stats.targets[0] < cfg.tokens_per_step:
             if cursor >= len(perm):
@@ -343,13 +425,14 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         seen_tokens += stats.targets[0]
         session_tokens += stats.targets[0]
         running = stats if step == 1 else _ema(running, stats)
-        bar.update(1)
-        bar.set_postfix(loss=f"{stats.loss / max(1, stats.targets[0]):.3f}", ep=epoch,
+        bar.update(min(round(spent()), bar.total) - bar.n if timed else 1)
+        bar.set_postfix(step=step, loss=f"{stats.loss / max(1, stats.targets[0]):.3f}", ep=epoch,
                         top1="/".join(f"{a:.2f}" for a in running.accuracy()), refresh=False)
-        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+        last = step == cfg.steps or (timed and spent() >= cfg.max_seconds)
+        if step % cfg.ckpt_every == 0 or last:
             _save_ckpt(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                               "cursor": cursor, "seen_tokens": seen_tokens, "config": cfg.model_dump(mode="json"),
-                              "data": data, "train_seconds": spent_s + time.perf_counter() - t0,
+                              "data": data, "train_seconds": spent(),
                               "draft_vocab": fz.vocab, "warm_start": warm_start,
                               "self_distilled_keys": distilled_keys})
             log.info("step %d: loss/token %.4f, train top-1 per step %s, %.0f targets/s", step,

