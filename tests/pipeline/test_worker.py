@@ -51,7 +51,7 @@ class Running:
         self.worker.inbox.put_nowait(Frame(msg, tensors or {}, "prev", link, time.time()))
 
     async def get(self):
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):  # an emulated 200x-slower device on a busy host takes seconds
             return (await self.out.get()).msg
 
 
