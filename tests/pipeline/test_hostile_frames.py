@@ -3,7 +3,6 @@ its own request, and never the stage; a request's state is touched only through 
 
 import asyncio
 import json
-import time
 
 import pytest
 import torch
@@ -14,10 +13,10 @@ from flowspec_p2p.pipeline import stage as stage_mod
 from flowspec_p2p.pipeline.messages import MAX_NODES, Forward, Prune, Release, StageError
 from flowspec_p2p.pipeline.stage import MAX_REQUESTS, StageCore
 from flowspec_p2p.pipeline.transport import Frame, Inbox, LinkDown, QueueSender
-from flowspec_p2p.pipeline.worker import StageWorker
 
 from ..ring_fixtures import F64, tiny_parts
 from .test_codec import frame_with_header
+from .test_worker import Running
 
 
 @pytest.fixture(scope="module")
@@ -143,28 +142,6 @@ def test_an_unexpected_exception_in_the_shard_fails_the_request_not_the_stage(sh
 
 
 # -------------------------------------------------------------------------------------------- the worker
-
-
-class Running:
-    def __init__(self, shard, successor=None):
-        self.out = asyncio.Queue()
-        self.successor = successor or QueueSender(self.out, "next")
-        self.worker = StageWorker(core(shard), self.successor)
-
-    async def __aenter__(self):
-        self.task = asyncio.get_running_loop().create_task(self.worker.run())
-        return self
-
-    async def __aexit__(self, *exc):
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-
-    def put(self, msg, tensors=None, link=1):
-        self.worker.inbox.put_nowait(Frame(msg, tensors or {}, "prev", link, time.time()))
-
-    async def get(self):
-        async with asyncio.timeout(5):
-            return (await self.out.get()).msg
 
 
 class Unsendable(QueueSender):

@@ -34,9 +34,9 @@ def fwd(rid, seq, m, first=0, commit=True, start=0):
 class Running:
     """A worker whose successor is an in-memory queue, run as a task for the test's duration."""
 
-    def __init__(self, shard, **kw):
+    def __init__(self, shard, successor=None, **kw):
         self.out = asyncio.Queue()
-        self.successor = QueueSender(self.out, "next")
+        self.successor = successor or QueueSender(self.out, "next")
         self.worker = StageWorker(StageCore(shard, index=2, capacity=64, wire_dtype=F64), self.successor, **kw)
 
     async def __aenter__(self):
