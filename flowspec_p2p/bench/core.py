@@ -37,6 +37,7 @@ from ..model.generate import ARDecoder, generate_ids
 from ..model.load import LoadedModel
 from ..model.sampling import SamplingParams
 from ..specbench import Question
+from . import write_json_md
 
 log = logging.getLogger(__name__)
 
@@ -385,8 +386,4 @@ def markdown(result: dict) -> str:
 
 
 def write_outputs(result: dict, out: Path) -> tuple[Path, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    j, m = out / "bench_core.json", out / "bench_core.md"
-    j.write_text(json.dumps(result, indent=2) + "\n")
-    m.write_text(markdown(result) + "\n")
-    return j, m
+    return write_json_md(out, "bench_core", result, markdown(result) + "\n")

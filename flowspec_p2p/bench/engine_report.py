@@ -4,11 +4,12 @@ targets, and results.json / results.md. Sizes are MiB (the ``*_mb`` fields count
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+
+from . import write_json_md
 
 LLAMA = "llama.cpp"
 # The engine issue's targets (docs/experiments.md): decode >= 1.0x llama.cpp's; an n-row forward <= these multiples
@@ -200,8 +201,4 @@ def markdown(res: dict) -> str:
 
 
 def write_outputs(out: Path, res: dict) -> tuple[Path, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    j, m = out / "results.json", out / "results.md"
-    j.write_text(json.dumps(res, indent=2) + "\n")
-    m.write_text(markdown(res) + "\n")
-    return j, m
+    return write_json_md(out, "results", res, markdown(res) + "\n")

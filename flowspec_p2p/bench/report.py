@@ -37,6 +37,8 @@ import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from . import write_json_md
+
 BASELINES = ("chunk", "ar")  # speedups are reported against these
 MODE_ORDER = ("ar", "chunk", "pipedec", "flowspec")  # table order; unknown modes follow, by name
 # mode-specific stats extras summed over requests (diagnostics: where the work went)
@@ -339,6 +341,4 @@ def _dataset_table(table: dict[str, dict], modes: list[str]) -> list[str]:
 
 def write_reports(out: Path, res: dict) -> None:
     """results.json and results.md in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    (out / "results.md").write_text(markdown(res))
+    write_json_md(out, "results", res, markdown(res))

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
@@ -21,6 +20,7 @@ from ..spec.auto import AutoDecoder
 from ..spec.decoder import SpecDecoder
 from ..spec.drafter import TreeDrafter, TreeShape
 from ..specbench import Question
+from . import write_json_md
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +214,7 @@ def markdown(result: dict) -> str:
 
 
 def write_outputs(out: Path, stem: str, result: dict, md: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
-    (out / f"{stem}.md").write_text(md)
+    write_json_md(out, stem, result, md, indent=1, default=_json_default)
 
 
 def _json_default(x):
