@@ -43,16 +43,13 @@ class AutoConfig(Settings):
     variants: bool = True  # also measure a smaller and a larger tree than the given one
 
 
-def tree_variants(shape: TreeShape) -> list[TreeShape]:
-    """The given tree, then a smaller and a larger one (the budgets auto measures on one device)."""
+def tree_variants(shape: TreeShape) -> dict[str, TreeShape]:
+    """The budgets auto measures on one device: the given tree, a smaller one (unless the given one is as small as
+    a tree gets) and a larger one."""
     small = shape.model_copy(update={"total_tokens": max(2, shape.total_tokens // 2),
                                      "depth": max(1, shape.depth - 1), "top_k": max(1, shape.top_k // 2)})
     large = shape.model_copy(update={"total_tokens": 2 * shape.total_tokens, "depth": shape.depth + 1})
-    out: list[TreeShape] = []
-    for s in (shape, small, large):
-        if s not in out:
-            out.append(s)
-    return out
+    return {"given": shape, **({"smaller": small} if small != shape else {}), "larger": large}
 
 
 class _Cost:
@@ -88,7 +85,11 @@ class AutoDecoder:
         self.model = model
         self.drafter = drafter
         self.cfg = cfg or AutoConfig()
-        self.shapes = tree_variants(shape) if self.cfg.variants else [shape]
+        variants = tree_variants(shape) if self.cfg.variants else {"given": shape}
+        self.shapes = list(variants.values())
+        # kind (1 + index into shapes) of the smaller and the larger tree, or None
+        self.smaller, self.larger = (1 + list(variants).index(r) if r in variants else None
+                                     for r in ("smaller", "larger"))
         self.max_context = max_context or model.max_position
 
     @torch.inference_mode()
@@ -147,7 +148,8 @@ class AutoDecoder:
                 if left > 0 and not (kind != 0 and costs[kind].steps >= 2
                                      and costs[kind].per_token > cfg.hopeless * min(probed)):
                     continue
-                nxt = _next_kind(costs, kind, stats.new_tokens, cfg.max_recheck, cfg.margin)
+                nxt = _next_kind(costs, kind, stats.new_tokens, cfg.max_recheck, cfg.margin, self.smaller,
+                                 self.larger)
                 left = 1 if nxt == kind else (cfg.probe_ar if nxt == 0 else cfg.probe_spec)
                 switches += nxt != kind
                 kind = nxt
@@ -172,11 +174,12 @@ def _label(s: TreeShape) -> str:
     return f"{s.total_tokens}/{s.depth}/{s.top_k}"
 
 
-def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int, margin: float = 0.0) -> int:
+def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int, margin: float = 0.0,
+               smaller: int | None = None, larger: int | None = None) -> int:
     """After a run of ``kind`` ends with ``done`` tokens committed: the next kind to run. Kinds: 0 AR, 1 the given
-    tree, then (tree_variants) a smaller and a larger one. AR and the given tree are measured first; the smaller
-    tree if the given one costs under 1.25x AR, the larger only if the given one beats AR (a bigger tree costs
-    more per step: it can only pay where speculation already does)."""
+    tree, ``smaller`` and ``larger`` the other trees (tree_variants) where there are. AR and the given tree are
+    measured first; the smaller tree if the given one costs under 1.25x AR, the larger only if the given one beats
+    AR (a bigger tree costs more per step: it can only pay where speculation already does)."""
     for k in (0, 1):
         if costs[k].per_token is None:
             return k
@@ -185,12 +188,12 @@ def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int, margi
     if costs[kind].per_token <= (1 + margin) * costs[best].per_token:
         best = kind  # within the margin: no switch on noise
     spec_best = min(measured[1:], key=lambda k: costs[k].per_token)
-    if spec_best == 1 and len(costs) > 2 and costs[2].per_token is None \
+    if spec_best == 1 and smaller is not None and costs[smaller].per_token is None \
             and costs[1].per_token < 1.25 * costs[0].per_token:  # a smaller tree may pay where the given nearly does
-        return 2
-    if (spec_best == 1 and len(costs) > 3 and costs[3].per_token is None
+        return smaller
+    if (spec_best == 1 and larger is not None and costs[larger].per_token is None
             and costs[1].per_token < costs[0].per_token):
-        return 3
+        return larger
     if kind != best:  # it lost (a probe, or the running kind fell behind): probe it later next time
         c = costs[kind]
         c.recheck = min(2 * c.recheck, max_recheck)

@@ -90,3 +90,19 @@ def test_seeded_sampled_auto_gives_ar_s_text_across_switches(tiny_llama):
         out, stats = generate_ids(auto, prompt, params, 40)
         assert out == ref
         assert stats.extra["auto"]["switches"] >= 2
+
+
+class _Whole:
+    """Enough of a whole-model shard to build a decoder."""
+
+    has_embed = has_head = True
+    max_position = 64
+
+
+def test_the_smallest_tree_has_no_smaller_variant_and_the_larger_keeps_its_role():
+    from flowspec_p2p.spec.auto import tree_variants
+
+    tiny = TreeShape(total_tokens=2, depth=1, top_k=1)
+    assert list(tree_variants(tiny)) == ["given", "larger"]
+    auto = AutoDecoder(_Whole(), None, tiny)
+    assert (auto.smaller, auto.larger) == (None, 2)  # kind 2 is the larger tree, never probed as the smaller
