@@ -92,12 +92,16 @@ def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | Non
     if stem is not None:
         drafter, meta = _head_drafter(target, stem)
         return drafter, {**meta, "match": "fingerprint"}
+    on_probe = None  # the target's features and greedy tokens on the probe: one forward for every candidate
     for stem in find_compatible_drafts(target.cfg):
         drafter, meta = _head_drafter(target, stem)
         if probe is None:
             log.warning("draft head %s matches this model's architecture; no probe to test it with: using it", stem)
             return drafter, {**meta, "match": "architecture"}
-        score = _agreement(target if whole_model is None else whole_model(), drafter, probe)
+        if on_probe is None:
+            on_probe = _probe_forward(target if whole_model is None else whole_model(), probe)
+        assert isinstance(drafter.base, HeadDrafter)
+        score = drafter.base.agreement(probe, *on_probe)
         if score >= MIN_AGREEMENT:
             log.info("draft head %s: trained for another build of this model (%s); top-1 agreement %.2f on the "
                      "probe text: using it", stem.name, meta.get("target_fingerprint", "?")[:12], score)
@@ -120,12 +124,10 @@ def _head_drafter(target: Shard, stem: Path) -> tuple[LookupDrafter, dict]:
 
 
 @torch.inference_mode()
-def _agreement(target: Shard, drafter: LookupDrafter, probe: list[int]) -> float:
-    cache = target.new_cache(len(probe))
-    feats = prefill_features(target, cache, probe)  # [P, hidden]
-    target_next = target.logits(feats).argmax(-1)  # [P]
-    assert isinstance(drafter.base, HeadDrafter)
-    return drafter.base.agreement(probe, feats, target_next)
+def _probe_forward(target: Shard, probe: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> the target's features [P, hidden] at the probe's tokens and its greedy next token at each [P]"""
+    feats = prefill_features(target, target.new_cache(len(probe)), probe)  # [P, hidden]
+    return feats, target.logits(feats).argmax(-1)
 
 
 def verify_step(model: Shard, cache: KVCache, tree: DraftTree, params: SamplingParams,
