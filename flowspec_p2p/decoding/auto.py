@@ -14,7 +14,7 @@ Pure bookkeeping (no torch, no I/O): leader.py asks ``choose`` per request and r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import Field
 
@@ -37,11 +37,6 @@ class _Mode:
     wait: int = 0  # requests to wait before trying it again while it loses
 
 
-@dataclass
-class _Key:
-    modes: dict[str, _Mode] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
 class Choice:
     mode: str
@@ -56,36 +51,36 @@ class Choice:
 class ModeChooser:
     def __init__(self, settings: AutoSettings | None = None):
         self.settings = settings or AutoSettings()
-        self._keys: dict[tuple[int, bool], _Key] = {}
+        self._keys: dict[tuple[int, bool], dict[str, _Mode]] = {}  # (epoch, greedy) -> mode -> its record
 
-    def _key(self, epoch: int, greedy: bool) -> _Key:
+    def _key(self, epoch: int, greedy: bool) -> dict[str, _Mode]:
         k = (epoch, greedy)
         if k not in self._keys:
             for old in [o for o in self._keys if o[0] != epoch]:  # a re-plan: the old pipeline's rates are stale
                 del self._keys[old]
-            self._keys[k] = _Key({m: _Mode(wait=self.settings.recheck) for m in self.settings.candidates})
+            self._keys[k] = {m: _Mode(wait=self.settings.recheck) for m in self.settings.candidates}
         return self._keys[k]
 
     def choose(self, available: list[str], epoch: int, greedy: bool) -> Choice:
         """The mode for the next request among ``available`` (the leader's modes its drafter allows)."""
         key = self._key(epoch, greedy)
         cands = [m for m in self.settings.candidates if m in available]
-        rates = {m: key.modes[m].rate for m in cands}
+        rates = {m: key[m].rate for m in cands}
         if not cands:
             return Choice(available[0], "only", rates)
         if len(cands) == 1:
             return self._ran(key, Choice(cands[0], "only", rates))
-        untried = [m for m in cands if key.modes[m].rate is None]
+        untried = [m for m in cands if key[m].rate is None]
         if untried:
             return self._ran(key, Choice(untried[0], "untried", rates))
         best = max(cands, key=lambda m: rates[m])
-        due = [m for m in cands if m != best and key.modes[m].since >= key.modes[m].wait]
+        due = [m for m in cands if m != best and key[m].since >= key[m].wait]
         if due:
-            return self._ran(key, Choice(max(due, key=lambda m: key.modes[m].since), "recheck", rates))
+            return self._ran(key, Choice(max(due, key=lambda m: key[m].since), "recheck", rates))
         return self._ran(key, Choice(best, "fastest", rates))
 
-    def _ran(self, key: _Key, choice: Choice) -> Choice:
-        for name, m in key.modes.items():
+    def _ran(self, key: dict[str, _Mode], choice: Choice) -> Choice:
+        for name, m in key.items():
             m.since = 0 if name == choice.mode else m.since + 1
         return choice
 
@@ -95,11 +90,11 @@ class ModeChooser:
         if mode not in s.candidates or new_tokens < s.min_tokens or decode_s <= 0:
             return
         key = self._key(epoch, greedy)
-        m = key.modes[mode]
+        m = key[mode]
         rate = (new_tokens - 1) / decode_s
         m.rate = rate if m.rate is None else m.rate + s.weight * (rate - m.rate)
         m.samples += 1
-        rivals = [o.rate for n, o in key.modes.items() if n != mode and o.rate is not None]
+        rivals = [o.rate for n, o in key.items() if n != mode and o.rate is not None]
         if rivals and m.rate < max(rivals):
             m.wait = min(2 * m.wait, s.max_recheck)  # it lost again: try it half as often
         else:
@@ -109,5 +104,5 @@ class ModeChooser:
         return {f"epoch {e} {'greedy' if g else 'sampled'}": {n: {"tokens_per_s": None if m.rate is None
                                                                   else round(m.rate, 2), "samples": m.samples,
                                                                   "recheck_after": m.wait}
-                                                              for n, m in k.modes.items()}
+                                                              for n, m in k.items()}
                 for (e, g), k in self._keys.items()}
