@@ -68,3 +68,16 @@ def test_the_cli_parser_loads_no_engine():
     loaded = set(out.stdout.split())
     assert "flowspec_p2p" in loaded
     assert not loaded & {"torch", "numpy", "transformers", "gguf"}
+
+
+def test_tree_flags_override_the_tuned_tree(tmp_path, monkeypatch):
+    from flowspec_p2p.cli import build_parser
+    from flowspec_p2p.commands.generate import tree_shape
+    from flowspec_p2p.spec.decoder import DEFAULT_TREE
+
+    monkeypatch.setenv("FLOWSPEC_CACHE_DIR", str(tmp_path))  # no tuning file: the shipped default
+    parse = build_parser().parse_args
+    assert tree_shape(parse(["generate", "hi"]), "fp") == DEFAULT_TREE
+    shape = tree_shape(parse(["generate", "hi", "--tree-tokens", "6", "--tree-depth", "3", "--tree-lookup", "5"]), "fp")
+    assert (shape.total_tokens, shape.depth, shape.top_k, shape.lookup_depth) == (6, 3, DEFAULT_TREE.top_k, 5)
+    assert tree_shape(parse(["generate", "hi", "--tree-depth", "3", "--tree-lookup", "-1"]), "fp").lookup_depth == 3

@@ -236,7 +236,8 @@ def memory_jobs(cfg: EngineBenchConfig, ours: Ours) -> list[MemoryJob]:
             if mode == "spec":
                 assert shape is not None
                 argv += ["--tree-tokens", str(shape.total_tokens), "--tree-depth", str(shape.depth),
-                         "--tree-topk", str(shape.top_k)] + (["--draft", cfg.draft] if cfg.draft else [])
+                         "--tree-topk", str(shape.top_k), "--tree-lookup", str(shape.lookup_depth)] + (
+                            ["--draft", cfg.draft] if cfg.draft else [])
             jobs.append(MemoryJob(f"ours-{mode}", t, tuple(argv), env))
         if cfg.llama_bench is not None:
             argv = llamacpp.bench_argv(cfg.llama_bench, cfg.model, threads=t, gen=cfg.tokens, depth=depth)

@@ -27,6 +27,7 @@ import torch
 from ..model.generate import ARDecoder, generate_ids, prefill_features
 from ..model.sampling import SamplingParams
 from ..model.shard import Shard
+from ..spec.decoder import DEFAULT_TREE
 from ..spec.drafter import TreeDrafter, TreeShape
 from ..spec.tree import DraftTree
 from .single_device import _bar, _elapsed
@@ -226,7 +227,8 @@ def tune(
     result["candidates"] = rank_shapes(curve, drafts, feed_s, head_s, taus)
     for row in result["candidates"]:
         row["draft_cost"] = round(drafts[TreeShape(**row["shape"])] / curve[1], 4)
-    result["best"] = result["candidates"][0]["shape"]
+    # the estimates leave prompt lookup out (teacher-forced head drafts only): the tuned tree keeps the default's chain
+    result["best"] = {**result["candidates"][0]["shape"], "lookup": DEFAULT_TREE.lookup}
     return result
 
 

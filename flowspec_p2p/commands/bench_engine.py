@@ -74,7 +74,7 @@ def _prompt(args: argparse.Namespace) -> tuple[str, str]:
 def _command(args: argparse.Namespace, parts: list[str]) -> str:
     words = ["flowspec", "bench-engine", *([] if parts == list(PARTS) else parts)]
     for flag in ("model", "threads", "llama_bench", "repeats", "tokens", "prompt", "question", "rows", "out", "draft",
-                 "tree_tokens", "tree_depth", "tree_topk"):
+                 "tree_tokens", "tree_depth", "tree_topk", "tree_lookup"):
         if (v := getattr(args, flag)) is not None:
             words += [f"--{flag.replace('_', '-')}", str(v)]
     return shlex.join(words)

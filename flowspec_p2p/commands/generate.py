@@ -53,6 +53,8 @@ def add_spec_arguments(p: argparse.ArgumentParser, *, mode: bool = True) -> None
     p.add_argument("--tree-tokens", type=int, default=None, help="tree budget in nodes, root included (default: tuned)")
     p.add_argument("--tree-depth", type=int, default=None, help="deepest drafted token (default: tuned)")
     p.add_argument("--tree-topk", type=int, default=None, help="children per expanded node (default: tuned)")
+    p.add_argument("--tree-lookup", type=int, default=None,
+                   help="longest prompt-lookup chain merged into each tree (default: tuned; -1: the tree's depth)")
 
 
 def tree_shape(args: argparse.Namespace, target_fingerprint: str):
@@ -60,8 +62,12 @@ def tree_shape(args: argparse.Namespace, target_fingerprint: str):
     from ..spec.decoder import tuned_tree
 
     shape = tuned_tree(target_fingerprint)
-    overrides = {"total_tokens": args.tree_tokens, "depth": args.tree_depth, "top_k": args.tree_topk}
-    return shape.model_validate({**shape.model_dump(), **{k: v for k, v in overrides.items() if v is not None}})
+    overrides = {"total_tokens": args.tree_tokens, "depth": args.tree_depth, "top_k": args.tree_topk,
+                 "lookup": args.tree_lookup}
+    fields = {**shape.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+    if fields["lookup"] == -1:
+        fields["lookup"] = None
+    return shape.model_validate(fields)
 
 
 def make_decoder(args: argparse.Namespace, lm):

@@ -34,7 +34,7 @@ from .shape import TreeShape
 
 class AutoConfig(Settings):
     probe_ar: int = Field(3, ge=1)  # AR steps that measure a token's cost (the first ones, and each re-probe)
-    probe_spec: int = Field(5, ge=1)  # speculative steps of a probe ...
+    probe_spec: int = Field(10, ge=1)  # speculative steps of a probe ...
     hopeless: float = Field(1.5, gt=1.0)  # ... cut short after two once it costs this many times the cheapest
     recheck: int = Field(64, ge=1)  # tokens before a losing kind is probed again (doubling while it loses)
     max_recheck: int = Field(768, ge=1)
@@ -45,10 +45,11 @@ class AutoConfig(Settings):
 
 def tree_variants(shape: TreeShape) -> dict[str, TreeShape]:
     """The budgets auto measures on one device: the given tree, a smaller one (unless the given one is as small as
-    a tree gets) and a larger one."""
+    a tree gets) and a larger one (two children per node at least: a wider chain is no larger)."""
     small = shape.model_copy(update={"total_tokens": max(2, shape.total_tokens // 2),
                                      "depth": max(1, shape.depth - 1), "top_k": max(1, shape.top_k // 2)})
-    large = shape.model_copy(update={"total_tokens": 2 * shape.total_tokens, "depth": shape.depth + 1})
+    large = shape.model_copy(update={"total_tokens": 2 * shape.total_tokens, "depth": shape.depth + 1,
+                                     "top_k": max(2, shape.top_k)})
     return {"given": shape, **({"smaller": small} if small != shape else {}), "larger": large}
 
 
@@ -108,8 +109,12 @@ class AutoDecoder:
         feats = prefill_features(model, cache, prompt)  # [P, hidden]
         cache.commit(cache.pending)
         token = choose(model.logits(feats[-1]), params, gen, len(prompt))
+        # the drafter reads the prompt with the prefill, as SpecDecoder's does: every speculative step needs it, and
+        # charged to the first probe it would make speculation look slower than it runs
+        drafter.feed(prompt, feats, token)
         # committed tokens the drafter has not seen yet, with their target features (fed before a spec step)
-        behind_tokens, behind_feats = list(prompt), [feats]
+        behind_tokens: list[int] = []
+        behind_feats: list[torch.Tensor] = []
         stats.prefill_s = time.perf_counter() - t0
         stats.steps, stats.new_tokens = 1, 1
         kind, left = 0, cfg.probe_ar  # the first steps measure each kind in turn; then the cheapest runs
@@ -127,9 +132,10 @@ class AutoDecoder:
                     behind_feats.append(feat[0])
                     out = [choose(model.logits(feat[0, -1]), params, gen, cache.committed)]  # the next position
                 else:
-                    # the drafter catches up on the tokens committed since the last spec step (after AR steps, many:
-                    # that catch-up is the price of switching to speculation, so it counts against it)
-                    drafter.feed(behind_tokens, torch.cat(behind_feats), token)
+                    if behind_tokens:  # the drafter catches up on the tokens committed since the last spec step
+                        drafter.feed(behind_tokens, torch.cat(behind_feats), token)
+                        if len(behind_tokens) > 1:  # after AR steps: a cost of switching, paid once per run of
+                            ts = time.perf_counter()  # spec steps, not one of speculation's steps
                     behind_tokens, behind_feats = [], []
                     tree = drafter.draft(shapes[kind - 1].capped(remaining - 1))
                     verdict, f = verify_step(model, cache, tree, params, gen, stop_ids)
@@ -194,10 +200,10 @@ def _next_kind(costs: list[_Cost], kind: int, done: int, max_recheck: int, margi
     if (spec_best == 1 and larger is not None and costs[larger].per_token is None
             and costs[1].per_token < costs[0].per_token):
         return larger
-    if kind != best:  # it lost (a probe, or the running kind fell behind): probe it later next time
-        c = costs[kind]
-        c.recheck = min(2 * c.recheck, max_recheck)
+    if kind != best:  # it lost (a probe, or the running kind fell behind): probe it again later, and the time
+        c = costs[kind]  # after that later still
         c.due = done + c.recheck
+        c.recheck = min(2 * c.recheck, max_recheck)
     for k in measured:
         if k != best and costs[k].due == 0:  # first time behind the best: schedule its probe
             costs[k].due = done + costs[k].recheck

@@ -35,9 +35,11 @@ from .verify import Verdict, verify_tree, walk_rows
 
 log = logging.getLogger(__name__)
 
-# The default tree for the default model on a small CPU, as `flowspec tune-tree` picked it (docs/experiments.md,
-# "The single-device tree"); tune-tree writes a better one for this device to TUNING_FILE.
-DEFAULT_TREE = TreeShape(total_tokens=6, depth=4, top_k=4)
+# The default tree for the default model on a small CPU (docs/experiments.md, "The single-device tree on the native
+# engine"): one drafted token and a prompt-lookup chain of up to 4. The engine's tree rows cost 0.25-0.6 of a token
+# each, so a draft whose next-token guess is right half the time pays only with few rows; tune-tree writes one for
+# this device to TUNING_FILE.
+DEFAULT_TREE = TreeShape(total_tokens=2, depth=1, top_k=1, lookup=4)
 TUNING_FILE = "tree_tuning.json"  # under env.cache_dir(): written by `flowspec tune-tree`, read by the CLI
 
 

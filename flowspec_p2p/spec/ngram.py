@@ -25,7 +25,7 @@ from .tree import DraftTree
 class LookupConfig(Settings):
     max_ngram: int = Field(4, ge=1)  # longest context suffix matched
     min_ngram: int = Field(1, ge=1)  # shortest
-    length: int = Field(6, ge=1)  # candidate tokens proposed per tree (capped by the tree's depth)
+    length: int = Field(6, ge=1)  # candidate tokens proposed per tree (capped by the shape's lookup_depth)
     step_logprob: float = Field(-0.7, le=0.0)  # score of each chain step, for score-ordered trees
 
 
@@ -106,7 +106,7 @@ class LookupDrafter:
 
     def _with_chain(self, tree: DraftTree, shape: TreeShape) -> DraftTree:
         """``tree`` with the n-gram continuation of its root merged in (``tree`` itself when that adds no node)."""
-        chain = self.lookup.propose(tree.token_list[0], min(self.cfg.length, shape.depth))
+        chain = self.lookup.propose(tree.token_list[0], min(self.cfg.length, shape.lookup_depth))
         if not chain:
             return tree
         lp = self.cfg.step_logprob

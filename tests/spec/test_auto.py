@@ -106,3 +106,10 @@ def test_the_smallest_tree_has_no_smaller_variant_and_the_larger_keeps_its_role(
     assert list(tree_variants(tiny)) == ["given", "larger"]
     auto = AutoDecoder(_Whole(), None, tiny)
     assert (auto.smaller, auto.larger) == (None, 2)  # kind 2 is the larger tree, never probed as the smaller
+
+
+def test_the_larger_variant_of_a_chain_branches():
+    from flowspec_p2p.spec.auto import tree_variants
+
+    large = tree_variants(TreeShape(total_tokens=2, depth=1, top_k=1, lookup=4))["larger"]
+    assert (large.total_tokens, large.depth, large.top_k, large.lookup) == (4, 2, 2, 4)

@@ -82,8 +82,31 @@ def test_levels_end_with_the_chained_tree_and_yield_no_tree_twice(tiny_llama, co
         assert drafter.draft(shape).token_list == levels[-1]
 
 
+def test_the_lookup_chain_goes_as_deep_as_the_shape_says(tiny_llama):
+    target = tiny_target(tiny_llama)
+    drafter = LookupDrafter(HeadDrafter(random_head(target), target))
+    drafter.reset(64)
+    with torch.inference_mode():
+        feats = target(torch.tensor([REPETITIVE[:-1]]), None)[0]
+        drafter.feed(REPETITIVE[:-1], feats, REPETITIVE[-1])
+        chain = TreeShape(total_tokens=2, depth=1, top_k=1)
+        deepest = {lk: int(drafter.draft(chain.model_copy(update={"lookup": lk})).depth.max())
+                   for lk in (None, 0, 3, 5)}
+    # REPETITIVE ends ... 5, 6: the lookup proposes 7, 9, 10, 5, 6 (the continuation of the latest "5, 6")
+    assert deepest == {None: 1, 0: 1, 3: 3, 5: 5}  # None: the tree's depth; the head's node is at depth 1
+
+
+def test_a_capped_shape_caps_its_lookup_chain():
+    shape = TreeShape(total_tokens=2, depth=1, top_k=1, lookup=4)
+    assert shape.capped(9) is shape
+    assert (shape.capped(2).depth, shape.capped(2).lookup) == (1, 2)
+    assert (shape.capped(0).depth, shape.capped(0).lookup_depth) == (0, 0)
+    assert TreeShape(total_tokens=6, depth=4, top_k=2).capped(3).lookup_depth == 3
+
+
 @pytest.mark.parametrize("shape", [TreeShape(total_tokens=6, depth=4, top_k=2), TreeShape(total_tokens=2, depth=1,
-                                                                                          top_k=1)])
+                                                                                          top_k=1),
+                                   TreeShape(total_tokens=2, depth=1, top_k=1, lookup=6)])
 def test_speculation_with_lookup_equals_autoregressive_decoding(tiny_llama, shape):
     target = tiny_target(tiny_llama)
     ref, _ = generate_ids(ARDecoder(target), REPETITIVE, SamplingParams(), 40)
