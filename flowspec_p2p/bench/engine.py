@@ -44,7 +44,7 @@ from . import ENGINE_PARTS, llamacpp
 log = logging.getLogger(__name__)
 
 PARTS = ENGINE_PARTS
-TREE_FANOUT = 4  # children per node of the row test's tree (the default tree's top_k)
+TREE_FANOUT = 4  # children per node of the row test's tree (an EAGLE-2 tree's usual width)
 ROW_PASSES = 3  # passes over every n per repeat (llama-bench: -r ROW_PASSES); one forward is a few ms
 WARMUP_TOKENS = 16
 GREEDY = SamplingParams()
