@@ -46,13 +46,19 @@ def test_the_index_proposes_what_a_brute_force_search_finds():
             assert lookup.propose(root, cfg.length) == brute_force(ctx, root, cfg, cfg.length), (ctx, root)
 
 
-def test_the_chain_is_merged_below_the_root(tiny_llama):
+def fed_on_repetitive(tiny_llama) -> LookupDrafter:
+    """A lookup drafter over a random head, fed REPETITIVE (its last token the root)."""
     target = tiny_target(tiny_llama)
     drafter = LookupDrafter(HeadDrafter(random_head(target), target))
     drafter.reset(64)
     with torch.inference_mode():
         feats = target(torch.tensor([REPETITIVE[:-1]]), None)[0]
-    drafter.feed(REPETITIVE[:-1], feats, REPETITIVE[-1])
+        drafter.feed(REPETITIVE[:-1], feats, REPETITIVE[-1])
+    return drafter
+
+
+def test_the_chain_is_merged_below_the_root(tiny_llama):
+    drafter = fed_on_repetitive(tiny_llama)
     tree = drafter.draft(TreeShape(total_tokens=4, depth=4, top_k=2))
     tree.check()
     node = 0
@@ -83,12 +89,8 @@ def test_levels_end_with_the_chained_tree_and_yield_no_tree_twice(tiny_llama, co
 
 
 def test_the_lookup_chain_goes_as_deep_as_the_shape_says(tiny_llama):
-    target = tiny_target(tiny_llama)
-    drafter = LookupDrafter(HeadDrafter(random_head(target), target))
-    drafter.reset(64)
+    drafter = fed_on_repetitive(tiny_llama)
     with torch.inference_mode():
-        feats = target(torch.tensor([REPETITIVE[:-1]]), None)[0]
-        drafter.feed(REPETITIVE[:-1], feats, REPETITIVE[-1])
         chain = TreeShape(total_tokens=2, depth=1, top_k=1)
         deepest = {lk: int(drafter.draft(chain.model_copy(update={"lookup": lk})).depth.max())
                    for lk in (None, 0, 3, 5)}
