@@ -23,11 +23,11 @@ from collections.abc import Iterator
 import torch
 from pydantic import Field
 
-from ..model.generate import GenStats, check_context, prefill_features
+from ..model.generate import GenStats, check_context
 from ..model.sampling import PositionalDraws, SamplingParams, choose
 from ..model.shard import Shard
 from ..types import Settings
-from .decoder import verify_step
+from .decoder import prefill_and_feed, verify_step
 from .drafter import Drafter
 from .shape import TreeShape
 
@@ -105,18 +105,12 @@ class AutoDecoder:
         cache = model.new_cache(len(prompt) + budget + max(s.total_tokens for s in shapes))
         drafter.reset(len(prompt) + budget + max(s.draft_slots() for s in shapes))
         costs = [_Cost(cfg.decay, cfg.recheck) for _ in range(1 + len(shapes))]  # kind 0: AR; k: shapes[k - 1]
-        t0 = time.perf_counter()
-        feats = prefill_features(model, cache, prompt)  # [P, hidden]
-        cache.commit(cache.pending)
-        token = choose(model.logits(feats[-1]), params, gen, len(prompt))
         # the drafter reads the prompt with the prefill, as SpecDecoder's does: every speculative step needs it, and
         # charged to the first probe it would make speculation look slower than it runs
-        drafter.feed(prompt, feats, token)
+        token = prefill_and_feed(model, cache, drafter, prompt, params, gen, stats)
         # committed tokens the drafter has not seen yet, with their target features (fed before a spec step)
         behind_tokens: list[int] = []
         behind_feats: list[torch.Tensor] = []
-        stats.prefill_s = time.perf_counter() - t0
-        stats.steps, stats.new_tokens = 1, 1
         kind, left = 0, cfg.probe_ar  # the first steps measure each kind in turn; then the cheapest runs
         switches = 0
         t1 = time.perf_counter()

@@ -147,6 +147,23 @@ def verify_step(model: Shard, cache: KVCache, tree: DraftTree, params: SamplingP
     return verdict, f
 
 
+def prefill_and_feed(model: Shard, cache: KVCache, drafter: Drafter, prompt: list[int], params: SamplingParams,
+                     gen: PositionalDraws | None, stats: GenStats) -> int:
+    """A speculative decoder's start: the prompt's prefill (committed to ``cache``), its first token, and the drafter
+    fed the prompt with the target's features (stats: prefill_s with the drafter's part, draft_prefill_s, one
+    step). -> the first new token"""
+    t0 = time.perf_counter()
+    feats = prefill_features(model, cache, prompt)  # [P, hidden]
+    cache.commit(cache.pending)
+    token = choose(model.logits(feats[-1]), params, gen, len(prompt))
+    td = time.perf_counter()
+    drafter.feed(prompt, feats, token)
+    stats.extra["draft_prefill_s"] = round(time.perf_counter() - td, 4)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.steps, stats.new_tokens = 1, 1
+    return token
+
+
 class SpecDecoder:
     """Speculative decoding on a whole-model shard with a ``Drafter``; a *decoder* as in generate.py."""
 
@@ -175,15 +192,7 @@ class SpecDecoder:
         drafter.reset(len(prompt) + budget + self.shape.draft_slots())
         draft_s = 0.0
         nodes = 0
-        t0 = time.perf_counter()
-        feats = prefill_features(model, cache, prompt)  # [P, hidden]
-        cache.commit(cache.pending)
-        token = choose(model.logits(feats[-1]), params, gen, len(prompt))
-        td = time.perf_counter()
-        drafter.feed(prompt, feats, token)
-        stats.extra["draft_prefill_s"] = round(time.perf_counter() - td, 4)
-        stats.prefill_s = time.perf_counter() - t0
-        stats.steps, stats.new_tokens = 1, 1
+        token = prefill_and_feed(model, cache, drafter, prompt, params, gen, stats)
         t1 = time.perf_counter()
         try:
             yield [token]
