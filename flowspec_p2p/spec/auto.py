@@ -111,6 +111,7 @@ class AutoDecoder:
         # committed tokens the drafter has not seen yet, with their target features (fed before a spec step)
         behind_tokens: list[int] = []
         behind_feats: list[torch.Tensor] = []
+        behind_ar = False  # whether they were committed by AR steps (a switch's catch-up), not by the last spec step
         kind, left = 0, cfg.probe_ar  # the first steps measure each kind in turn; then the cheapest runs
         switches = 0
         t1 = time.perf_counter()
@@ -124,13 +125,14 @@ class AutoDecoder:
                     cache.commit(1)
                     behind_tokens.append(token)
                     behind_feats.append(feat[0])
+                    behind_ar = True
                     out = [choose(model.logits(feat[0, -1]), params, gen, cache.committed)]  # the next position
                 else:
                     if behind_tokens:  # the drafter catches up on the tokens committed since the last spec step
                         drafter.feed(behind_tokens, torch.cat(behind_feats), token)
-                        if len(behind_tokens) > 1:  # after AR steps: a cost of switching, paid once per run of
-                            ts = time.perf_counter()  # spec steps, not one of speculation's steps
-                    behind_tokens, behind_feats = [], []
+                        if behind_ar:  # after AR steps: a cost of switching, paid once per run of spec steps,
+                            ts = time.perf_counter()  # not one of speculation's steps
+                    behind_tokens, behind_feats, behind_ar = [], [], False
                     tree = drafter.draft(shapes[kind - 1].capped(remaining - 1))
                     verdict, f = verify_step(model, cache, tree, params, gen, stop_ids)
                     out = verdict.emitted(tree)[:remaining]
