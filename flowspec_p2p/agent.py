@@ -78,8 +78,8 @@ from .pipeline.codec import wire_dtype
 from .pipeline.emulation import ComputeEmulation, EmulatedCompute, LinkEmulation, device_for
 from .pipeline.ring_server import RingServer
 from .pipeline.transport import LinkDown
-from .spec.decoder import PROBE_TEXT, load_drafter
-from .spec.drafter import Drafter
+from .speculative.decoder import PROBE_TEXT, load_drafter
+from .speculative.drafter import Drafter
 from .types import LayerRange
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@
     FLOWSPEC_CLUSTER_KEY     the cluster key (fsk1-...; preferred over flags, which other users see in ``ps``)
     FLOWSPEC_SECRET          a passphrase the cluster key is derived from (the older way; preferred over --secret)
     FLOWSPEC_API_KEY         the leader API's key (preferred over --api-key; ``flowspec chat`` sends it)
-    FLOWSPEC_SPEC_BENCH      the folder of the six Spec-Bench ``<set>.jsonl`` files (default: ../shared/data/spec-bench
-                             beside the repository checkout)
+    FLOWSPEC_SPEC_BENCH      the folder of the six Spec-Bench ``<set>.jsonl`` files (default: the copy shipped in the
+                             package, bench/data/spec-bench, with its NOTICE.md)
     FLOWSPEC_ENGINE          the model engine: auto (default: native where it runs, else torch), native, torch
     FLOWSPEC_PACKED_WEIGHTS  the torch engine's few-row matmul backend: 1 (default: the best available), fewrow,
                              onednn, 0 (none)
@@ -55,11 +55,11 @@ def cache_dir() -> Path:
 
 
 def spec_bench_dir() -> Path:
-    """The Spec-Bench folder: $FLOWSPEC_SPEC_BENCH, else ../shared/data/spec-bench beside the checkout."""
+    """The Spec-Bench folder: $FLOWSPEC_SPEC_BENCH, else the copy shipped in the package (bench/data/spec-bench)."""
     explicit = os.environ.get(SPEC_BENCH)
     if explicit:
         return Path(explicit).expanduser()
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "spec-bench"
+    return Path(__file__).resolve().parent / "bench" / "data" / "spec-bench"
 
 
 def api_key() -> str | None:

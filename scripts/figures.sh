@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Reproduce the measured figures quoted in README.md (about 2.5 hours on a 2-core CPU; the cluster benchmarks
 # resume where they stopped). Edge devices and links are EMULATED on this one host (see README: Emulating edge
-# devices); only ratios measured side by side in one run mean anything. Spec-Bench: $FLOWSPEC_SPEC_BENCH or
-# ../shared/data/spec-bench.
+# devices); only ratios measured side by side in one run mean anything. Spec-Bench: $FLOWSPEC_SPEC_BENCH or the
+# copy in the package (flowspec_p2p/bench/data/spec-bench).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$ROOT"
-DATA="${FLOWSPEC_SPEC_BENCH:-$ROOT/../shared/data/spec-bench}"
+DATA="${FLOWSPEC_SPEC_BENCH:-$ROOT/flowspec_p2p/bench/data/spec-bench}"
 OUT=docs/figures
 
 # every decoding mode side by side on a 4-stage emulated edge cluster (100 Mbit/s, 2 ms, 5x slower
@@ -38,4 +38,4 @@ flowspec tune-tree --data "$DATA" --threads 1 --no-save --out "$OUT/spec-tune-fe
 mkdir -p "$OUT/recovery"
 flowspec cluster recovery --out "$OUT/recovery/recovery.json" | tee "$OUT/recovery/recovery.txt"
 # where a decoded token's time goes, torch engine vs native engine (py-spy)
-python scripts/profile_decode.py --tokens 256 --threads 1 --out "$OUT/profile"
+python lab/profile_decode.py --tokens 256 --threads 1 --out "$OUT/profile"

@@ -4,7 +4,7 @@
 #
 #   bash scripts/rpc_compare.sh LLAMA_BIN [RUNS] [OUT]        # RUNS default 5, OUT default docs/figures/rpc
 #
-# The same greedy chat (T=0, the same prompt, max_tokens 128; scripts/rpc_compare.py) goes, interleaved, to
+# The same greedy chat (T=0, the same prompt, max_tokens 128; flowspec_p2p/bench/rpc_compare.py) goes, interleaved, to
 #   (a) scripts/run.sh's cluster: `flowspec cluster up -n 3` (3 agents on loopback), decoding ar, flowspec and auto (the default), and
 #   (b) two `ggml-rpc-server -t 1` on loopback ports + `llama-server -t 1 --rpc 127.0.0.1:P1,127.0.0.1:P2`, same GGUF
 #       (the default model), -c 2048 (our agents' default context);
@@ -46,6 +46,6 @@ sleep 1  # the rpc servers listen before llama-server connects
 SETUP="$("$PY" -c 'import json, os, sys; print(json.dumps({"llama_bin": sys.argv[1], "llama_version": sys.argv[2],
   "model": sys.argv[3], "threads_per_agent": max(1, os.cpu_count() // 3), "llama_threads_per_process": 1}))' \
   "$LLAMA_BIN" "$("$LLAMA_BIN/llama-server" --version 2>&1 | head -1)" "$MODEL")"
-"$PY" scripts/rpc_compare.py --ours "http://127.0.0.1:$API" --ours-pid "$P_CLUSTER" \
+"$PY" -m flowspec_p2p.bench.rpc_compare --ours "http://127.0.0.1:$API" --ours-pid "$P_CLUSTER" \
   --llama "http://127.0.0.1:$SERVER" --llama-pids "$P_RPC1,$P_RPC2,$P_SERVER" --runs "$RUNS" --out "$OUT" \
   --command "bash scripts/rpc_compare.sh $LLAMA_BIN $RUNS" --setup "$SETUP"

@@ -73,7 +73,7 @@ def test_the_cli_parser_loads_no_engine():
 def test_tree_flags_override_the_tuned_tree(tmp_path, monkeypatch):
     from flowspec_p2p.cli import build_parser
     from flowspec_p2p.commands.generate import tree_shape
-    from flowspec_p2p.spec.decoder import DEFAULT_TREE
+    from flowspec_p2p.speculative.decoder import DEFAULT_TREE
 
     monkeypatch.setenv("FLOWSPEC_CACHE_DIR", str(tmp_path))  # no tuning file: the shipped default
     parse = build_parser().parse_args

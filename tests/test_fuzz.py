@@ -17,7 +17,7 @@ from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.pipeline.messages import PROTOCOL_VERSION
 from flowspec_p2p.pipeline.transport import RingHello
-from flowspec_p2p.spec.drafter import OracleDrafter
+from flowspec_p2p.speculative.drafter import OracleDrafter
 
 from .agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, until
 from .ring_fixtures import F64, ByteTokenizer

@@ -36,9 +36,9 @@ from ..model.generate import ARDecoder, GenStats, prefill_features
 from ..model.load import LoadedModel, set_threads
 from ..model.native_shard import NativeShard
 from ..model.sampling import SamplingParams
-from ..spec.decoder import SpecDecoder
-from ..spec.drafter import Drafter, TreeShape
-from ..spec.tree import DraftTree
+from ..speculative.decoder import SpecDecoder
+from ..speculative.drafter import Drafter, TreeShape
+from ..speculative.tree import DraftTree
 from . import ENGINE_PARTS, llamacpp
 
 log = logging.getLogger(__name__)

@@ -168,20 +168,20 @@ def _ring_parts(stages: int, model_path: str | None):
 
 def _drafter(kind: str, lm, head):
     """-> (drafter or None, description)."""
-    from ..spec.drafter import HeadDrafter, OracleDrafter
-    from ..spec.head import DraftBundle, find_draft
+    from ..speculative.drafter import HeadDrafter, OracleDrafter
+    from ..speculative.head import DraftBundle, find_draft
 
     if kind == "oracle":
         return OracleDrafter(lm.shard), "oracle (the target drafts for itself: an upper bound on acceptance)"
     stem = find_draft(lm.fingerprint())
     if stem is not None:
         bundle = DraftBundle.load(stem)
-        from ..spec.ngram import LookupDrafter
+        from ..speculative.ngram import LookupDrafter
 
         drafter = LookupDrafter(HeadDrafter(bundle.head, head, bundle.draft_vocab))
         return drafter, f"trained EAGLE head {stem.name} + prompt lookup"
     if kind == "head":
-        from ..spec.head import DraftHead
+        from ..speculative.head import DraftHead
 
         torch.manual_seed(0)
         return HeadDrafter(DraftHead(lm.source.config).eval(), head), "UNTRAINED random head (no trained draft found)"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from ..spec.head import find_draft
+from ..speculative.head import find_draft
 
 if TYPE_CHECKING:
     from .edge import BenchConfig

@@ -16,9 +16,9 @@ from tqdm import tqdm
 from ..model.generate import ARDecoder, GenStats, generate_ids
 from ..model.sampling import SamplingParams
 from ..model.shard import Shard
-from ..spec.auto import AutoDecoder
-from ..spec.decoder import SpecDecoder
-from ..spec.drafter import TreeDrafter, TreeShape
+from ..speculative.auto import AutoDecoder
+from ..speculative.decoder import SpecDecoder
+from ..speculative.drafter import TreeDrafter, TreeShape
 from ..specbench import Question
 from . import write_json_md
 

@@ -27,9 +27,9 @@ import torch
 from ..model.generate import ARDecoder, generate_ids, prefill_features
 from ..model.sampling import SamplingParams
 from ..model.shard import Shard
-from ..spec.decoder import DEFAULT_TREE
-from ..spec.drafter import TreeDrafter, TreeShape
-from ..spec.tree import DraftTree
+from ..speculative.decoder import DEFAULT_TREE
+from ..speculative.drafter import TreeDrafter, TreeShape
+from ..speculative.tree import DraftTree
 from .single_device import _bar, _elapsed
 
 TUNE_START = 0  # the tuner calibrates on lines [0, TUNE_COUNT) of each set, disjoint from the benchmark lines

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.engine_report import summarize, write_outputs
     from ..model.load import load_model, set_threads
     from ..model.weights import default_model_path
-    from ..spec.decoder import load_drafter
+    from ..speculative.decoder import load_drafter
 
     parts = list(dict.fromkeys(args.parts or PARTS))
     if unknown := [p for p in parts if p not in PARTS]:

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..bench.single_device import bench, markdown, write_outputs
     from ..model.load import load_model
-    from ..spec.decoder import load_drafter
+    from ..speculative.decoder import load_drafter
     from ..specbench import load_questions
 
     if args.threads:

@@ -59,7 +59,7 @@ def add_spec_arguments(p: argparse.ArgumentParser, *, mode: bool = True) -> None
 
 def tree_shape(args: argparse.Namespace, target_fingerprint: str):
     """The tuned tree for this device (`flowspec tune-tree`, else the shipped default) with any flag overrides."""
-    from ..spec.decoder import tuned_tree
+    from ..speculative.decoder import tuned_tree
 
     shape = tuned_tree(target_fingerprint)
     overrides = {"total_tokens": args.tree_tokens, "depth": args.tree_depth, "top_k": args.tree_topk,
@@ -75,8 +75,8 @@ def make_decoder(args: argparse.Namespace, lm):
 
     if args.mode == "ar":
         return ARDecoder(lm.shard)
-    from ..spec.auto import AutoDecoder
-    from ..spec.decoder import PROBE_TEXT, SpecDecoder, load_drafter
+    from ..speculative.auto import AutoDecoder
+    from ..speculative.decoder import PROBE_TEXT, SpecDecoder, load_drafter
 
     fingerprint = lm.fingerprint()
     drafter, _ = load_drafter(lm.shard, fingerprint, args.draft, lm.tokenizer.encode(PROBE_TEXT))

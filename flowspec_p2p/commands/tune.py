@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.single_device import write_outputs
     from ..bench.tune import TUNE_START, tune, tune_markdown
     from ..model.load import load_model
-    from ..spec.decoder import load_drafter, tuning_path
+    from ..speculative.decoder import load_drafter, tuning_path
     from ..specbench import DATASETS, load_questions
 
     if args.threads:

@@ -22,9 +22,9 @@ from functools import partial
 
 import torch
 
-from ..spec.drafter import TreeShape
-from ..spec.tree import DraftTree, segment_bounds, split_lengths
-from ..spec.verify import Verdict, verify_tree, walk_rows
+from ..speculative.drafter import TreeShape
+from ..speculative.tree import DraftTree, segment_bounds, split_lengths
+from ..speculative.verify import Verdict, verify_tree, walk_rows
 from .context import DecodingMode, ModeContext, prefill
 
 # The pipeline's tree is not the single-device one (spec.decoder.DEFAULT_TREE, tuned for one forward on one CPU): here

@@ -43,8 +43,8 @@ from ..model.shard import Shard
 from ..pipeline.codec import wire_dtype
 from ..pipeline.messages import DataMessage, Forward, Prune, StageError
 from ..pipeline.transport import Frame, Sender
-from ..spec.drafter import Drafter
-from ..spec.verify import Rows, Verdict
+from ..speculative.drafter import Drafter
+from ..speculative.verify import Rows, Verdict
 from .settings import LeaderSettings
 from .trace import RequestTrace, TokenLogprob, token_logprobs
 

@@ -52,9 +52,9 @@ from typing import Protocol
 import torch
 
 from ..pipeline.messages import Forward
-from ..spec.drafter import TreeShape
-from ..spec.tree import DraftTree
-from ..spec.verify import Verdict, verify_tree, walk_rows
+from ..speculative.drafter import TreeShape
+from ..speculative.tree import DraftTree
+from ..speculative.verify import Verdict, verify_tree, walk_rows
 from .context import DecodingMode, ModeContext, prefill
 from .flowstate import Calibration, FlowState, StageCost, best_segment, segment_value
 from .flowstats import FlowStats

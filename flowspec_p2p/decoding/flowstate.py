@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..pipeline.messages import Forward
-from ..spec.tree import DraftTree
-from ..spec.verify import Verdict
+from ..speculative.tree import DraftTree
+from ..speculative.verify import Verdict
 
 
 @dataclass

@@ -49,7 +49,7 @@ from ..model.sampling import SamplingParams
 from ..model.shard import Shard
 from ..pipeline.messages import Release
 from ..pipeline.transport import Frame, Inbox, LinkDown
-from ..spec.drafter import Drafter
+from ..speculative.drafter import Drafter
 from .ar import AR
 from .auto import ModeChooser
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute

@@ -21,9 +21,9 @@ from functools import partial
 from pydantic import Field
 
 from ..pipeline.messages import Forward
-from ..spec.drafter import TreeShape
-from ..spec.tree import DraftTree
-from ..spec.verify import Verdict
+from ..speculative.drafter import TreeShape
+from ..speculative.tree import DraftTree
+from ..speculative.verify import Verdict
 from ..types import Settings
 from .context import DecodingMode, ModeContext
 from .flowspec import Send, tree_pipeline

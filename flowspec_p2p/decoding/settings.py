@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..spec.shape import TreeShape
+from ..speculative.shape import TreeShape
 from ..types import Settings
 from .auto import AutoSettings
 

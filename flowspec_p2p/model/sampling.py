@@ -5,7 +5,7 @@ then top-p, as transformers applies them). Greedy (temperature 0) is argmax of t
 
 ``PositionalDraws``: the pipeline's modes draw the token at absolute position t by inverse CDF from one uniform
 that depends only on (seed, t). The reply is then a function of the seed and the prompt alone, whatever tree was
-drafted or how often the request resumed on a new pipeline (spec/verify.py, ``verify_positional``).
+drafted or how often the request resumed on a new pipeline (speculative/verify.py, ``verify_positional``).
 """
 
 from __future__ import annotations

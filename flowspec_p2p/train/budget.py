@@ -30,7 +30,7 @@ import torch
 
 from .. import env
 from ..model.weights import open_source
-from ..spec.head import ASSETS, DraftBundle
+from ..speculative.head import ASSETS, DraftBundle
 from .data import DataConfig, generate_data
 from .export import run_eval
 from .fit import FitConfig, fit

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from ..spec.head import DraftHead
+from ..speculative.head import DraftHead
 from .corpus import Corpus, make_example
 from .fit import FitConfig, Frozen, StepStats, example_loss
 from .unroll import unrolled

@@ -11,7 +11,7 @@ import torch
 
 from ..env import cache_dir
 from ..errors import ConfigError
-from ..spec.head import DraftBundle, DraftHead
+from ..speculative.head import DraftBundle, DraftHead
 from .corpus import load_corpus
 from .evaluate import evaluate
 from .fit import FitConfig, Frozen, checkpoint_vocab, load_target, prepare, stores
@@ -130,7 +130,7 @@ def export(cfg: FitConfig, out_dir: Path | None = None, name: str = DEFAULT_NAME
                if k in train},
         },
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "reproduce": "flowspec draft train (see flowspec draft --help); the shipped head: scripts/train_head.sh",
+        "reproduce": "flowspec draft train (see flowspec draft --help); the shipped head: lab/train_head.sh",
     }
     if evaluation:
         meta["heldout"] = evaluation

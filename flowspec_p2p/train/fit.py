@@ -32,7 +32,7 @@ from tqdm import tqdm
 from ..errors import ConfigError, WeightsError
 from ..model.shard import Shard
 from ..model.weights import open_source
-from ..spec.head import DraftBundle, DraftHead
+from ..speculative.head import DraftBundle, DraftHead
 from ..types import LayerRange, Settings
 from .corpus import (
     HELDOUT_PER_MILLE,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.head import DraftHead
+from ..speculative.head import DraftHead
 
 
 class ListCache:

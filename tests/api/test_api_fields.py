@@ -12,8 +12,8 @@ from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.registry import builtin_modes
 from flowspec_p2p.decoding.settings import LeaderSettings
-from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter
-from flowspec_p2p.spec.head import DraftHead
+from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter
+from flowspec_p2p.speculative.head import DraftHead
 
 from ..ring_fixtures import F64, ByteTokenizer, tiny_parts
 from .test_api import read_sse

@@ -10,7 +10,7 @@ from flowspec_p2p.decoding.chunk import CHUNK
 from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.settings import LeaderSettings
-from flowspec_p2p.spec.drafter import OracleDrafter
+from flowspec_p2p.speculative.drafter import OracleDrafter
 
 from ..ring_fixtures import F64, ByteTokenizer, tiny_parts
 

@@ -377,7 +377,7 @@ async def test_api_returns_token_ids_decode_window_and_leader_timeline_on_reques
     from flowspec_p2p.decoding.leader import Leader
     from flowspec_p2p.decoding.loopback import LoopbackRing
     from flowspec_p2p.decoding.settings import LeaderSettings
-    from flowspec_p2p.spec.drafter import OracleDrafter
+    from flowspec_p2p.speculative.drafter import OracleDrafter
 
     from ..ring_fixtures import F64, ByteTokenizer, tiny_parts
 

@@ -19,10 +19,10 @@ from flowspec_p2p.bench import engine, llamacpp
 from flowspec_p2p.bench import engine_report as rep
 from flowspec_p2p.errors import ConfigError
 from flowspec_p2p.model.generate import ARDecoder
-from flowspec_p2p.spec.decoder import SpecDecoder
-from flowspec_p2p.spec.drafter import HeadDrafter, TreeShape
+from flowspec_p2p.speculative.decoder import SpecDecoder
+from flowspec_p2p.speculative.drafter import HeadDrafter, TreeShape
 
-from ..spec.test_drafter import random_head, tiny_target
+from ..speculative.test_drafter import random_head, tiny_target
 from . import fake_llama_bench as fake
 
 FAKE = Path(fake.__file__)

@@ -31,7 +31,7 @@ from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.shard import Shard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.pipeline.messages import Forward, Prune, Release
-from flowspec_p2p.spec.drafter import OracleDrafter
+from flowspec_p2p.speculative.drafter import OracleDrafter
 from flowspec_p2p.types import LayerRange
 
 from ..ring_fixtures import F64, tiny_parts

@@ -20,10 +20,10 @@ from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.shard import Shard
 from flowspec_p2p.model.weights import open_source
-from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
-from flowspec_p2p.spec.head import DraftHead
-from flowspec_p2p.spec.tree import DraftTree
-from flowspec_p2p.spec.verify import Verdict
+from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.speculative.head import DraftHead
+from flowspec_p2p.speculative.tree import DraftTree
+from flowspec_p2p.speculative.verify import Verdict
 from flowspec_p2p.types import LayerRange
 
 from ..fake_ring import sync_pipeline

@@ -17,8 +17,8 @@ from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams, target_probs
 from flowspec_p2p.model.shard import Shard
 from flowspec_p2p.model.weights import open_source
-from flowspec_p2p.spec.drafter import HeadDrafter, TreeShape
-from flowspec_p2p.spec.head import DraftHead
+from flowspec_p2p.speculative.drafter import HeadDrafter, TreeShape
+from flowspec_p2p.speculative.head import DraftHead
 from flowspec_p2p.types import LayerRange
 
 from ..conftest import build_tiny_checkpoint

@@ -16,8 +16,8 @@ from flowspec_p2p.errors import Busy, InvalidRequest, NotReady, PeerGone, StageF
 from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.pipeline.transport import QueueSender
-from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
-from flowspec_p2p.spec.head import DraftHead
+from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.speculative.head import DraftHead
 
 from ..ring_fixtures import F64, tiny_parts
 

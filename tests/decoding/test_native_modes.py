@@ -19,10 +19,10 @@ from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids
 from flowspec_p2p.model.native_shard import NativeShard
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.weights import open_source
-from flowspec_p2p.spec.decoder import SpecDecoder
-from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
-from flowspec_p2p.spec.head import DraftHead
-from flowspec_p2p.spec.ngram import LookupDrafter
+from flowspec_p2p.speculative.decoder import SpecDecoder
+from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.speculative.head import DraftHead
+from flowspec_p2p.speculative.ngram import LookupDrafter
 from flowspec_p2p.types import LayerRange
 
 from ..fake_ring import sync_pipeline

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from flowspec_p2p.spec.head import DraftBundle, DraftHead
+from flowspec_p2p.speculative.head import DraftBundle, DraftHead
 from flowspec_p2p.train import budget
 from flowspec_p2p.train.corpus import coverage_table, is_heldout, size_for_coverage
 from flowspec_p2p.train.data import DataConfig, _part

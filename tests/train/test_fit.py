@@ -10,7 +10,7 @@ import torch
 from flowspec_p2p.errors import ConfigError
 from flowspec_p2p.model.shard import Shard
 from flowspec_p2p.model.weights import model_fingerprint, open_source
-from flowspec_p2p.spec.head import DraftBundle, DraftHead, find_draft
+from flowspec_p2p.speculative.head import DraftBundle, DraftHead, find_draft
 from flowspec_p2p.train.batchgen import BatchGenerator, Request
 from flowspec_p2p.train.corpus import load_corpus, make_example
 from flowspec_p2p.train.evaluate import evaluate

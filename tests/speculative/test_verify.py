@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from scipy import stats as sps
 
 from flowspec_p2p.model.sampling import PositionalDraws, inverse_cdf
-from flowspec_p2p.spec.tree import DraftTree
-from flowspec_p2p.spec.verify import (
+from flowspec_p2p.speculative.tree import DraftTree
+from flowspec_p2p.speculative.verify import (
     LazyRows,
     likely_next,
     verify_greedy,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowspec_p2p.model.weights import open_source
-from flowspec_p2p.spec.head import DraftBundle, DraftHead, find_draft
+from flowspec_p2p.speculative.head import DraftBundle, DraftHead, find_draft
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 
 from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.spec.auto import AutoConfig, AutoDecoder
-from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.speculative.auto import AutoConfig, AutoDecoder
+from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter, TreeShape
 
 from .test_decoder import PROMPTS, assert_follows_the_target, one_thread, toy  # noqa: F401 (fixtures)
 from .test_drafter import random_head, tiny_target
@@ -100,7 +100,7 @@ class _Whole:
 
 
 def test_the_smallest_tree_has_no_smaller_variant_and_the_larger_keeps_its_role():
-    from flowspec_p2p.spec.auto import tree_variants
+    from flowspec_p2p.speculative.auto import tree_variants
 
     tiny = TreeShape(total_tokens=2, depth=1, top_k=1)
     assert list(tree_variants(tiny)) == ["given", "larger"]
@@ -109,7 +109,7 @@ def test_the_smallest_tree_has_no_smaller_variant_and_the_larger_keeps_its_role(
 
 
 def test_the_larger_variant_of_a_chain_branches():
-    from flowspec_p2p.spec.auto import tree_variants
+    from flowspec_p2p.speculative.auto import tree_variants
 
     large = tree_variants(TreeShape(total_tokens=2, depth=1, top_k=1, lookup=4))["larger"]
     assert (large.total_tokens, large.depth, large.top_k, large.lookup) == (4, 2, 2, 4)

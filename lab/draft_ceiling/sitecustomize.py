@@ -1,9 +1,9 @@
 """A one-off analysis hook, never part of the product: how fast would FlowSpec be with a better draft?
 
-Loaded into every process of `flowspec bench` by scripts/draft_ceiling.sh (through PYTHONPATH) when
+Loaded into every process of `flowspec bench` by lab/draft_ceiling.sh (through PYTHONPATH) when
 FLOWSPEC_CEILING_REF names a JSON file {prompt length: the target's greedy reply token ids}, taken from an earlier
 autoregressive run of the same prompts. Each FlowSpec tree then also gets, through the prompt-lookup hook
-(spec/ngram.py), a chain of the next FLOWSPEC_CEILING_LEN reply tokens (scored as near-certain), each right with
+(speculative/ngram.py), a chain of the next FLOWSPEC_CEILING_LEN reply tokens (scored as near-certain), each right with
 probability FLOWSPEC_CEILING_Q (fixed per reply position; the first miss ends the chain with a wrong token). That
 emulates a draft whose next-token guesses are right that often, on top of the shipped head. The target still
 verifies every node, so the output stays the target's own (the bench's greedy equality check shows it).
@@ -17,7 +17,7 @@ if os.environ.get("FLOWSPEC_CEILING_REF"):
     import random
 
     import flowspec_p2p.decoding.leader as _leader
-    import flowspec_p2p.spec.ngram as _ngram
+    import flowspec_p2p.speculative.ngram as _ngram
 
     _REF = {int(k): v for k, v in json.loads(Path(os.environ["FLOWSPEC_CEILING_REF"]).read_text()).items()}
     _LEN = int(os.environ.get("FLOWSPEC_CEILING_LEN", "8"))

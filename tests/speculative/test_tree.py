@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowspec_p2p.spec.tree import DraftTree, segment_bounds, split_lengths
+from flowspec_p2p.speculative.tree import DraftTree, segment_bounds, split_lengths
 
 
 @st.composite

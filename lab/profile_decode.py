@@ -1,7 +1,7 @@
 """Where a decoded token's time goes, per engine: py-spy samples (with native frames) of greedy decoding on the
 default GGUF, summarised by what the sampled thread was running at the leaf.
 
-    python scripts/profile_decode.py [--tokens 256] [--threads 1] [--out docs/figures/profile]
+    python lab/profile_decode.py [--tokens 256] [--threads 1] [--out docs/figures/profile]
 
 For each engine (torch, native) a fresh process loads the model, decodes one warm-up reply, then ``--tokens``
 greedy tokens under ``py-spy record --native``; only samples inside the timed decode loop count. Leaves are
@@ -100,7 +100,7 @@ def main() -> int:
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     args.out.mkdir(parents=True, exist_ok=True)
     report = ["# Where a decoded token's time goes", "",
-              f"`python scripts/profile_decode.py --tokens {args.tokens} --threads {args.threads}`: greedy decode of "
+              f"`python lab/profile_decode.py --tokens {args.tokens} --threads {args.threads}`: greedy decode of "
               f"{args.tokens} tokens on the default GGUF, py-spy --native at {args.rate} Hz, samples inside the "
               "decode loop only, bucketed by the leaf frame.", ""]
     results = {}

@@ -15,8 +15,8 @@ from flowspec_p2p.model.generate import ARDecoder, generate_ids, prefill_feature
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.shard import Shard, packing_enabled
 from flowspec_p2p.model.weights import open_source
-from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
-from flowspec_p2p.spec.head import DraftHead
+from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.speculative.head import DraftHead
 from flowspec_p2p.types import LayerRange
 
 SHAPES = [
@@ -245,7 +245,7 @@ def test_expansion_from_a_new_root_appends_to_the_pruned_tree(tiny_llama):
 @pytest.mark.parametrize("shape", SHAPES[2:], ids=lambda s: f"{s.total_tokens}-{s.depth}-{s.top_k}-{s.order}")
 def test_skipping_hopeless_frontier_nodes_leaves_the_tree_unchanged(tiny_llama, shape, monkeypatch):
     """Frontier nodes whose descendants cannot make the rerank are not run; the EAGLE-2 tree stays the same."""
-    import flowspec_p2p.spec.drafter as drafter_mod
+    import flowspec_p2p.speculative.drafter as drafter_mod
 
     target = tiny_target(tiny_llama)
     trees = []

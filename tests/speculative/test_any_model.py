@@ -10,11 +10,11 @@ import torch
 from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.load import load_model
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.spec import head as head_module
-from flowspec_p2p.spec.decoder import MIN_AGREEMENT, PROBE_TEXT, SpecDecoder, load_drafter
-from flowspec_p2p.spec.drafter import TreeShape
-from flowspec_p2p.spec.head import DraftBundle, DraftHead, find_draft
-from flowspec_p2p.spec.ngram import LookupDrafter
+from flowspec_p2p.speculative import head as head_module
+from flowspec_p2p.speculative.decoder import MIN_AGREEMENT, PROBE_TEXT, SpecDecoder, load_drafter
+from flowspec_p2p.speculative.drafter import TreeShape
+from flowspec_p2p.speculative.head import DraftBundle, DraftHead, find_draft
+from flowspec_p2p.speculative.ngram import LookupDrafter
 
 from ..gguf_fixtures import requantized_copy
 

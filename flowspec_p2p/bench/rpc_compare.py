@@ -3,7 +3,7 @@ cluster's API (ar, flowspec and the default mode, auto) and llama-server (over i
 medians; each server's own decode timing; then each side's total RSS over its processes (/proc: VmRSS now, VmHWM the
 peak). Standard library only.
 
-    python scripts/rpc_compare.py --ours URL --ours-pid PID --llama URL --llama-pids PID,PID,PID --out DIR
+    python -m flowspec_p2p.bench.rpc_compare --ours URL --ours-pid PID --llama URL --llama-pids PID,PID,PID --out DIR
 """
 
 from __future__ import annotations

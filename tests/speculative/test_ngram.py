@@ -12,9 +12,9 @@ from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.spec.decoder import SpecDecoder
-from flowspec_p2p.spec.drafter import HeadDrafter, TreeShape
-from flowspec_p2p.spec.ngram import LookupConfig, LookupDrafter, PromptLookup
+from flowspec_p2p.speculative.decoder import SpecDecoder
+from flowspec_p2p.speculative.drafter import HeadDrafter, TreeShape
+from flowspec_p2p.speculative.ngram import LookupConfig, LookupDrafter, PromptLookup
 
 from ..fake_ring import sync_pipeline
 from ..ring_fixtures import F64, tiny_parts

@@ -11,8 +11,8 @@ import torch
 
 from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.spec.decoder import DEFAULT_TREE, SpecDecoder, tuned_tree
-from flowspec_p2p.spec.drafter import HeadDrafter, OracleDrafter, TreeShape
+from flowspec_p2p.speculative.decoder import DEFAULT_TREE, SpecDecoder, tuned_tree
+from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter, TreeShape
 
 from .test_drafter import SHAPES, random_head, tiny_target, trained_head
 
@@ -244,7 +244,7 @@ def top2_gap(shard, ids: list[int]) -> float:
 @pytest.mark.slow
 def test_default_model_with_the_shipped_head_matches_autoregressive_greedy(request):
     from flowspec_p2p.model.weights import model_fingerprint, open_source
-    from flowspec_p2p.spec.head import DraftBundle, find_draft
+    from flowspec_p2p.speculative.head import DraftBundle, find_draft
 
     stem = find_draft(model_fingerprint(open_source(None)))
     if stem is None:

@@ -1,7 +1,7 @@
 """A one-off analysis hook, never part of the product: how fast would FlowSpec be if parts of the leader's work
 cost less?
 
-Loaded into every process of `flowspec bench` by scripts/leader_ceiling.sh (through PYTHONPATH). With
+Loaded into every process of `flowspec bench` by lab/leader_ceiling.sh (through PYTHONPATH). With
 FLOWSPEC_HEAD_DISCOUNT set, the CPU time the leader's compute thread spends in the target's LM head (the shard's
 ``logits``: as if the LM head and the greedy argmax ran on the last stage) is left out of what the emulated leader
 device is charged, so that part runs at this host's speed instead of ``--slowdown`` times slower; with
@@ -19,7 +19,7 @@ if os.environ.get("FLOWSPEC_HEAD_DISCOUNT") or os.environ.get("FLOWSPEC_DRAFT_DI
     import flowspec_p2p.decoding.context as _context
     import flowspec_p2p.model.native_shard as _native
     import flowspec_p2p.model.shard as _shard
-    import flowspec_p2p.spec.drafter as _drafter
+    import flowspec_p2p.speculative.drafter as _drafter
 
     _spent = threading.local()
 
