@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..model.engine import Shard
 from ..model.generate import ARDecoder, GenStats, generate_ids
 from ..model.sampling import SamplingParams
-from ..model.shard import Shard
+from ..specbench import Question
 from ..speculative.auto import AutoDecoder
 from ..speculative.decoder import SpecDecoder
 from ..speculative.drafter import TreeDrafter, TreeShape
-from ..specbench import Question
 from . import write_json_md
 
 log = logging.getLogger(__name__)

@@ -37,9 +37,9 @@ from typing import Any, Literal, Protocol, TypeVar
 import torch
 
 from ..errors import LinkLost, PeerGone, StageFailed
+from ..model.engine import Shard
 from ..model.generate import GenStats
 from ..model.sampling import PositionalDraws, SamplingParams, choose
-from ..model.shard import Shard
 from ..pipeline.codec import wire_dtype
 from ..pipeline.messages import DataMessage, Forward, Prune, StageError
 from ..pipeline.transport import Frame, Sender

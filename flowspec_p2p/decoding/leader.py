@@ -44,9 +44,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone
+from ..model.engine import Shard
 from ..model.generate import GenStats, check_context
 from ..model.sampling import SamplingParams
-from ..model.shard import Shard
 from ..pipeline.messages import Release
 from ..pipeline.transport import Frame, Inbox, LinkDown
 from ..speculative.drafter import Drafter

@@ -23,8 +23,8 @@ import torch
 
 from ..errors import ContextOverflow, FlowSpecError, ForwardStopped, ProtocolError
 from ..model.dtypes import dtype_name
+from ..model.engine import Shard
 from ..model.kv_cache import KVCache
-from ..model.shard import Shard
 from .messages import MAX_ERROR_TEXT, MAX_NODES, DataMessage, Forward, Prune, Release, StageError, TensorSpec
 
 log = logging.getLogger(__name__)

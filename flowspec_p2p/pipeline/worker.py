@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from ..errors import PeerGone
-from ..model.native_shard import StopFlag
+from ..model.engine import StopFlag
 from .emulation import Device
 from .messages import MAX_ERROR_TEXT, DataMessage, Forward, Prune, Release, StageError
 from .stage import StageCore, Tensors

@@ -23,9 +23,9 @@ from collections.abc import Iterator
 import torch
 from pydantic import Field
 
+from ..model.engine import Shard
 from ..model.generate import GenStats, check_context
 from ..model.sampling import PositionalDraws, SamplingParams, choose
-from ..model.shard import Shard
 from ..types import Settings
 from .decoder import prefill_and_feed, verify_step
 from .drafter import Drafter
