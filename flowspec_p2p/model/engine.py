@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
@@ -50,6 +51,17 @@ class StopFlag:
         return bool(self.c.value)
 
     __call__ = is_set
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """One request's part of a batched forward (Shard.forward_batch): its rows, its cache, their positions and
+    mask, as Shard.__call__ takes them for one request (batch 1)."""
+
+    x: torch.Tensor  # ids [1, n] if the shard embeds, else hidden [1, n, hidden]
+    cache: KVCache
+    positions: torch.Tensor | None = None  # [1, n] absolute; default cache.length + arange(n)
+    mask: torch.Tensor | None = None  # [1, n, cache.length + n] bool, or None (the cache + causal)
 
 
 class HeadRows(Protocol):
@@ -96,6 +108,12 @@ class Shard(Protocol):
         stop: Callable[[], bool] | None = None,  # a StopFlag: raise ForwardStopped before the next layer once set
     ) -> torch.Tensor:
         """K/V of the new rows appended to ``cache``; -> hidden [batch, n, hidden], or features if has_head."""
+        ...
+
+    def forward_batch(self, items: Sequence[BatchRows], stop: Callable[[], bool] | None = None
+                      ) -> list[torch.Tensor]:
+        """The rows of several requests, each with its own cache, positions and mask, in one call; -> per item what
+        ``__call__`` returns for it alone, bit for bit on a batch-invariant engine."""
         ...
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache: ...

@@ -38,7 +38,7 @@ from ..types import LayerRange
 from . import native
 from .arch import ModelConfig
 from .blocks import Rotary
-from .engine import StopFlag
+from .engine import BatchRows, StopFlag
 from .kv_cache import KVCache
 from .native_draft import NativeDraftHead
 from .native_pack import CHUNK_ROWS, StoredTensor, describe, names_read, pack, release, sorted_rows
@@ -228,38 +228,56 @@ class NativeShard:
         mask: torch.Tensor | None = None,  # [1, n, cache.length + n] bool, or None: the cache + causal
         stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
-        """As Shard.forward: K/V of the new rows appended to ``cache``; -> hidden [1, n, hidden], or features if
+        """As engine.Shard: K/V of the new rows appended to ``cache``; -> hidden [1, n, hidden], or features if
         it holds the final norm. ``stop``: a StopFlag the engine reads before each layer (any other callable is
         asked once, before the first); when set, raises ForwardStopped with the rows' slots reserved."""
-        if self.embed is not None and not x.dtype.is_floating_point:
-            h = self.embed(x)  # [1, n, hidden], a fresh tensor
-        else:
-            h = x.to(torch.float32, copy=True)  # the engine updates it in place
-        b, n, _ = h.shape
-        assert b == 1, "the native engine runs one request's rows"
         if cache is None:
-            cache = self.new_cache(n)
-        start = cache.reserve(n)
-        pos = torch.arange(start, start + n) if positions is None else positions.reshape(n)  # [n]
-        last = int(pos.max()) if n else start
-        if last >= self.max_position:
-            raise ContextOverflow(f"position {last} exceeds the model limit {self.max_position}")
-        if mask is not None:
-            assert mask.shape == (1, n, start + n), (tuple(mask.shape), (1, n, start + n))
+            cache = self.new_cache(x.shape[1])
+        return self.forward_batch([BatchRows(x, cache, positions, mask)], stop)[0]
+
+    def forward_batch(self, items: Sequence[BatchRows], stop: Callable[[], bool] | None = None
+                      ) -> list[torch.Tensor]:
+        """The rows of several requests in one engine call (engine.Shard.forward_batch): each item's rows attend
+        to its own cache under its own mask; every row's result is bit-identical to a forward of its item alone."""
+        hs, groups, pos = [], [], []
+        top = 0
+        for it in items:
+            if self.embed is not None and not it.x.dtype.is_floating_point:
+                h = self.embed(it.x)  # [1, n, hidden], a fresh tensor
+            else:
+                # a copy: the engine updates the rows in place (several items are copied by the cat below)
+                h = it.x.to(torch.float32, copy=len(items) == 1)
+            b, n, _ = h.shape
+            assert b == 1, "the native engine takes one request's rows per item"
+            start = it.cache.reserve(n)
+            p = torch.arange(start, start + n) if it.positions is None else it.positions.reshape(n)  # [n]
+            last = int(p.max()) if n else start
+            if last >= self.max_position:
+                it.cache.advance(n)
+                raise ContextOverflow(f"position {last} exceeds the model limit {self.max_position}")
+            if it.mask is not None:
+                assert it.mask.shape == (1, n, start + n), (tuple(it.mask.shape), (1, n, start + n))
+            hs.append(h.view(n, -1))
+            pos.append(p)
+            top = max(top, last + 1)
+            if n:
+                groups.append(native.Group(it.cache.k[:, 0], it.cache.v[:, 0], start, n,
+                                           None if it.mask is None else it.mask[0]))
+        rows = hs[0].contiguous() if len(hs) == 1 else torch.cat(hs)  # [N, hidden], all items' rows
         flag = stop.c if isinstance(stop, StopFlag) else None
+        done = len(self.layers)
         if stop is not None and flag is None and stop():
-            cache.advance(n)
-            raise ForwardStopped(f"stopped before layer 0 of {len(self.layers)}")
-        rows = h.view(n, -1)  # [n, hidden]
-        rot = self._rotary_upto(last + 1)
-        done = self.stack.forward(rows, pos, rot.cos, rot.sin, cache.k[:, 0], cache.v[:, 0], start,
-                                  None if mask is None else mask[0], flag) if len(self.layers) else 0
-        cache.advance(n)
+            done = 0
+        elif groups and len(self.layers):
+            rot = self._rotary_upto(top)
+            done = self.stack.forward_groups(rows, torch.cat(pos), rot.cos, rot.sin, groups, flag)
+        for it in items:
+            it.cache.advance(it.x.shape[1])
         if done < len(self.layers):
             raise ForwardStopped(f"stopped before layer {done} of {len(self.layers)}")
         if self.norm is not None:
-            h = self.norm(h)
-        return h
+            rows = self.norm(rows)
+        return [o[None] for o in rows.split([h.shape[0] for h in hs])]
 
     forward = __call__
 

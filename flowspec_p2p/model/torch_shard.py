@@ -33,6 +33,7 @@ from ..types import LayerRange
 from .arch import EMBED, HEAD, NORM, ModelConfig
 from .blocks import DecoderBlock, RMSNorm, Rotary
 from .draft_head import DraftHead
+from .engine import BatchRows
 from .kv_cache import KVCache
 from .weights import ROPE_FREQS, WeightSource, shard_tensor_names, tensor_shape
 
@@ -218,6 +219,12 @@ class TorchShard(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return h
+
+    def forward_batch(self, items: Sequence[BatchRows], stop: Callable[[], bool] | None = None
+                      ) -> list[torch.Tensor]:
+        """engine.Shard.forward_batch on the reference: each item's forward in turn (the reference is for
+        exactness, not speed; the native engine runs a batch in one call)."""
+        return [self(it.x, it.cache, positions=it.positions, mask=it.mask, stop=stop) for it in items]
 
     def warm_up(self, max_rows: int = 8) -> None:
         """Run a tree forward of each size 1..max_rows through a scratch cache (a stage does at load), so the first
