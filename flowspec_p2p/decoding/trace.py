@@ -69,6 +69,7 @@ class RequestTrace:
     leader_busy: list[tuple[float, float]] = field(default_factory=list)  # the leader's compute, time.time()
     logprobs: list[TokenLogprob] | None = None
     resumes: int = 0
+    queued_s: float = 0.0  # waiting for its turn (admission.py)
     finished: float | None = None
     outcome: str = ""  # "completed", "cancelled" or "failed" once finished
 
