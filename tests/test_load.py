@@ -29,6 +29,11 @@ async def test_sixteen_clients_are_served_while_the_queue_has_room_and_told_to_r
     statuses = report["statuses"]
     assert set(statuses) == {"200"}, statuses  # several in flight and a queue with room: nobody refused
     assert statuses["200"] >= 16
+    assert report["tokens_per_s"] > 0
+    assert report["generated_tokens"] == 8 * statuses["200"]
+    assert report["ttft_s"]["p50"] is not None
+    assert report["ttft_s"]["p99"] >= report["ttft_s"]["p50"]
+    assert report["itl_s"]["p50"] is not None
     assert set(overflow["statuses"]) == {"200", "503"}, overflow["statuses"]
     assert overflow["503s_without_retry_after"] == 0
     assert overflow["mismatched_200s"] == 0

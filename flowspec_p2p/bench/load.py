@@ -1,16 +1,20 @@
-"""Load against a running cluster's API (``flowspec load``): N clients send greedy requests back to back for S
-seconds. Reported: status counts (503s must carry Retry-After), latency percentiles of the 200s, whether every 200
-equals the reply of one request sent alone before the load, and the agents' RSS over time (GET /cluster, every
-SAMPLE_S) with each agent's drift from the first to the last quarter of the run.
+"""Load against a running cluster's API (``flowspec load``): N clients send greedy streamed requests back to back for
+S seconds, client i asking prompt i mod P. Reported: status counts (503s must carry Retry-After), latency, time to
+first token and inter-token latency percentiles of the 200s (measured by the clients), the aggregate generated
+tokens per second, whether every 200 equals the reply its prompt got alone before the load, and the agents' RSS over
+time (GET /cluster, every SAMPLE_S) with each agent's drift from the first to the last quarter of the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import logging
 import statistics
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 import aiohttp
 
@@ -20,12 +24,33 @@ SAMPLE_S = 1.0  # RSS sampling interval
 PROMPT = "Name three colours."
 
 
-def _body(max_tokens: int, prompt: str) -> dict:
-    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+def _body(max_tokens: int, prompt: str, stream: bool = True) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
 
 
 def _reply(data: dict) -> str:
     return data["choices"][0]["message"]["content"]
+
+
+async def _streamed(r: aiohttp.ClientResponse, t0: float) -> tuple[str, int, list[float]]:
+    """An SSE reply -> (its text, completion tokens, time.monotonic() - t0 of every content delta)."""
+    text, tokens, times = [], 0, []
+    async for raw in r.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        for choice in event.get("choices") or []:
+            delta = (choice.get("delta") or {}).get("content")
+            if delta:
+                text.append(delta)
+                times.append(time.monotonic() - t0)
+        if event.get("usage"):
+            tokens = int(event["usage"].get("completion_tokens") or 0)
+    return "".join(text), tokens, times
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -63,39 +88,53 @@ def drift(samples: list[tuple[float, dict[str, int]]]) -> dict[str, float]:
     return out
 
 
-async def run_load(url: str, *, clients: int, seconds: float, max_tokens: int = 16, prompt: str = PROMPT,
-                   api_key: str | None = None, sample_s: float = SAMPLE_S) -> dict:
+async def run_load(url: str, *, clients: int, seconds: float, max_tokens: int = 16,
+                   prompts: Sequence[str] = (PROMPT,), api_key: str | None = None, sample_s: float = SAMPLE_S,
+                   prompt: str | None = None) -> dict:
     """Load ``url`` (the leader's API base) -> the report (see the module docstring)."""
+    prompts = [prompt] if prompt is not None else list(prompts)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=max(60.0, seconds + 600.0))
     conn = aiohttp.TCPConnector(limit=clients + 2)
     async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=conn) as session:
-        async with session.post(url + "/v1/chat/completions", json=_body(max_tokens, prompt)) as r:
-            if r.status != 200:
-                raise RuntimeError(f"the single request before the load got {r.status}: {await r.text()}")
-            reference = _reply(await r.json())
+        references = {}
+        for p in dict.fromkeys(prompts):  # each prompt alone, before the load
+            async with session.post(url + "/v1/chat/completions", json=_body(max_tokens, p, stream=False)) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"the single request before the load got {r.status}: {await r.text()}")
+                references[p] = _reply(await r.json())
         statuses: Counter = Counter()
         latencies: list[float] = []
+        ttfts: list[float] = []
+        itls: list[float] = []
+        generated = 0
         mismatched = 0
         no_retry_after = 0
         samples: list[tuple[float, dict[str, int]]] = []
         t0 = time.monotonic()
         end = t0 + seconds
 
-        async def client() -> None:
-            nonlocal mismatched, no_retry_after
+        async def client(i: int) -> None:
+            nonlocal mismatched, no_retry_after, generated
+            p = prompts[i % len(prompts)]
             while time.monotonic() < end:
                 t = time.monotonic()
                 try:
-                    async with session.post(url + "/v1/chat/completions", json=_body(max_tokens, prompt)) as r:
-                        data = await r.json(content_type=None)
+                    async with session.post(url + "/v1/chat/completions", json=_body(max_tokens, p)) as r:
                         statuses[str(r.status)] += 1
                         if r.status == 200:
+                            text, tokens, times = await _streamed(r, t)
                             latencies.append(time.monotonic() - t)
-                            mismatched += _reply(data) != reference
-                        elif r.status == 503:
-                            no_retry_after += "Retry-After" not in r.headers
-                            await asyncio.sleep(min(float(r.headers.get("Retry-After", 1)), 0.5))
+                            if times:
+                                ttfts.append(times[0])
+                                itls.extend(b - a for a, b in itertools.pairwise(times))
+                            generated += tokens
+                            mismatched += text != references[p]
+                        else:
+                            await r.read()
+                            if r.status == 503:
+                                no_retry_after += "Retry-After" not in r.headers
+                                await asyncio.sleep(min(float(r.headers.get("Retry-After", 1)), 0.5))
                 except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                     statuses[f"error: {type(e).__name__}"] += 1
                     await asyncio.sleep(0.2)
@@ -111,13 +150,18 @@ async def run_load(url: str, *, clients: int, seconds: float, max_tokens: int = 
                     log.warning("load: GET /cluster failed: %s", e)
                 await asyncio.sleep(sample_s)
 
-        await asyncio.gather(sampler(), *(client() for _ in range(clients)))
+        await asyncio.gather(sampler(), *(client(i) for i in range(clients)))
         took = time.monotonic() - t0
     ok = statuses.get("200", 0)
+    pcts = (50, 90, 99)
     return {
         "clients": clients, "seconds": round(took, 2), "statuses": dict(statuses), "completed_per_s": round(
-            ok / took, 3), "latency_s": {f"p{q}": _round(percentile(latencies, q)) for q in (50, 90, 99)},
-        "mismatched_200s": mismatched, "503s_without_retry_after": no_retry_after, "reference": reference,
+            ok / took, 3), "tokens_per_s": round(generated / took, 2), "generated_tokens": generated,
+        "latency_s": {f"p{q}": _round(percentile(latencies, q)) for q in pcts},
+        "ttft_s": {f"p{q}": _round(percentile(ttfts, q)) for q in pcts},
+        "itl_s": {f"p{q}": _round(percentile(itls, q)) for q in pcts},
+        "mismatched_200s": mismatched, "503s_without_retry_after": no_retry_after,
+        "reference": references[prompts[0]], "references": references,
         "rss_samples": samples, "rss_drift": drift(samples),
     }
 
@@ -128,7 +172,9 @@ def _round(x: float | None) -> float | None:
 
 def render(report: dict) -> str:
     lines = [f"{report['clients']} clients for {report['seconds']} s: {report['statuses']}",
-             f"completed {report['completed_per_s']} requests/s; latency of the 200s {report['latency_s']}",
+             f"completed {report['completed_per_s']} requests/s, {report['tokens_per_s']} generated tokens/s in all; "
+             f"latency of the 200s {report['latency_s']}",
+             f"time to first token {report['ttft_s']}; inter-token latency {report['itl_s']}",
              f"200s unlike the single-client reply: {report['mismatched_200s']}; 503s without Retry-After: "
              f"{report['503s_without_retry_after']}"]
     for agent, d in report["rss_drift"].items():

@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=30.0, help="how long (default 30)")
     p.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (default 16)")
     p.add_argument("--prompt", default=None, help="the user message (default: a short question)")
+    p.add_argument("--prompts", type=int, default=None, metavar="P",
+                   help="P different prompts instead (Spec-Bench's first turns, round robin over its sets; client i "
+                   "asks prompt i mod P)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run)
 
@@ -36,9 +39,14 @@ def run(args: argparse.Namespace) -> int:
 
     if not 1 <= args.clients <= 1024 or args.seconds <= 0 or args.max_tokens < 1:
         raise ConfigError("--clients takes 1 to 1024, --seconds a positive number, --max-tokens at least 1")
+    if args.prompts is not None:
+        from ..specbench import DATASETS, round_robin
+
+        prompts = [q.text for q in round_robin(None, DATASETS, count=args.prompts)]
+    else:
+        prompts = [args.prompt or load.PROMPT]
     report = run_async(load.run_load(args.url.rstrip("/"), clients=args.clients, seconds=args.seconds,
-                                     max_tokens=args.max_tokens, prompt=args.prompt or load.PROMPT,
-                                     api_key=os.environ.get(API_KEY)))
+                                     max_tokens=args.max_tokens, prompts=prompts, api_key=os.environ.get(API_KEY)))
     sys.stdout.write((json.dumps(report) if args.json else load.render(report)) + "\n")
     bad = set(report["statuses"]) - {"200", "503"}
     return 1 if bad or report["mismatched_200s"] or report["503s_without_retry_after"] else 0

@@ -3,8 +3,10 @@ like it, and the losing modes are measured again now and then.
 
 A mode's speed on a cluster depends on what no constant captures (stage speeds, links, the draft's acceptance on
 this traffic, the leader's own speed), so the chooser measures it: every completed request of at least
-``min_tokens`` new tokens, in any mode, updates that mode's running decode rate for its key (the pipeline's epoch
-and whether the request is greedy: acceptance differs with temperature; a re-plan starts the measurements over).
+``min_tokens`` new tokens, in any mode, updates that mode's running decode rate for its key (the pipeline's epoch,
+whether the request is greedy: acceptance differs with temperature, and the load it ran under: how many requests
+were in flight when it started, bucketed (``load_bucket``), since speculation's extra rows pay on an idle pipeline
+and cost the others on a busy one; a re-plan starts the measurements over).
 A mode with no measurement yet is tried first (in ``candidates`` order); after that the fastest runs, and a losing
 mode is tried again after ``recheck`` requests, twice as late each time it loses again (so a mode that never pays
 costs a vanishing share of the requests).
@@ -48,22 +50,32 @@ class Choice:
                 "rates": {m: None if r is None else round(r, 2) for m, r in self.rates.items()}}
 
 
+LOAD_BUCKETS = (1, 2, 4, 8)  # requests in flight: 1, 2, 3-4, 5-8, more
+
+
+def load_bucket(in_flight: int) -> int:
+    """The smallest bucket bound at or above ``in_flight`` (requests in flight, this one included)."""
+    return next((b for b in LOAD_BUCKETS if in_flight <= b), LOAD_BUCKETS[-1] + 1)
+
+
 class ModeChooser:
     def __init__(self, settings: AutoSettings | None = None):
         self.settings = settings or AutoSettings()
-        self._keys: dict[tuple[int, bool], dict[str, _Mode]] = {}  # (epoch, greedy) -> mode -> its record
+        # (epoch, greedy, load bucket) -> mode -> its record
+        self._keys: dict[tuple[int, bool, int], dict[str, _Mode]] = {}
 
-    def _key(self, epoch: int, greedy: bool) -> dict[str, _Mode]:
-        k = (epoch, greedy)
+    def _key(self, epoch: int, greedy: bool, load: int = 1) -> dict[str, _Mode]:
+        k = (epoch, greedy, load_bucket(load))
         if k not in self._keys:
             for old in [o for o in self._keys if o[0] != epoch]:  # a re-plan: the old pipeline's rates are stale
                 del self._keys[old]
             self._keys[k] = {m: _Mode(wait=self.settings.recheck) for m in self.settings.candidates}
         return self._keys[k]
 
-    def choose(self, available: list[str], epoch: int, greedy: bool) -> Choice:
-        """The mode for the next request among ``available`` (the leader's modes its drafter allows)."""
-        key = self._key(epoch, greedy)
+    def choose(self, available: list[str], epoch: int, greedy: bool, load: int = 1) -> Choice:
+        """The mode for the next request among ``available`` (the leader's modes its drafter allows), starting with
+        ``load`` requests in flight (itself included)."""
+        key = self._key(epoch, greedy, load)
         cands = [m for m in self.settings.candidates if m in available]
         rates = {m: key[m].rate for m in cands}
         if not cands:
@@ -84,12 +96,13 @@ class ModeChooser:
             m.since = 0 if name == choice.mode else m.since + 1
         return choice
 
-    def record(self, mode: str, epoch: int, greedy: bool, new_tokens: int, decode_s: float) -> None:
-        """A request of ``mode`` completed with ``new_tokens`` in ``decode_s`` seconds of decoding."""
+    def record(self, mode: str, epoch: int, greedy: bool, new_tokens: int, decode_s: float, load: int = 1) -> None:
+        """A request of ``mode`` that started with ``load`` requests in flight completed with ``new_tokens`` in
+        ``decode_s`` seconds of decoding."""
         s = self.settings
         if mode not in s.candidates or new_tokens < s.min_tokens or decode_s <= 0:
             return
-        key = self._key(epoch, greedy)
+        key = self._key(epoch, greedy, load)
         m = key[mode]
         rate = (new_tokens - 1) / decode_s
         m.rate = rate if m.rate is None else m.rate + s.weight * (rate - m.rate)
@@ -101,8 +114,12 @@ class ModeChooser:
             m.wait = s.recheck
 
     def snapshot(self) -> dict:
-        return {f"epoch {e} {'greedy' if g else 'sampled'}": {n: {"tokens_per_s": None if m.rate is None
-                                                                  else round(m.rate, 2), "samples": m.samples,
-                                                                  "recheck_after": m.wait}
-                                                              for n, m in k.items()}
-                for (e, g), k in self._keys.items()}
+        return {f"epoch {e} {'greedy' if g else 'sampled'}" + ("" if b == 1 else f" load {_bucket_name(b)}"):
+                {n: {"tokens_per_s": None if m.rate is None else round(m.rate, 2), "samples": m.samples,
+                     "recheck_after": m.wait} for n, m in k.items()}
+                for (e, g, b), k in self._keys.items()}
+
+
+def _bucket_name(b: int) -> str:
+    lower = max((x for x in LOAD_BUCKETS if x < b), default=0) + 1
+    return str(b) if lower == b else f"{lower}-{b}" if b in LOAD_BUCKETS else f"{lower}+"

@@ -157,6 +157,7 @@ class ModeContext:
         self.in_flight = 0  # forwards sent whose result has not come back
         self.returned = 0  # forward results queued here, not yet taken by recv()
         self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
+        self.load = 1  # requests in flight when it started, itself included (the leader sets it)
         self.busy: list[tuple[float, float]] = []  # time.time() (start, end) of each compute, emulated wait included
         self.trace = trace if trace is not None else RequestTrace(mode=stats.mode)
         self.pending_logprobs: list[TokenLogprob] = []  # for the next chunk the mode yields (the leader takes them)

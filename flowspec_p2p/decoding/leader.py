@@ -172,7 +172,7 @@ class Leader:
     async def _run_auto(self, ctx: ModeContext) -> AsyncIterator[list[int]]:
         """``auto``: the chooser's mode for this request; ``stats["auto"]`` says which and why."""
         avail = [m for m in self.available_modes() if m != "auto"]
-        choice = self.chooser.choose(avail, ctx.pipeline.epoch, ctx.params.greedy)
+        choice = self.chooser.choose(avail, ctx.pipeline.epoch, ctx.params.greedy, ctx.load)
         ctx.stats.extra["auto"] = choice.as_dict()
         async with contextlib.aclosing(self.modes[choice.mode].run(ctx)) as chunks:
             async for chunk in chunks:
@@ -315,6 +315,7 @@ class Leader:
                           job.params, job.budget - len(job.committed), job.stops, cur,
                           job.trace)
         self._active[rid] = ctx
+        ctx.load = len(self._active)  # requests in flight as it starts, itself included (auto's load key)
         self.idle.clear()
         outcome: str | None = "failed"
         try:
@@ -343,7 +344,7 @@ class Leader:
                 self.counters[outcome] += 1
             if outcome == "completed":  # every mode's requests teach auto what it is worth on this pipeline
                 ran = cur.extra.get("auto", {}).get("chose", job.spec.name)
-                self.chooser.record(ran, pipeline.epoch, job.params.greedy, cur.new_tokens, cur.decode_s)
+                self.chooser.record(ran, pipeline.epoch, job.params.greedy, cur.new_tokens, cur.decode_s, ctx.load)
             _decode_window(cur, ctx.busy)
             _fold(job.stats, job.prior, cur, attempt)
             if job.timeline is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from flowspec_p2p.decoding.auto import AutoSettings, ModeChooser
+from flowspec_p2p.decoding.auto import AutoSettings, ModeChooser, load_bucket
 
 MODES = ["ar", "chunk", "flowspec"]
 
@@ -61,3 +61,16 @@ def test_short_replies_and_other_modes_teach_nothing():
     chooser.record("pipedec", 1, True, 64, 0.5)  # not a candidate
     assert chooser.choose(MODES, 1, True).reason == "untried"
     assert chooser.choose(["ar"], 1, True).reason == "only"
+
+
+def test_rates_are_kept_per_load_so_speculation_can_win_alone_and_lose_under_load():
+    chooser = ModeChooser(AutoSettings(recheck=4))
+    for load, speed in ((1, {"ar": 80.0, "flowspec": 120.0}), (4, {"ar": 30.0, "flowspec": 12.0})):
+        for _ in range(3):
+            c = chooser.choose(MODES, 1, True, load)
+            chooser.record(c.mode, 1, True, 64, 63 / speed[c.mode], load)
+    assert chooser.choose(MODES, 1, True, 1).mode == "flowspec"
+    assert chooser.choose(MODES, 1, True, 3).mode == "ar"  # 3 and 4 in flight share a bucket
+    assert chooser.choose(MODES, 1, True, 2).reason == "untried"
+    assert [load_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 40)] == [1, 2, 4, 4, 8, 8, 9, 9]
+    assert "epoch 1 greedy load 3-4" in chooser.snapshot()
