@@ -71,6 +71,9 @@ class Forward(FrozenModel):
     stage_s: list[Annotated[float, Field(ge=0.0, le=86_400.0, allow_inf_nan=False)]] = Field(
         default_factory=list, max_length=MAX_STAGES)
     tensors: list[TensorSpec] = Field(default_factory=list, max_length=len(TENSOR_NAMES))
+    # the prompt cache: a request's first forward may start from the KV that a finished request of the same link
+    # left retained (Release.retain), its first ``positions[0]`` committed positions (the shared token prefix)
+    reuse: RequestId | None = None
 
     @property
     def computed_rows(self) -> int:
@@ -91,11 +94,14 @@ class Prune(FrozenModel):
 
 
 class Release(FrozenModel):
-    """The request is over: free its state on every stage."""
+    """The request is over: free its state on every stage, or, with ``retain``, keep its first ``retain``
+    committed positions' KV for a later request of the same conversation (Forward.reuse; the prompt cache). A
+    Release of a retained request frees it."""
 
     kind: Literal["release"] = "release"
     request_id: RequestId
     seq: Seq
+    retain: Annotated[int, Field(ge=1, lt=MAX_POSITION)] | None = None
 
 
 class StageError(FrozenModel):

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 MAX_REQUESTS = 16  # request states one inbound link may hold; its least recently used one is evicted beyond this
 MAX_TOTAL_REQUESTS = 64  # request states a stage holds over all its links; a new request beyond this is refused
 MAX_PENDING = MAX_NODES  # pending tree nodes (live and dead) a request may hold on a stage
+MAX_RETAINED = 16  # finished requests' KV kept for a later request (Release.retain); the oldest goes beyond this
 
 
 Tensors = dict[str, torch.Tensor]
@@ -93,7 +94,8 @@ class StageCore:
         self.capacity = capacity
         self.wire_dtype = wire_dtype
         self.requests: dict[str, RequestState] = {}
-        self.counters = {"forwards": 0, "tokens": 0, "prunes": 0, "errors": 0}
+        self.retained: dict[str, RequestState] = {}  # finished requests' committed KV, oldest first (the prompt cache)
+        self.counters = {"forwards": 0, "tokens": 0, "prunes": 0, "errors": 0, "retained": 0, "reused": 0}
 
     # ------------------------------------------------------------------------------------------ dispatch
 
@@ -122,7 +124,7 @@ class StageCore:
                 self._prune(state, msg)
                 out = (msg, {})
             elif isinstance(msg, Release):
-                self.requests.pop(msg.request_id, None)
+                self._release(msg, state)
                 out = (msg, {})
             else:
                 raise ProtocolError(f"unexpected message {type(msg).__name__}")
@@ -142,11 +144,47 @@ class StageCore:
         text = f"{type(e).__name__}: {e}" if not isinstance(e, FlowSpecError) else str(e)
         return StageError(request_id=msg.request_id, seq=msg.seq, stage=self.index, message=text[:MAX_ERROR_TEXT]), {}
 
+    def _release(self, msg: Release, state: RequestState) -> None:
+        """Free the request's state, or keep its first ``retain`` committed positions for a later request."""
+        self.requests.pop(msg.request_id, None)
+        if msg.retain is None or state.cache is None:
+            return
+        if msg.retain > state.cache.committed:
+            raise ProtocolError(f"request {msg.request_id} retains {msg.retain} positions; it committed "
+                                f"{state.cache.committed}")
+        state.cache.truncate(msg.retain)
+        state.parents, state.depth, state.slot = [], [], []
+        self.retained[msg.request_id] = state
+        self.counters["retained"] += 1
+        while len(self.retained) > MAX_RETAINED:
+            dropped = next(iter(self.retained))
+            log.warning("stage %d: dropping retained request %s (more than %d kept)", self.index, dropped,
+                        MAX_RETAINED)
+            del self.retained[dropped]
+
+    def _reused(self, msg: Forward, link: int) -> RequestState:
+        """A request's first forward that starts from a retained request's KV: its first ``positions[0]``
+        committed positions (the rest dropped), taken over by the new request."""
+        old = self.retained.get(msg.reuse)
+        if old is None or old.link != link:
+            raise ProtocolError(f"request {msg.request_id} reuses {msg.reuse}, which this stage does not hold")
+        keep = min(msg.positions) if msg.positions else 0
+        if not 0 < keep <= old.cache.committed:
+            raise ProtocolError(f"request {msg.request_id} reuses {keep} positions of {msg.reuse}, which holds "
+                                f"{old.cache.committed}")
+        del self.retained[msg.reuse]
+        old.cache.truncate(keep)
+        self.counters["reused"] += 1
+        return RequestState(cache=old.cache, link=link)
+
     def _state(self, msg: DataMessage, link: int) -> RequestState:
         state = self.requests.get(msg.request_id)
         if state is None:
             if msg.seq != 0 or not isinstance(msg, Forward):
-                if isinstance(msg, Release):  # releasing an unknown request is harmless
+                if isinstance(msg, Release):  # releasing an unknown request is harmless; a retained one is freed
+                    held = self.retained.get(msg.request_id)
+                    if held is not None and held.link == link and msg.retain is None:
+                        del self.retained[msg.request_id]
                     return RequestState(cache=None)  # type: ignore[arg-type]
                 raise ProtocolError(f"unknown request {msg.request_id} at seq {msg.seq}")
             self._check_opening(msg)
@@ -157,7 +195,10 @@ class StageCore:
                 del self.requests[mine[0]]
             elif len(self.requests) >= MAX_TOTAL_REQUESTS:
                 raise ProtocolError(f"this stage holds {len(self.requests)} requests; refusing a new one")
-            state = RequestState(cache=self.shard.new_cache(self.capacity), link=link)
+            if msg.reuse is not None:
+                state = self._reused(msg, link)
+            else:
+                state = RequestState(cache=self.shard.new_cache(self.capacity), link=link)
         else:
             if msg.seq != state.next_seq:
                 raise ProtocolError(f"request {msg.request_id}: expected seq {state.next_seq}, got {msg.seq}")
@@ -172,6 +213,9 @@ class StageCore:
         if m == 0 or len(msg.positions) != m or msg.first != 0:
             raise ProtocolError(f"a request's first forward starts at node 0 with one position per node (got "
                                 f"first {msg.first}, {m} parents, {len(msg.positions)} positions)")
+        if msg.reuse is None and min(msg.positions) != 0:
+            raise ProtocolError(f"request {msg.request_id} starts at position {min(msg.positions)} without a "
+                                "retained request to reuse")
         if m > self.capacity or max(msg.positions) >= self.capacity:
             raise ContextOverflow(f"request {msg.request_id} exceeds this stage's KV capacity {self.capacity}")
 

@@ -290,6 +290,8 @@ class StageWorker:
         """The requests that came through a lost inbound link end here (their states are freed) and downstream."""
         if ev.direction != "in":
             return
+        for rid in [rid for rid, st in self.core.retained.items() if st.link == ev.link]:
+            del self.core.retained[rid]  # their requests' leader cannot reach them through this link any more
         lost = [(rid, st) for rid, st in self.core.requests.items() if st.link == ev.link]
         for rid, state in lost:
             text = f"stage {self.core.index} lost its link from {ev.peer}: {ev.reason}"

@@ -169,3 +169,33 @@ def test_protocol_violations_become_stage_errors_and_drop_the_request(pipeline):
         assert isinstance(out, StageError), msg
         assert "bad" not in stages[0].requests
         run(stages, ok, {"tokens": torch.tensor([3])})  # recreate for the next case
+
+
+def test_a_retained_request_s_kv_is_reused_by_the_next_turn_exactly_as_a_cold_prefill(tiny_llama):
+    """Release(retain=n) keeps a finished request's first n committed positions; a new request's first forward with
+    reuse= takes them over and prefills only the rest: its outputs equal a cold prefill's."""
+    src = open_source(tiny_llama)
+    shard = TorchShard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=F64)
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
+
+    def chain(rid, seq, a, b, reuse=None):
+        return Forward(request_id=rid, seq=seq, first=0, parents=list(range(-1, b - a - 1)),
+                       positions=list(range(a, b)), commit=True, reuse=reuse)
+
+    warm = StageCore(shard, index=1, capacity=32, wire_dtype=F64)
+    warm.handle(chain("t1", 0, 0, 8), {"tokens": ids[:8]})
+    warm.handle(Release(request_id="t1", seq=1, retain=6), {})
+    assert "t1" in warm.retained and not warm.requests
+    out, tensors = warm.handle(chain("t2", 0, 6, 12, reuse="t1"), {"tokens": ids[6:12]})
+    assert not isinstance(out, StageError)
+    cold = StageCore(shard, index=1, capacity=32, wire_dtype=F64)
+    ref = cold.handle(chain("c", 0, 0, 12), {"tokens": ids[:12]})[1]
+    assert torch.allclose(tensors["features"], ref["features"][6:], atol=1e-12)
+    assert warm.counters["reused"] == 1 and not warm.retained
+    # reusing what is not retained, or more than it committed, fails only that request
+    assert isinstance(warm.handle(chain("t3", 0, 6, 8, reuse="t1"), {"tokens": ids[6:8]})[0], StageError)
+    warm.handle(Release(request_id="t2", seq=1, retain=12), {})
+    assert isinstance(warm.handle(chain("t4", 0, 13, 14, reuse="t2"), {"tokens": ids[:1]})[0], StageError)
+    assert isinstance(warm.handle(chain("t5", 0, 3, 5), {"tokens": ids[:2]})[0], StageError)  # no reuse named
+    warm.handle(Release(request_id="t2", seq=0), {})  # the leader drops a retained entry
+    assert not warm.retained
