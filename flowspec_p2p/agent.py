@@ -33,7 +33,6 @@ from functools import partial
 from pathlib import Path
 
 import aiohttp
-import torch
 from aiohttp import web
 
 from .api.app import create_app
@@ -69,9 +68,8 @@ from .decoding.registry import builtin_modes
 from .decoding.settings import LeaderSettings
 from .errors import ConfigError, FlowSpecError, ProtocolError
 from .model.dtypes import TORCH_DTYPES
-from .model.load import load_shard, set_threads
-from .model.native_shard import NativeShard
-from .model.shard import Shard, packing_enabled
+from .model.engine import Shard
+from .model.load import get_engine, load_shard, set_threads
 from .model.tokenizer import Tokenizer
 from .model.weights import model_fingerprint, open_source
 from .pipeline.codec import wire_dtype
@@ -147,6 +145,7 @@ class Agent(Net):
     def _measure(self) -> DeviceProfile:
         cfg, o = self.cfg, self.cfg.profile
         return measure(self.source.config if self.source is not None else None, threads=cfg.threads,
+                       engine=get_engine(cfg.engine, TORCH_DTYPES[cfg.dtype]),
                        memory_bytes=int(o.memory_mb * 2**20) if o.memory_mb else None, gflops=o.gflops,
                        link_mbps=o.link_mbps or cfg.emulation.link_mbps,
                        latency_ms=o.latency_ms if o.latency_ms is not None else cfg.emulation.link_latency_ms,
@@ -239,8 +238,10 @@ class Agent(Net):
     async def _start_leader(self) -> web.AppRunner:
         cfg, src = self.cfg, self.source
         dtype = TORCH_DTYPES[cfg.dtype]
+        # the engine is chosen here, once: the plans name the head's, so every stage runs the same one (auto falls
+        # back to the torch engine for a model the native engine cannot run)
         head = await asyncio.to_thread(load_shard, src, LayerRange(start=0, end=0), embed=True, head=True,
-                                       dtype=dtype)
+                                       engine=cfg.engine, dtype=dtype)
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.load, src.path, src.config.eos_token_ids)
         settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
                                   default_mode=cfg.decoding)
@@ -250,8 +251,7 @@ class Agent(Net):
         probe = tokenizer.encode(PROBE_TEXT)
 
         def whole_model() -> Shard:  # the tolerance test of a head trained for another build of the model
-            return load_shard(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
-                              dtype=dtype)
+            return head.engine.load(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True)
 
         drafter = await asyncio.to_thread(_drafter, self.model_fp, head, cfg.draft, probe, whole_model)
         self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(cfg.flowspec),
@@ -260,13 +260,9 @@ class Agent(Net):
         self.ring.inbox = self.leader.inbox
         self.stage_host.leader_inbox = self.leader.inbox
         self.stage_host.shared = (self.model_fp, [head])  # the leader's first stage shares the head's embedding
-        native = isinstance(head, NativeShard)  # every agent's stages run the same engine as the leader's head
-        packed = packing_enabled(dtype) and not native
         base = getattr(drafter, "base", drafter)  # LookupDrafter wraps the head drafter
-        extra = base.extra_bytes(packed) if hasattr(base, "extra_bytes") else 0
-        model = describe_model(src, context=cfg.planning.context, fingerprint=self.model_fp,
-                               dtype_bytes=torch.finfo(dtype).bits // 8, packed=packed, draft_extra_bytes=extra,
-                               stored=native)
+        model = describe_model(src, head.engine, context=cfg.planning.context, fingerprint=self.model_fp,
+                               draft_bytes=getattr(base, "nbytes", 0))
         self.coordinator = Coordinator(cfg, self.info, net=self, leader=self.leader, weights=self.weights,
                                        stage_host=self.stage_host, ring=self.ring, session=self.session,
                                        model=model, model_config=src.config, wire_dtype=wire_dtype)

@@ -3,8 +3,9 @@
 Sources, lowest precedence first: defaults < an agent profile (TOML, e.g. ``agents/leader.toml``) < command-line
 flags < nothing else. Environment variables (env.py) only fill in what is still unset: ``FLOWSPEC_CLUSTER_KEY`` (the
 cluster key, cluster/keys.py; unless a key file, a secret or ``--insecure`` is given), ``FLOWSPEC_SECRET`` (a
-passphrase the key is derived from, the older way), ``FLOWSPEC_API_KEY`` and ``FLOWSPEC_STATE_DIR``. Keys are best
-given in the environment or a file: other users can read flags from the process list.
+passphrase the key is derived from, the older way), ``FLOWSPEC_API_KEY``, ``FLOWSPEC_STATE_DIR`` and
+``FLOWSPEC_ENGINE``. Keys are best given in the environment or a file: other users can read flags from the process
+list.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .decoding.settings import FlowSpecConfig
-from .env import API_KEY, CLUSTER_KEY, DEFAULT_API_PORT, DEFAULT_STATE_DIR, SECRET, STATE_DIR, environ
+from .env import API_KEY, CLUSTER_KEY, DEFAULT_API_PORT, DEFAULT_STATE_DIR, ENGINE, SECRET, STATE_DIR, environ
 from .errors import ConfigError
 from .types import Settings
 
@@ -85,6 +86,9 @@ class AgentConfig(Settings):
     # fetched weights kept in the state folder at most (GB; least recently used dropped first); None: no bound
     cache_max_gb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every stage (set by the leader)
+    # the model engine (model/engine.py): auto (the native engine where it runs this model, else torch), native or
+    # torch; the leader's is named in every plan, so every stage runs the same one. Unset: FLOWSPEC_ENGINE, else auto
+    engine: Literal["auto", "native", "torch"] = "auto"
     # activations between stages: float32 keeps every mode exactly equal to single-device decoding (lossless);
     # float16 / bfloat16 halve the bytes on slow links but round the hidden states (greedy output may drift)
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
@@ -210,6 +214,8 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
         data["api_key"] = env[API_KEY]
     if data.get("state_dir") is None and env.get(STATE_DIR):
         data["state_dir"] = env[STATE_DIR]
+    if data.get("engine") is None and env.get(ENGINE):
+        data["engine"] = env[ENGINE]
     for key in ("interfaces", "peers", "api_cors"):
         if key in data:
             data[key] = tuple(data[key])

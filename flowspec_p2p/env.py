@@ -8,9 +8,8 @@
     FLOWSPEC_API_KEY         the leader API's key (preferred over --api-key; ``flowspec chat`` sends it)
     FLOWSPEC_SPEC_BENCH      the folder of the six Spec-Bench ``<set>.jsonl`` files (default: the copy shipped in the
                              package, bench/data/spec-bench, with its NOTICE.md)
-    FLOWSPEC_ENGINE          the model engine: auto (default: native where it runs, else torch), native, torch
-    FLOWSPEC_PACKED_WEIGHTS  the torch engine's few-row matmul backend: 1 (default: the best available), fewrow,
-                             onednn, 0 (none)
+    FLOWSPEC_ENGINE          the model engine when no --engine is given: auto (default: native where it runs, else
+                             torch), native, torch
     CC                       the C compiler the native kernels are built with (default ``cc``)
 
 Everything else gets these values from here, or as arguments.
@@ -28,7 +27,6 @@ SECRET = "FLOWSPEC_SECRET"
 CLUSTER_KEY = "FLOWSPEC_CLUSTER_KEY"
 API_KEY = "FLOWSPEC_API_KEY"
 SPEC_BENCH = "FLOWSPEC_SPEC_BENCH"
-PACKED_WEIGHTS = "FLOWSPEC_PACKED_WEIGHTS"
 DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")  # an agent's state folder when nothing says otherwise
 KEY_FILE = "cluster.key"  # the cluster key's file in an agent's state folder (cluster/keys.py)
 DEFAULT_API_PORT = 8000  # the leader's API
@@ -65,11 +63,6 @@ def spec_bench_dir() -> Path:
 def api_key() -> str | None:
     """FLOWSPEC_API_KEY: the key a client of the leader's API sends (None when unset or empty)."""
     return os.environ.get(API_KEY) or None
-
-
-def packed_weights() -> str:
-    """FLOWSPEC_PACKED_WEIGHTS: which few-row matmul backend to use (see model/shard.py)."""
-    return os.environ.get(PACKED_WEIGHTS, "1")
 
 
 def engine() -> str:

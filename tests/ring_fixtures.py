@@ -8,7 +8,7 @@ import torch
 
 from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
 
@@ -18,10 +18,10 @@ CUTS = [(0, 1), (1, 3), (3, 4)]  # three stages of the 4-layer tiny model
 
 @dataclass
 class TinyParts:
-    whole: Shard  # the whole model (reference decoder, oracle drafter)
-    head: Shard  # the leader's piece: final norm + LM head (+ embedding)
-    stages: list[Shard]  # stage 1 embeds; the last stage applies the final norm (returns features)
-    stages_plain: list[Shard]  # no embedding on stage 1, no norm on stage N: the leader embeds and norms
+    whole: TorchShard  # the whole model (reference decoder, oracle drafter)
+    head: TorchShard  # the leader's piece: final norm + LM head (+ embedding)
+    stages: list[TorchShard]  # stage 1 embeds; the last stage applies the final norm (returns features)
+    stages_plain: list[TorchShard]  # no embedding on stage 1, no norm on stage N: the leader embeds and norms
 
     def reference(self, prompt, max_tokens, params=None, stop_ids=frozenset()):
         out, _ = generate_ids(ARDecoder(self.whole), prompt, params or SamplingParams(), max_tokens, stop_ids)
@@ -33,7 +33,7 @@ def tiny_parts(checkpoint) -> TinyParts:
     n = src.config.num_layers
 
     def cut(a, b, embed, head):
-        return Shard.from_source(src, LayerRange(start=a, end=b), embed=embed, head=head, dtype=F64).eval()
+        return TorchShard.from_source(src, LayerRange(start=a, end=b), embed=embed, head=head, dtype=F64).eval()
 
     return TinyParts(
         whole=cut(0, n, True, True),

@@ -11,8 +11,10 @@ from flowspec_p2p.cluster.keys import ClusterKey
 from flowspec_p2p.config import load
 from flowspec_p2p.decoding.flowspec import FlowSpecConfig
 from flowspec_p2p.errors import ConfigError
+from flowspec_p2p.model import native_shard
 
 from .agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, until
+from .gguf_fixtures import write_random_gguf
 from .ring_fixtures import ByteTokenizer
 
 __all__ = ["make_fixture", "parts_fixture", "quick_timing_fixture"]
@@ -41,6 +43,24 @@ async def test_three_agents_find_each_other_fetch_their_layers_and_serve(make, p
         assert {st["agent_id"] for st in view["stages"]} == {leader.id, a.id, b.id}
         member_statuses = [leader.coordinator.statuses[x.id] for x in (a, b)]
         assert all(st.source in ("fetched", "cache") for st in member_statuses)  # no model copy on members
+
+
+@pytest.mark.skipif(not native_shard.available(), reason="the native engine is unavailable here")
+async def test_every_stage_runs_the_engine_the_leaders_plan_names(make, tmp_path):
+    """A float32 GGUF, which a member left on ``auto`` would run on the native engine: the leader chose the torch
+    engine, its plans say so, and the member's stage runs the torch engine too."""
+    model = write_random_gguf(tmp_path / "m.gguf", "Q8_0")
+    planning = {"context": 64, "stages": 2, "leader_layers": "always"}
+    leader = Agent(make("lead", leader=True, model=model, dtype="float32", wire_dtype="float32", engine="torch",
+                        planning=planning, decoding="ar"), tokenizer=ByteTokenizer())
+    member = Agent(make("m", dtype="float32", wire_dtype="float32", engine="auto"))
+    async with running(leader, member):
+        await until(serving(leader, 1))
+        assert leader.coordinator.update.engine == "torch"
+        assert member.stage_host.active.shard.engine.name == "torch"
+        assert leader.stage_host.active.shard.engine.name == "torch"
+        data = await complete(leader, [1, 5, 9], n=4)
+        assert data["stats"]["new_tokens"] == 4
 
 
 async def test_a_second_leader_is_refused_with_a_clear_message(make):
@@ -126,13 +146,19 @@ def test_config_layers_profile_flags_and_environment(tmp_path):
     with pytest.raises(ConfigError, match=r"flowspec\.in_flight"):
         load(None, {"flowspec": {"in_flight": 0}}, env={})
     assert load(None, {"cache_max_gb": 2.5}, env={}).cache_max_gb == 2.5
+    assert load(None, {}, env={}).engine == "auto"
+    assert load(None, {}, env={"FLOWSPEC_ENGINE": "torch"}).engine == "torch"  # a fill-in ...
+    assert load(None, {"engine": "native"}, env={"FLOWSPEC_ENGINE": "torch"}).engine == "native"  # ... flags win
+    with pytest.raises(ConfigError, match="engine"):
+        load(None, {"engine": "cuda"}, env={})
     with pytest.raises(ConfigError, match="cache_max_gb"):
         load(None, {"cache_max_gb": 0}, env={})
     from flowspec_p2p.cli import build_parser
     from flowspec_p2p.commands.agent import config_from_args
 
-    args = build_parser().parse_args(["agent", "--cluster", "home", "--cache-max-gb", "1.5"])
+    args = build_parser().parse_args(["agent", "--cluster", "home", "--cache-max-gb", "1.5", "--engine", "torch"])
     assert config_from_args(args).cache_max_gb == 1.5
+    assert config_from_args(args).engine == "torch"
 
 
 def test_the_leader_runs_flowspec_with_the_configured_settings_and_the_others_as_shipped():

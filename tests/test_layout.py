@@ -1,5 +1,6 @@
-"""The package layout: the import-linter contract holds (layers, pure parts, no cycles), it catches a layer
-violation and a cycle planted in a copy of the package, and the size rules hold."""
+"""The package layout: the import-linter contract holds (layers, pure parts, the engine seam, no cycles), it catches
+a layer violation, an engine class reached past the seam and a cycle planted in a copy of the package, and the size
+rules hold."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def lint_available():
 def test_the_layer_contract_holds(lint_available):
     out = _lint(ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "4 kept, 0 broken" in out.stdout
+    assert "5 kept, 0 broken" in out.stdout
 
 
 def test_the_contract_catches_a_layer_violation_and_a_cycle(lint_available, tmp_path):
@@ -40,8 +41,10 @@ def test_the_contract_catches_a_layer_violation_and_a_cycle(lint_available, tmp_
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     with (copy / "model" / "arch.py").open("a") as f:  # the model core reaching up into the API
         f.write("\n\ndef _planted():\n    from ..api import app  # noqa\n")
-    with (copy / "model" / "kv_cache.py").open("a") as f:  # shard imports kv_cache: a cycle inside model/
-        f.write("\n\ndef _planted():\n    from . import shard  # noqa\n")
+    with (copy / "model" / "kv_cache.py").open("a") as f:  # torch_shard imports kv_cache: a cycle inside model/
+        f.write("\n\ndef _planted():\n    from . import torch_shard  # noqa\n")
+    with (copy / "speculative" / "verify.py").open("a") as f:  # an engine class reached past the seam
+        f.write("\n\ndef _planted():\n    from ..model.native_shard import NativeShard  # noqa\n")
     with (copy / "cluster" / "device.py").open("a") as f:  # the control plane's data pulling in the engine
         f.write("\n\ndef _planted():\n    from ..model import load  # noqa\n")
     out = _lint(tmp_path, pythonpath=tmp_path)
@@ -50,6 +53,7 @@ def test_the_contract_catches_a_layer_violation_and_a_cycle(lint_available, tmp_
     assert "flowspec_p2p.model.arch -> flowspec_p2p.api" in out.stdout
     assert "No cycles are allowed in flowspec_p2p.model" in out.stdout
     assert "flowspec_p2p.cluster.device is not allowed to import torch" in out.stdout
+    assert "flowspec_p2p.speculative.verify -> flowspec_p2p.model.native_shard" in out.stdout
 
 
 def test_at_most_twelve_top_level_modules_and_none_over_500_lines():

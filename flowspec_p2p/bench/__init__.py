@@ -1,6 +1,7 @@
 """Every benchmark, report and chart: the emulated edge cluster (edge, report, charts), the model core against
 transformers (core), the data path (hop), single-device speculation and the tree tuner (single_device), the
-few-row kernels (kernels), and the engine against llama.cpp on one device (engine, engine_report, llamacpp).
+engine against llama.cpp on one device (engine, engine_report, llamacpp) and the whole product against llama.cpp's
+RPC pipeline (rpc_compare).
 
 A leaf: no product module imports it (only commands/ does). May import every product part.
 """

@@ -242,11 +242,7 @@ def rss_child(path: str | None, start: int, end: int, embed: bool, head: bool, c
     base = _peak_rss_mb()
     shard = load_shard(src, LayerRange(start=start, end=end), embed=embed, head=head)
     cache = shard.new_cache(context)
-    if hasattr(shard, "nbytes"):  # the native engine
-        tensors = shard.nbytes
-    else:
-        tensors = sum(p.numel() * p.element_size() for p in shard.parameters())
-        tensors += 0 if shard.head_t is None else shard.head_t.numel() * shard.head_t.element_size()
+    tensors = shard.nbytes
     kv = cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()
     peak = _peak_rss_mb()
     sys.stdout.write(json.dumps({"engine": type(shard).__name__, "baseline_mb": base, "peak_mb": peak,

@@ -28,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -67,6 +68,7 @@ class BenchConfig(Settings):
     draft: Path | None = None
     flowspec: FlowSpecOverrides | None = None  # --flowspec-config
     insecure: bool = False  # agents linked over plain http/ws (the open mode) instead of TLS with a cluster key
+    engine: Literal["auto", "native", "torch"] | None = None  # every agent's (--engine); None: theirs
     data: Path = Field(default_factory=default_dir)
     out: Path = Path("bench/flowspec")
     resume: bool = False
@@ -216,7 +218,7 @@ def run(cfg: BenchConfig) -> dict:
     options = ClusterOptions(stages=cfg.stages, leader_layers="never", link_mbps=cfg.link_mbps,
                              link_latency_ms=cfg.link_latency_ms or None, slowdown=slowdown, threads=cfg.threads,
                              wire_dtype=cfg.wire_dtype, context=cfg.context, model=cfg.model, draft=cfg.draft,
-                             flowspec=cfg.flowspec, insecure=cfg.insecure)
+                             flowspec=cfg.flowspec, insecure=cfg.insecure, engine=cfg.engine)
     log.warning("starting an emulated cluster: %d stages + leader, %s Mbit/s, %g ms, slowdown %g ...", cfg.stages,
                 cfg.link_mbps, cfg.link_latency_ms, slowdown)
     cluster = LocalCluster(cfg.stages + 1, options)

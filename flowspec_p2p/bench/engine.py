@@ -31,11 +31,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..model import native
 from ..ledger import Ledger, extra_stats
 from ..model.generate import ARDecoder, prefill_features
 from ..model.load import LoadedModel, set_threads
-from ..model.native_shard import NativeShard
 from ..model.sampling import SamplingParams
 from ..speculative.decoder import SpecDecoder
 from ..speculative.drafter import Drafter, TreeShape
@@ -257,7 +255,7 @@ def setup_record(cfg: EngineBenchConfig, ours: Ours, command: str) -> dict:
     return {
         "command": command, "model": str(cfg.model), "model_name": cfg.model.name,
         "file_mb": cfg.model.stat().st_size / 2**20, "num_layers": ours.lm.source.config.num_layers,
-        "engine": f"native ({native.isa()})" if isinstance(shard, NativeShard) else "torch",
+        "engine": shard.engine.describe(),
         "threads": list(cfg.threads), "repeats": cfg.repeats, "tokens": cfg.tokens, "rows": list(cfg.rows),
         "parts": list(cfg.parts), "prompt_label": cfg.prompt_label, "prompt": cfg.prompt,
         "prompt_tokens": len(ours.prompt_ids), "tree": None if ours.shape is None else ours.shape.model_dump(),

@@ -152,18 +152,18 @@ async def bench_hop(tokens: int = 16, hidden: int = 576, dtype: str = "float16",
 
 
 def _ring_parts(stages: int, model_path: str | None):
-    from ..model.load import load_model
-    from ..model.shard import Shard
+    from ..model.load import get_engine, load_model
     from ..types import LayerRange
 
     lm = load_model(model_path, dtype=torch.float32)
     src, n = lm.source, lm.source.config.num_layers
+    torch_engine = get_engine("torch")  # the ring's shards on the reference engine
     cuts = [round(i * n / stages) for i in range(stages + 1)]
-    shards = [Shard.from_source(src, LayerRange(start=a, end=b), embed=a == 0, head=b == n).eval()
+    shards = [torch_engine.load(src, LayerRange(start=a, end=b), embed=a == 0, head=b == n)
               for a, b in itertools.pairwise(cuts)]
     for s in shards:
         s.warm_up()  # as an agent's stage does at load
-    head = Shard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True).eval()
+    head = torch_engine.load(src, LayerRange(start=0, end=0), embed=True, head=True)
     return lm, shards, head
 
 

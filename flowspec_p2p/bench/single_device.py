@@ -14,13 +14,13 @@ import torch
 from tqdm import tqdm
 
 from ..ledger import Ledger, reply_stats
+from ..model.engine import Shard
 from ..model.generate import ARDecoder, generate_ids
 from ..model.sampling import SamplingParams
-from ..model.shard import Shard
+from ..specbench import Question
 from ..speculative.auto import AutoDecoder
 from ..speculative.decoder import SpecDecoder, SpecFigures
 from ..speculative.drafter import TreeDrafter, TreeShape
-from ..specbench import Question
 from . import write_json_md
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..model.engine import Shard
 from ..model.generate import ARDecoder, generate_ids, prefill_features
 from ..model.sampling import SamplingParams
-from ..model.shard import Shard
 from ..speculative.decoder import DEFAULT_TREE
 from ..speculative.drafter import TreeDrafter, TreeShape
 from ..speculative.tree import DraftTree

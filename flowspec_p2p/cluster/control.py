@@ -166,6 +166,7 @@ class PlanUpdate(_Msg):
     model_fingerprint: str
     context: int = Field(ge=2, le=MAX_CONTEXT)  # KV capacity per request each stage allocates
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every shard
+    engine: Literal["native", "torch"]  # the engine every stage runs (the leader's: model/engine.py)
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
 
     @model_validator(mode="after")

@@ -301,7 +301,7 @@ class Coordinator:
         update = PlanUpdate(cluster=cfg.cluster, epoch=self.epoch, leader=self.info, plan=new, ring=tuple(nodes),
                             config=self.model_config, model_fingerprint=self.model.fingerprint,
                             context=self.leader.settings.stage_capacity, dtype=cfg.dtype,
-                            wire_dtype=cfg.wire_dtype)
+                            engine=self.leader.head.engine.name, wire_dtype=cfg.wire_dtype)
         departed = ", ".join(f"{a} ({r})" for a, r in self.membership.departed)
         trigger = self.broken or (f"departed: {departed}" if departed else "membership changed")
         self.transition = Transition(update=update, trigger=trigger,

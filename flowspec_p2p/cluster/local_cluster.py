@@ -76,6 +76,7 @@ class ClusterOptions(Settings):
     dtype: Literal["float32", "bfloat16", "float64"] | None = None
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
     decoding: Literal["auto", "ar", "chunk", "pipedec", "flowspec"] | None = None  # the leader's default mode
+    engine: Literal["auto", "native", "torch"] | None = None  # every agent's (--engine); None: theirs to choose
     flowspec: FlowSpecOverrides | None = None  # the leader's FlowSpecConfig fields that differ from the defaults
     secret: str | None = None  # a passphrase the agents derive the cluster key from (default: a fresh key)
     cluster_key: str | None = None  # the cluster key's text form (default: a fresh key)
@@ -154,7 +155,8 @@ class LocalCluster:
         args = [sys.executable, "-m", "flowspec_p2p", *(["-" + "v" * o.verbose] if o.verbose else []), "agent",
                 "--cluster", self.name, "--name", f"agent{i}", "--interface", "127.0.0.1",
                 "--state-dir", str(state), "--threads", str(self.threads)]
-        flags = {"--link-mbps": o.link_mbps, "--link-latency-ms": o.link_latency_ms, "--slowdown": o.slowdown}
+        flags = {"--link-mbps": o.link_mbps, "--link-latency-ms": o.link_latency_ms, "--slowdown": o.slowdown,
+                 "--engine": o.engine}
         if i == 0:
             args += ["--leader", "--api-host", o.api_host, "--api-port", str(o.api_port)]
             if o.model is not None:

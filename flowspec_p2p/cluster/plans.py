@@ -5,12 +5,15 @@ Words as in planner.py's glossary."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from ..model.arch import EMBED, HEAD, layer_tensor_names
+from ..model.arch import EMBED, HEAD, NORM, layer_tensor_names
 from ..types import FrozenModel, LayerRange, PeerId, Settings
+
+if TYPE_CHECKING:
+    from ..model.engine import Engine
 
 MB = 1024 * 1024
 
@@ -27,18 +30,18 @@ class Device(FrozenModel):
 
 
 class ModelSizes(FrozenModel):
-    """What the planner knows of a model: sizes in the *runtime* dtype, FLOPs per token."""
+    """What the planner knows of a model: bytes as its engine holds them (describe_model), FLOPs per token."""
 
     name: str
     fingerprint: str = ""
     num_layers: int = Field(ge=1)
-    layer_bytes: tuple[int, ...]  # per layer, runtime dtype
+    layer_bytes: tuple[int, ...]  # per layer, as the engine holds it
     embed_bytes: int  # token embedding table (stage 1 and the leader)
     tied_embeddings: bool = False  # the leader's embedding is a view of its LM head (shard.py): no extra bytes
     head_bytes: int  # final norm + LM head (the leader)
     norm_bytes: int = 0  # the final norm alone (the last stage)
     draft_bytes: int = 0  # draft head (the leader)
-    kv_bytes_per_token: int  # K + V of one token in one layer, runtime dtype
+    kv_bytes_per_token: int  # K + V of one token in one layer, in the engine's cache
     hidden_size: int
     vocab_size: int
     context: int = Field(ge=1)  # tokens of KV cache each stage reserves per request
@@ -115,41 +118,32 @@ class Change(FrozenModel):
 # ------------------------------------------------------------------------------------------ the model
 
 
-def describe_model(source, *, context: int, name: str | None = None, fingerprint: str = "",
-                   draft_params: int | None = None, dtype_bytes: int = 4, packed: bool = False,
-                   draft_extra_bytes: int = 0, stored: bool = False) -> ModelSizes:
-    """A ModelSizes from an open weight source. Weights: ``stored`` (the native engine keeps every tensor in its
-    stored blocks) counts each layer's, the embedding's and the LM head's real bytes in the file; otherwise (the
-    torch engine) parameters x ``dtype_bytes``, and ``packed``: stages keep a second, packed copy of their layers
-    for tree forwards (shard.py), so a layer (and the draft head's block, and the LM head) takes twice its bytes.
-    The KV cache is ``dtype_bytes`` per element either way. ``draft_extra_bytes``: what the leader's drafter holds
-    beyond its head (HeadDrafter.extra_bytes: its reduced LM-head copy)."""
+def describe_model(source, engine: Engine, *, context: int, name: str | None = None, fingerprint: str = "",
+                   draft_bytes: int | None = None) -> ModelSizes:
+    """A ModelSizes from an open weight source, its bytes asked of ``engine`` (model/engine.py): each tensor as
+    the engine holds it once loaded (``tensor_bytes``), the KV cache per token and layer (``kv_bytes_per_token``).
+    ``draft_bytes``: what the leader's drafter holds (HeadDrafter.nbytes: its network and reduced LM-head copy);
+    default an EAGLE-1 head's parameters in the engine's dtype."""
     cfg = source.config
     h, v = cfg.hidden_size, cfg.vocab_size
     layer = cfg.layer_params()
-    if draft_params is None:  # EAGLE-1 head: fc 2H->H + one decoder block without the input norm
-        draft_params = 2 * h * h + layer - h
-    if stored:
-        layer_bytes = tuple(sum(len(source.raw_bytes(n)) for n in layer_tensor_names(cfg, i))
-                            for i in range(cfg.num_layers))
-        embed_bytes = len(source.raw_bytes(EMBED))
-        head_bytes = len(source.raw_bytes(EMBED if cfg.tie_embeddings else HEAD)) + h * 4
-        packed = False
-    else:
-        layer_bytes = (layer * dtype_bytes * (2 if packed else 1),) * cfg.num_layers
-        embed_bytes = v * h * dtype_bytes
-        head_bytes = (v * h * (2 if packed else 1) + h) * dtype_bytes
+    draft_params = 2 * h * h + layer - h  # EAGLE-1 head: fc 2H->H + one decoder block without the input norm
+    dtype_bytes = engine.dtype.itemsize
+
+    def held(n: str) -> int:
+        return engine.tensor_bytes(source, n)
+
     return ModelSizes(
         name=name or (getattr(source, "path", None) and source.path.name) or cfg.arch,
         fingerprint=fingerprint,
         num_layers=cfg.num_layers,
-        layer_bytes=layer_bytes,
-        embed_bytes=embed_bytes,
+        layer_bytes=tuple(sum(held(n) for n in layer_tensor_names(cfg, i)) for i in range(cfg.num_layers)),
+        embed_bytes=held(EMBED),
         tied_embeddings=cfg.tie_embeddings,
-        head_bytes=head_bytes,
-        norm_bytes=h * dtype_bytes,
-        draft_bytes=(draft_params + (layer if packed else 0)) * dtype_bytes + draft_extra_bytes,  # block packed too
-        kv_bytes_per_token=cfg.kv_bytes_per_token(dtype_bytes),
+        head_bytes=held(EMBED if cfg.tie_embeddings else HEAD) + held(NORM),
+        norm_bytes=held(NORM),
+        draft_bytes=draft_params * dtype_bytes if draft_bytes is None else draft_bytes,
+        kv_bytes_per_token=engine.kv_bytes_per_token(cfg),
         hidden_size=h,
         vocab_size=v,
         context=min(context, cfg.max_position),

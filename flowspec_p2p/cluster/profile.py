@@ -3,9 +3,9 @@
     memory_bytes   MEMORY_FRACTION of the memory available now without swapping (psutil: ``MemAvailable`` on Linux,
                    free + inactive pages on macOS, the available physical memory on Windows), or a configured cap
     gflops         effective GFLOP/s of one decoder block of the model (or of REFERENCE_CONFIG when the agent
-                   has no model copy yet) on a BENCH_TOKENS-token segment over a BENCH_CONTEXT-token cache,
-                   median of BENCH_REPEATS runs, divided by the emulated compute slowdown. The planner turns it
-                   into seconds per layer: tokens * 2 * layer_params / (gflops * 1e9)
+                   has no model copy yet) on a BENCH_TOKENS-token segment over a BENCH_CONTEXT-token cache, on the
+                   agent's engine, median of BENCH_REPEATS runs, divided by the emulated compute slowdown. The planner
+                   turns it into seconds per layer: tokens * 2 * layer_params / (gflops * 1e9)
     link_mbps      the device's link estimate (configured, or the emulated bandwidth); None = unknown
 
 The benchmark runs on random weights: it measures the device, not the model's values, and needs no weights.
@@ -14,17 +14,14 @@ The benchmark runs on random weights: it measures the device, not the model's va
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 
 import psutil
 import torch
 
 from ..model.arch import ModelConfig
-from ..model.kv_cache import KVCache
-from ..model.load import set_threads, use_native
-from ..model.native_shard import benchmark_layer
-from ..model.shard import DecoderBlock, Rotary
+from ..model.engine import Engine
+from ..model.load import get_engine, set_threads
 from .device import DeviceProfile
 
 log = logging.getLogger(__name__)
@@ -54,28 +51,12 @@ def block_flops(cfg: ModelConfig, tokens: int, context: int) -> float:
     return 2.0 * cfg.layer_params() * tokens + attn
 
 
-def benchmark_block(cfg: ModelConfig, *, tokens: int = BENCH_TOKENS, context: int = BENCH_CONTEXT,
-                    repeats: int = BENCH_REPEATS, dtype: torch.dtype = torch.float32) -> float:
-    """GFLOP/s of one decoder block with random weights (median of ``repeats``), on the engine the device's
-    stages will run (model.load.use_native: the native engine where it runs, else torch)."""
-    if use_native(dtype):
-        return block_flops(cfg, tokens, context) / benchmark_layer(cfg, tokens, context, repeats, BENCH_WARMUP) / 1e9
-    block = DecoderBlock(cfg).to(dtype)
-    block.reset_parameters()
-    rot = Rotary(cfg, context + tokens, dtype)
-    cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, context + tokens, dtype=dtype)
-    cache.length = cache.committed = context
-    x = torch.randn(1, tokens, cfg.hidden_size, dtype=dtype)  # [1, tokens, hidden]
-    cos, sin = rot.gather(torch.arange(context, context + tokens)[None])  # [1, 1, tokens, head_dim]
-    mask = torch.ones(1, 1, tokens, context + tokens, dtype=torch.bool).tril(context)  # [1, 1, tokens, ctx+tokens]
-    times = []
-    with torch.inference_mode():
-        for i in range(BENCH_WARMUP + repeats):
-            t0 = time.perf_counter()
-            block(x, cos, sin, (cache, 0, context), mask, False)
-            if i >= BENCH_WARMUP:
-                times.append(time.perf_counter() - t0)
-    return block_flops(cfg, tokens, context) / statistics.median(times) / 1e9
+def benchmark_block(cfg: ModelConfig, engine: Engine | None = None, *, tokens: int = BENCH_TOKENS,
+                    context: int = BENCH_CONTEXT, repeats: int = BENCH_REPEATS) -> float:
+    """GFLOP/s of one decoder block with random weights (median of ``repeats``) on ``engine`` (default
+    ``get_engine()``), the engine the device's stages will run."""
+    engine = engine or get_engine()
+    return block_flops(cfg, tokens, context) / engine.layer_seconds(cfg, tokens, context, repeats) / 1e9
 
 
 def _round(x: float, digits: int = SCORE_DIGITS) -> float:
@@ -88,8 +69,9 @@ def _round(x: float, digits: int = SCORE_DIGITS) -> float:
 
 def measure(model: ModelConfig | None = None, *, threads: int | None = None, memory_bytes: int | None = None,
             gflops: float | None = None, link_mbps: float | None = None, latency_ms: float = 0.0,
-            slowdown: float = 1.0) -> DeviceProfile:
-    """Measure this device (or take the configured values). ``threads`` also sets the compute threads."""
+            slowdown: float = 1.0, engine: Engine | None = None) -> DeviceProfile:
+    """Measure this device (or take the configured values) on ``engine`` (default ``get_engine()``). ``threads``
+    also sets the compute threads."""
     if threads:
         set_threads(threads)
     threads = torch.get_num_threads()
@@ -98,7 +80,7 @@ def measure(model: ModelConfig | None = None, *, threads: int | None = None, mem
         memory_bytes = int(available_memory_bytes() * MEMORY_FRACTION)
     if gflops is None:
         t0 = time.perf_counter()
-        raw = benchmark_block(model or REFERENCE_CONFIG)
+        raw = benchmark_block(model or REFERENCE_CONFIG, engine=engine)
         gflops = _round(raw / slowdown)
         log.info("micro-benchmark: %.2f GFLOP/s per block (%d threads, slowdown %g) in %.2f s", gflops, threads,
                  slowdown, time.perf_counter() - t0)

@@ -22,21 +22,18 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import psutil
 import torch
-from tqdm import tqdm
 
 from ..errors import ConfigError, FlowSpecError, PeerGone, ProtocolError
 from ..model.dtypes import parse_dtype
-from ..model.load import load_shard, use_native
-from ..model.native_shard import NativeShard
-from ..model.shard import Shard
-from ..model.weights import EMBED, NORM, ROPE_FREQS, layer_tensor_names
+from ..model.engine import Engine, Shard
+from ..model.load import get_engine
 from ..pipeline.codec import wire_dtype as wire_torch_dtype
 from ..pipeline.emulation import Device, LinkEmulation
 from ..pipeline.messages import PROTOCOL_VERSION
@@ -143,7 +140,7 @@ class StageHost:
         self.leader_inbox = leader_inbox  # set on the leader: its RingServer is the return path, not a stage inbox
         # (model fingerprint, shards) this agent holds outside any stage (the leader's head shard): a stage of that
         # model shares their tensors (the embedding) instead of loading them again
-        self.shared: tuple[str, list[Shard | NativeShard]] = ("", [])
+        self.shared: tuple[str, list[Shard]] = ("", [])
         self.prepared: Prepared | None = None
         self.active: Active | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -198,15 +195,15 @@ class StageHost:
     async def _load(self, update: PlanUpdate, node: RingNode | None) -> Prepared:
         if node is None:
             return Prepared(update.epoch, update, None, None, source="")
-        dtype = parse_dtype(update.dtype)
+        engine = get_engine(update.engine, parse_dtype(update.dtype))  # the plan's: every stage runs the same one
         cfg = update.config
-        kv_bytes = 2 * len(node.layers) * cfg.kv_dim * update.context * dtype.itemsize  # one request's K and V
+        kv_bytes = engine.kv_bytes_per_token(cfg) * len(node.layers) * update.context  # one request's K and V
         if kv_bytes * MAX_REQUESTS > psutil.virtual_memory().total:
             raise ConfigError(f"a KV capacity of {update.context} positions needs {kv_bytes / 2**20:.0f} MiB per "
                               f"request on layers {node.layers}, more than this device holds")
         for held in (self.active, self.prepared):
             if held is not None and held.shard is not None and _same_range(held.node, node) \
-                    and held.shard.dtype == dtype:
+                    and held.shard.engine == engine:
                 return Prepared(update.epoch, update, node, held.shard, source="kept")
         src, how, fetched = None, "local", 0
         if self.local_source is not None:
@@ -226,7 +223,7 @@ class StageHost:
                   if h is not None and h.shard is not None and h.model == update.model_fingerprint]
         if self.shared[0] == update.model_fingerprint:
             donors += self.shared[1]
-        shard = await asyncio.to_thread(build_shard, src, node, dtype, donors)
+        shard = await asyncio.to_thread(build_shard, src, node, engine, donors)
         return Prepared(update.epoch, update, node, shard, source=how, fetched_bytes=fetched)
 
     # ------------------------------------------------------------------------------------------ phase 2
@@ -369,41 +366,12 @@ def _fingerprint_or_empty(source, node: RingNode) -> str:
         return ""
 
 
-def build_shard(source, node: RingNode, dtype: torch.dtype, donors: list[Shard | NativeShard] = ()
-                ) -> Shard | NativeShard:
-    """The shard of ``node`` (``node.head``: it applies the final norm and returns features; it holds no LM head).
-    Decoder layers (and, on the torch engine, embedding and norm) that a donor shard (this agent's running or
-    prepared one, of the same model) already holds are shared, not loaded again: a re-plan that moves a range
-    boundary loads only the layers that are new here. Weights are read-only at inference, so sharing is safe."""
-    if use_native(dtype):
-        shard = load_shard(source, node.layers, embed=node.embed, head=node.head, lm_head=False, donors=donors)
-        shard.warm_up()  # scratch buffers and the weights' pages in place now, not at the first request
-        return shard
-    cfg = source.config
-    freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
-    shard = Shard(cfg, node.layers, embed=node.embed, head=node.head, dtype=dtype, rope_freqs=freqs)
-    donors = [d for d in donors if isinstance(d, Shard) and d.dtype == dtype]
-    layers = tqdm(node.layers.indices(), desc=f"loading layers {node.layers}", unit="layer", disable=None,
-                  leave=False)  # a progress bar when stderr is a terminal
-    with torch.no_grad():
-        for i, layer in enumerate(layers):
-            donor = next((d for d in donors if d.layers.start <= layer < d.layers.end), None)
-            if donor is not None:
-                shard.blocks[i] = donor.blocks[layer - donor.layers.start]
-            else:
-                names = layer_tensor_names(cfg, layer)
-                shard.blocks[i].load_hf({n: source.load(n).to(dtype) for n in names}, f"model.layers.{layer}.")
-        if node.embed:
-            donor = next((d for d in donors if d.embed is not None), None)
-            if donor is not None:
-                shard.embed = donor.embed
-            else:
-                shard.embed.weight.copy_(source.load(EMBED))
-        if node.head:  # the final norm only: the LM head stays on the leader (shard.head_t remains None)
-            donor = next((d for d in donors if d.norm is not None), None)
-            if donor is not None:
-                shard.norm = donor.norm
-            else:
-                shard.norm.weight.copy_(source.load(NORM))
-    shard.warm_up()  # tree forwards' packed copies and shapes set up now, not by the first request
-    return shard.eval()
+def build_shard(source, node: RingNode, engine: Engine, donors: Sequence[Shard] = ()) -> Shard:
+    """The shard of ``node`` on ``engine`` (``node.head``: it applies the final norm and returns features; it holds
+    no LM head). Tensors a donor shard (this agent's running or prepared one, of the same model) already holds are
+    shared, not loaded again: a re-plan that moves a range boundary loads only the layers that are new here.
+    Weights are read-only at inference, so sharing is safe."""
+    shard = engine.load(source, node.layers, embed=node.embed, head=node.head, lm_head=False, donors=donors,
+                        progress=True)
+    shard.warm_up()  # scratch buffers, the weights' pages and each tree size set up now, not at the first request
+    return shard

@@ -11,7 +11,7 @@ holds it. The fetching side (``fetch_range``) checks each tensor's bytes against
 fingerprint from those digests and compares it with the one the plan names (weights.range_fingerprint), and keeps
 every verified tensor under ``<state dir>/tensors/<sha256>.bin`` (content-addressed: a re-plan that hands a member
 a range it held before costs no transfer). The result is a ``FetchedSource``: a WeightSource over the cache,
-from which ``shard.Shard.from_source`` builds the shard as from a local file.
+from which the plan's engine builds the shard as from a local file.
 """
 
 from __future__ import annotations

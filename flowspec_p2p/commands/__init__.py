@@ -3,9 +3,19 @@ an event loop is chosen (uvloop). May import every part of the package except th
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import Coroutine
 from typing import Any
+
+ENGINE_CHOICES = ("auto", "native", "torch")  # model/load.get_engine's
+
+
+def add_engine_argument(p: argparse.ArgumentParser, what: str = "the model engine") -> None:
+    """``--engine auto|native|torch`` (None when not given: $FLOWSPEC_ENGINE, else auto)."""
+    p.add_argument("--engine", choices=ENGINE_CHOICES, default=None,
+                   help=f"{what}: auto (the default, or $FLOWSPEC_ENGINE): the native quantized engine where it runs "
+                   "the model in float32, else the torch reference; native or torch insist")
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import env
-from . import run_async
+from . import add_engine_argument, run_async
 from .activity import show_activity
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"keeps the agent id and fetched weights (default ${env.STATE_DIR} or "
                    f"{env.DEFAULT_STATE_DIR})")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's physical cores)")
+    add_engine_argument(p, "this agent's model engine (a member's stages run the one its leader's plan names)")
     p.add_argument("--cache-max-gb", type=float, default=None, metavar="GB",
                    help="bound the fetched-weights cache in the state folder (least recently used dropped first)")
     p.add_argument("--secret", default=None, help=f"shared secret (prefer ${env.SECRET})")
@@ -100,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "cluster": args.cluster, "name": args.name, "leader": args.leader, "model": args.model, "draft": args.draft,
         "interfaces": args.interfaces, "peers": args.peers, "mdns": args.mdns, "port": args.port,
         "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
-        "cache_max_gb": args.cache_max_gb,
+        "cache_max_gb": args.cache_max_gb, "engine": args.engine,
         "secret": args.secret, "cluster_key_file": args.cluster_key_file, "insecure": args.insecure,
         "api_key": args.api_key, "api_insecure": args.api_insecure, "api_cors": args.api_cors,
         "wire_dtype": args.wire_dtype, "decoding": args.decoding,

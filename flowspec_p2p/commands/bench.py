@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+from . import add_engine_argument
+
 log = logging.getLogger(__name__)
 
 
@@ -54,9 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--datasets", default=None,
                    help=f"comma-separated Spec-Bench sets (default {','.join(PAPER_ORDER)})")
     p.add_argument("--start", type=int, default=EVAL_START, help=f"first 0-based line of each set ({EVAL_START})")
-    p.add_argument("--data", type=Path, default=None, help="folder with the Spec-Bench <set>.jsonl files")
+    p.add_argument("--data", type=Path, default=None,
+                   help="Spec-Bench folder of <set>.jsonl files (default: the sets shipped in the "
+                   "package, or $FLOWSPEC_SPEC_BENCH)")
     p.add_argument("--wire-dtype", choices=["float16", "bfloat16", "float32"], default="float32",
                    help="activations between stages (default float32: exact, lossless)")
+    add_engine_argument(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads per emulated device (default 1)")
     p.add_argument("--context", type=int, default=2048, help="KV tokens per request on every stage (default 2048)")
     p.add_argument("--model", type=Path, default=None, help="the model (default: the packaged SmolLM2-135M)")
@@ -91,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
                   "modes": _names(args.modes), "wire_dtype": args.wire_dtype, "threads": args.threads,
                   "context": args.context, "model": args.model, "draft": args.draft, "out": args.out,
                   "resume": args.resume, "progress": not args.no_progress,
-                  "flowspec": json_object(args.flowspec_config, "--flowspec-config"), "insecure": args.insecure}
+                  "flowspec": json_object(args.flowspec_config, "--flowspec-config"), "insecure": args.insecure,
+                  "engine": args.engine}
         if args.datasets:
             fields["datasets"] = _names(args.datasets)
         if args.data:

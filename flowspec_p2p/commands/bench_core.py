@@ -6,6 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from . import add_engine_argument
+
 log = logging.getLogger(__name__)
 
 PARTS = ("speed", "bound", "agreement", "memory", "load")
@@ -19,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(see flowspec_p2p/bench/core.py). Writes bench_core.json and bench_core.md to --out.",
     )
     p.add_argument("parts", nargs="*", metavar="PART", help=f"what to measure: {', '.join(PARTS)} (default: all)")
-    p.add_argument("--data", type=Path, help="folder with the Spec-Bench <set>.jsonl files (speed, agreement)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="(speed, agreement) Spec-Bench folder of <set>.jsonl files (default: the sets shipped in "
+                   "the package, or $FLOWSPEC_SPEC_BENCH)")
     p.add_argument("--datasets", default="mt_bench", help="comma-separated sets; prompts are taken round-robin "
                    "from lines --start.. of each (default mt_bench)")
     p.add_argument("--start", type=int, default=30, help="first (0-based) line (default 30)")
@@ -29,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speed-tokens", type=int, default=64, help="speed: new tokens per call (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="speed and load: repeats per prompt (default 3)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: packaged SmolLM2-135M)")
+    add_engine_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch threads, both sides (default: torch's choice)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default ./bench-out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -60,9 +65,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     result: dict = {"environment": environment(), "parts": parts}
     needs_prompts = {"speed", "agreement"} & set(parts)
-    if needs_prompts and args.data is None:
-        raise ConfigError(f"--data (the Spec-Bench folder) is needed for {', '.join(sorted(needs_prompts))}")
-    lm = load_model(args.model) if {"speed", "bound", "agreement", "memory"} & set(parts) else None
+    lm = load_model(args.model, engine=args.engine) if {"speed", "bound", "agreement", "memory"} & set(parts) else None
     hf = load_transformers(lm) if needs_prompts else None
     datasets = args.datasets.split(",")
     if "speed" in parts:

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..bench import ENGINE_PARTS as PARTS
 from ..errors import ConfigError
 from ..specbench import load_questions
+from . import add_engine_argument
 from .generate import add_spec_arguments, tree_shape
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", default=None, help="the user message (default: the Spec-Bench --question)")
     p.add_argument("--question", default="mt_bench:30", metavar="SET:LINE",
                    help="Spec-Bench question whose first turn is the prompt (default mt_bench:30)")
-    p.add_argument("--data", type=Path, default=None, help="Spec-Bench folder (default: $FLOWSPEC_SPEC_BENCH)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="Spec-Bench folder of <set>.jsonl files (default: the sets shipped in the "
+                   "package, or $FLOWSPEC_SPEC_BENCH)")
+    add_engine_argument(p)
     p.add_argument("--rows", default=DEFAULT_ROWS, help=f"n-row forward sizes (default {DEFAULT_ROWS})")
     p.add_argument("--out", type=Path, default=Path("bench/engine"), help="output folder (default bench/engine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -102,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--model {model}: not a file (bench-engine runs a GGUF file)")
     prompt, label = _prompt(args)
     set_threads(threads[0])
-    lm = load_model(model)
+    lm = load_model(model, engine=args.engine)
     fingerprint = lm.fingerprint()
     try:
         drafter, _ = load_drafter(lm.shard, fingerprint, args.draft)

@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from . import add_engine_argument
 from .generate import add_spec_arguments, tree_shape
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "draft's cost per step relative to one target forward, and token-for-token equality of greedy spec vs AR "
         "(divergences listed with the reference's top-2 logit gap). Writes bench_spec.json and bench_spec.md.",
     )
-    p.add_argument("--data", required=True, type=Path, help="folder with the Spec-Bench <set>.jsonl files")
+    p.add_argument("--data", type=Path, default=None,
+                   help="Spec-Bench folder of <set>.jsonl files (default: the sets shipped in the "
+                   "package, or $FLOWSPEC_SPEC_BENCH)")
     p.add_argument("--datasets", default="mt_bench,alpaca,gsm8k,humaneval,qa,sum", help="comma-separated sets")
     p.add_argument("--start", type=int, default=30, help="first (0-based) line of each set (default 30)")
     p.add_argument("--per-dataset", type=int, default=20, help="prompts per set (default 20: lines 30-49)")
@@ -29,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default 0)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: packaged SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_engine_argument(p)
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default ./bench-out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_spec_arguments(p, mode=False)
@@ -40,12 +44,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ..bench.single_device import bench, markdown, write_outputs
     from ..model.load import load_model
-    from ..speculative.decoder import load_drafter
     from ..specbench import load_questions
+    from ..speculative.decoder import load_drafter
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
+    lm = load_model(args.model, engine=args.engine)
     fingerprint = lm.fingerprint()
     drafter, meta = load_drafter(lm.shard, fingerprint, args.draft)
     shape = tree_shape(args, fingerprint)

@@ -112,7 +112,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ev = argparse.ArgumentParser(add_help=False)
     ev.add_argument("--head", type=Path, default=None, metavar="BUNDLE",
                     help="evaluate this exported head (stem, .json or .safetensors; e.g. the shipped one in "
-                    "flowspec_p2p/speculative/assets) on the run's held-out conversations instead of the run's checkpoint")
+                    "flowspec_p2p/speculative/assets) on the run's held-out conversations instead of the run's "
+                    "checkpoint")
 
     budget = argparse.ArgumentParser(add_help=False)
     budget.add_argument("--no-warm-start", action="store_true",

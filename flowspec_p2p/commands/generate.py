@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from . import add_engine_argument
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -26,8 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="no chat template: continue PROMPT as plain text")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32 (default), float64, bfloat16")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's physical cores)")
-    p.add_argument("--engine", choices=["auto", "native", "torch"], default=None,
-                   help="auto (default): the native quantized engine where it runs (float32), else torch")
+    add_engine_argument(p)
     p.add_argument("--quantize", choices=["Q8_0"], default=None,
                    help="quantize a float (safetensors) model's matrices to Q8_0 at load (native engine)")
     p.add_argument("--stats", action="store_true", help="print one JSON line of statistics to stderr at the end")

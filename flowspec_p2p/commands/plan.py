@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from . import add_engine_argument
 
 if TYPE_CHECKING:
     from ..cluster.plans import Device
@@ -33,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stages", type=int, default=None, help="force exactly N layer-holding stages")
     p.add_argument("--leader-layers", choices=["auto", "always", "never"], default="auto",
                    help="may the leader also hold layers (default auto; never = FlowSpec's layout)")
+    add_engine_argument(p, "the engine whose memory the plan counts")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
     p.add_argument("--out", type=Path, default=None, help="write devices, model, options, plan and rendering here")
     p.set_defaults(func=run)
@@ -59,20 +61,16 @@ def device_from_profile(path: Path) -> Device:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from ..cluster.planner import plan
     from ..cluster.plans import PlanOptions, describe_model, render
-    from ..model.load import use_native
-    from ..model.shard import packing_enabled
+    from ..model.load import get_engine
     from ..model.weights import open_source
 
     devices = [device_from_profile(p) for p in args.profiles]
     if sum(d.leader for d in devices) != 1:
         raise ConfigError("exactly one profile must say leader = true")
     source = open_source(args.model)
-    native = use_native(torch.float32)
-    model = describe_model(source, context=args.context, packed=packing_enabled() and not native, stored=native)
+    model = describe_model(source, get_engine(args.engine), context=args.context)
     opts = PlanOptions(tokens_per_step=args.tokens_per_step, stages=args.stages, leader_layers=args.leader_layers)
     result = plan(devices, model, opts)
     text = render(result, devices)

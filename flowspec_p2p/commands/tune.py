@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.single_device import write_outputs
     from ..bench.tune import TUNE_START, tune, tune_markdown
     from ..model.load import load_model
-    from ..speculative.decoder import load_drafter, tuning_path
     from ..specbench import DATASETS, load_questions
+    from ..speculative.decoder import load_drafter, tuning_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -42,8 +42,8 @@ import torch
 
 from ..errors import LinkLost, PeerGone, StageFailed
 from ..ledger import MAX_TOP_LOGPROBS, Ledger, TokenLogprob
+from ..model.engine import Shard
 from ..model.sampling import PositionalDraws, SamplingParams, choose
-from ..model.shard import Shard
 from ..pipeline.codec import wire_dtype
 from ..pipeline.messages import DataMessage, Forward, Prune, StageError
 from ..pipeline.transport import Frame, Sender

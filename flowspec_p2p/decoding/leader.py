@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 
 from ..errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone
 from ..ledger import Ledger, reply_stats
+from ..model.engine import Shard
 from ..model.generate import check_context
 from ..model.sampling import SamplingParams
-from ..model.shard import Shard
 from ..pipeline.messages import Release
 from ..pipeline.transport import Frame, Inbox, LinkDown
 from ..speculative.drafter import Drafter

@@ -16,7 +16,7 @@ import logging
 import torch
 from aiohttp import web
 
-from ..model.shard import Shard
+from ..model.engine import Shard
 from ..pipeline.emulation import NO_COMPUTE_EMULATION, NO_LINK_EMULATION, ComputeEmulation, LinkEmulation, device_for
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer

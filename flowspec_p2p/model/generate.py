@@ -17,9 +17,9 @@ import torch
 
 from ..errors import ContextOverflow
 from ..ledger import Ledger
+from .engine import Shard
 from .kv_cache import KVCache
 from .sampling import PositionalDraws, SamplingParams, choose
-from .shard import Shard
 from .tokenizer import Detokenizer, Tokenizer
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the [n, n] attention scores

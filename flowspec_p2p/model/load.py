@@ -1,4 +1,5 @@
-"""Loading a whole model (or a role's slice) with its tokenizer: the one place callers go to get a target."""
+"""Choosing an engine (``get_engine``) and loading a shard or a whole model with its tokenizer on it: the one place
+callers outside model/ go to get a target."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from .. import env
 from ..errors import ConfigError, UnsupportedModel
 from ..types import LayerRange
 from . import native_shard
-from .native_shard import NativeShard
-from .shard import Shard
+from .engine import Engine, Shard
+from .native_shard import NativeEngine
 from .tokenizer import Tokenizer
+from .torch_shard import TorchEngine
 from .weights import GGUFSource, SafetensorsSource, WeightSource, model_fingerprint, open_source
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoadedModel:
     source: GGUFSource | SafetensorsSource
-    shard: Shard | NativeShard
+    shard: Shard
     tokenizer: Tokenizer
 
     @property
@@ -62,39 +64,48 @@ def set_threads(n: int | None) -> int:
     return n
 
 
-def use_native(dtype: torch.dtype, engine: str | None = None) -> bool:
-    """Whether shards in ``dtype`` run on the native engine: ``engine`` (default FLOWSPEC_ENGINE) "auto" picks it
-    for float32 where it runs here; "native" insists (ConfigError if it can't); "torch" never."""
-    engine = engine or env.engine()
-    if engine == "torch":
-        return False
+def get_engine(choice: str | None = None, dtype: torch.dtype = torch.float32, *, quantize: str | None = None
+               ) -> Engine:
+    """The engine for ``choice`` (``auto``, ``native`` or ``torch``; None: FLOWSPEC_ENGINE, else auto) computing
+    in ``dtype``. ``auto`` takes the native engine for float32 where it runs here, else the torch engine; ``native``
+    insists (ConfigError when it cannot run: another dtype, or no built engine). ``quantize``: what the native
+    engine quantizes float checkpoints to at load."""
+    choice = choice or env.engine()
+    if choice not in env.ENGINES:
+        raise ConfigError(f"engine: one of {', '.join(env.ENGINES)}, not {choice!r}")
+    if choice == "torch":
+        return TorchEngine(dtype)
     if dtype != torch.float32:
-        if engine == "native":
+        if choice == "native":
             raise ConfigError(f"the native engine computes in float32, not {dtype}")
-        return False
-    ok = native_shard.available()
-    if not ok and engine == "native":
-        raise ConfigError("the native engine is unavailable here (see the warning above: it needs a C compiler); "
-                          f"unset {env.ENGINE} to fall back to the torch engine")
-    return ok
+        return TorchEngine(dtype)
+    if not native_shard.available():
+        if choice == "native":
+            raise ConfigError("the native engine is unavailable here (see the warning above: it needs a C compiler); "
+                              "use --engine auto or torch to run on the torch engine")
+        return TorchEngine(dtype)
+    return NativeEngine(quantize)
 
 
 def load_shard(source: WeightSource, layers: LayerRange, *, embed: bool, head: bool, lm_head: bool | None = None,
-               dtype: torch.dtype = torch.float32, engine: str | None = None, quantize: str | None = None,
-               donors: Sequence[Shard | NativeShard] = ()) -> Shard | NativeShard:
-    """A shard of ``source`` on the engine ``use_native`` picks (the torch engine loads the LM head whenever
-    ``head``). ``donors``: shards of the same model whose layers may be shared (the native engine, which shows a
-    progress bar on stderr while it packs)."""
-    if use_native(dtype, engine):
-        native_donors = [d for d in donors if isinstance(d, NativeShard)]
-        try:
-            return NativeShard.from_source(source, layers, embed=embed, head=head, lm_head=lm_head,
-                                           quantize=quantize, donors=native_donors, progress=True)
-        except UnsupportedModel as e:
-            if (engine or env.engine()) == "native":
-                raise
-            log.warning("%s; this model runs on the torch engine", e)
-    return Shard.from_source(source, layers, embed=embed, head=head, dtype=dtype).eval()
+               engine: Engine | str | None = None, dtype: torch.dtype = torch.float32, quantize: str | None = None,
+               donors: Sequence[Shard] = (), progress: bool = True) -> Shard:
+    """A shard of ``source`` on ``engine`` (an Engine, or a choice for ``get_engine``). Where the choice was
+    ``auto`` and the native engine cannot run this model, it runs on the torch engine (logged). ``donors``:
+    shards of the same model whose tensors may be shared."""
+    if engine is None or isinstance(engine, str):
+        auto = (engine or env.engine()) == "auto"
+        eng = get_engine(engine, dtype, quantize=quantize)
+    else:
+        auto, eng = False, engine
+    try:
+        return eng.load(source, layers, embed=embed, head=head, lm_head=lm_head, donors=donors, progress=progress)
+    except UnsupportedModel as e:
+        if eng.name == "torch" or not auto:
+            raise
+        log.warning("%s; this model runs on the torch engine", e)
+    return TorchEngine(dtype).load(source, layers, embed=embed, head=head, lm_head=lm_head, donors=donors,
+                                   progress=progress)
 
 
 def load_model(
@@ -103,11 +114,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     layers: LayerRange | None = None,
     tokenizer: bool = True,
-    engine: str | None = None,
+    engine: Engine | str | None = None,
     quantize: str | None = None,
 ) -> LoadedModel:
     """Open ``path`` (default: the packaged SmolLM2 GGUF) and materialise the whole model, or ``layers`` of it, on
-    the engine ``use_native`` picks."""
+    ``engine`` (see load_shard)."""
     t0 = time.perf_counter()
     source = open_source(path)
     cfg = source.config
@@ -117,6 +128,6 @@ def load_model(
     release_heap()
     shard = load_shard(source, rng, embed=True, head=True, dtype=dtype, engine=engine, quantize=quantize)
     release_heap()
-    log.info("loaded %s (%s, %d layers, %s, %s engine) in %.1f s", source.path.name, cfg.arch, len(rng), dtype,
-             "native" if isinstance(shard, NativeShard) else "torch", time.perf_counter() - t0)
+    log.info("loaded %s (%s, %d layers, %s engine) in %.1f s", source.path.name, cfg.arch, len(rng),
+             shard.engine.describe(), time.perf_counter() - t0)
     return LoadedModel(source, shard, tok)  # type: ignore[arg-type]

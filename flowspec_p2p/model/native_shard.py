@@ -1,25 +1,24 @@
-"""The Shard interface on the native engine (model/native/): a layer range whose weights stay in their GGUF blocks,
-run by one C call per forward.
+"""The native engine (model/native/): a layer range whose weights stay in their GGUF blocks, run by one C call per
+forward.
 
     NativeShard    layers [start, end) + (optionally) the embedding, the final norm and the LM head, packed from a
                    weight source (a GGUF file, a HF folder, or the tensors a member fetched) into one arena
-    StopFlag       the "stop at the next layer" signal a stage worker raises from its event loop while the forward
-                   runs on its compute thread (the C loop reads it before each layer)
+                   (engine.Shard)
+    NativeEngine   how the native engine loads shards and what they cost in memory (engine.Engine)
 
 Weights: every matrix is packed from the source's stored bytes into the engine's layout (no float copy, no second
-copy); after packing a GGUF tensor its file pages are dropped from memory. A type the engine has no kernel for is
-dequantized and kept as F16 (logged once per type). Float checkpoints keep their 16 bits (F16/BF16) or float32, or
-are quantized to Q8_0 at load (``quantize="Q8_0"``). Activations between layers are float32; the integer kernels
-quantize them to 16 bits per 32-element block inside each matmul, which keeps greedy output equal to a float32
-reference (docs/experiments.md) and every row's result independent of the other rows in its batch: a tree
-forward scores a node exactly as decoding it alone would.
+copy; native_pack.py); after packing a GGUF tensor its file pages are dropped from memory. A type the engine has no
+kernel for is dequantized and kept as F16 (logged once per type). Float checkpoints keep their 16 bits (F16/BF16) or
+float32, or are quantized to Q8_0 at load (``quantize="Q8_0"``). Activations between layers are float32; the
+integer kernels quantize them to 16 bits per 32-element block inside each matmul, which keeps greedy output equal to
+a float32 reference (docs/experiments.md) and every row's result independent of the other rows in its batch: a
+tree forward scores a node exactly as decoding it alone would.
 
-The engine runs batch 1 (one request's rows). Training and float64 work use the torch Shard (shard.py).
+The engine runs batch 1 (one request's rows). Training and float64 work use the torch engine (torch_shard.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import logging
@@ -28,28 +27,22 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..errors import ContextOverflow, ForwardStopped, UnsupportedModel
+from ..errors import ContextOverflow, ForwardStopped
 from ..types import LayerRange
 from . import native
 from .arch import ModelConfig
+from .blocks import Rotary
+from .engine import BatchRows, StopFlag
 from .kv_cache import KVCache
-from .native.qmatrix import PANEL
-from .shard import Rotary
-from .weights import (
-    EMBED,
-    HEAD,
-    NORM,
-    ROPE_FREQS,
-    WeightSource,
-    gguf_tensor_from_raw,
-    layer_tensor_names,
-    unpermute_rows,
-)
+from .native_draft import NativeDraftHead
+from .native_pack import CHUNK_ROWS, StoredTensor, describe, names_read, pack, release, sorted_rows
+from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, tensor_shape
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +52,6 @@ _HF = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "sel
        "down": "mlp.down_proj.weight"}
 QUANTIZE = ("Q8_0",)
 ROTARY_CHUNK = 1024  # positions the rotary tables grow by
-CHUNK_ROWS = 2048  # rows of a big tensor packed at a time (a multiple of the engine's 16-row panels)
 
 
 @functools.cache
@@ -72,130 +64,6 @@ def set_threads(n: int | None) -> None:
     """The engine's worker threads (None: leave as is). Torch's are set by the caller."""
     if n is not None and available():
         native.set_threads(n)
-
-
-class StopFlag:
-    """A flag the C forward loop reads before each layer; also callable (``stop()``) like the torch path's."""
-
-    def __init__(self) -> None:
-        self.c = ctypes.c_int(0)
-
-    def set(self) -> None:
-        self.c.value = 1
-
-    def is_set(self) -> bool:
-        return bool(self.c.value)
-
-    __call__ = is_set
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    """How a stored tensor becomes a packed matrix: its engine type and logical [rows, cols]."""
-
-    name: str
-    type_name: str  # an engine type (native.TYPES), what the stored bytes are packed as
-    rows: int
-    cols: int
-    stored: str  # the stored type (GGUF qtype or safetensors dtype)
-
-
-_WARNED: set[str] = set()
-
-
-def _describe(source: WeightSource, name: str, quantize: str | None) -> _Tensor:
-    info = source.raw_info(name)
-    if info["format"] == "gguf":
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        qtype = info["qtype"]
-        shape = list(info["byte_shape"])
-        if np.dtype(info["dtype"]) == np.uint8:
-            block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
-            shape[-1] = shape[-1] // size * block
-        rows, cols = (1, shape[0]) if len(shape) == 1 else shape
-        engine_type = qtype if qtype in native.TYPES else "F16"
-        if engine_type != qtype and qtype not in _WARNED:
-            _WARNED.add(qtype)
-            log.warning("the native engine has no kernel for %s: those tensors are dequantized to F16", qtype)
-        return _Tensor(name, engine_type, rows, cols, qtype)
-    dtype = info["dtype"]
-    rows, cols = info["shape"]
-    if dtype not in ("F16", "BF16", "F32"):
-        raise UnsupportedModel(f"{name}: the native engine runs F16, BF16 and F32 checkpoints, not {dtype}")
-    return _Tensor(name, quantize or dtype, rows, cols, dtype)
-
-
-def _stored_bytes(source: WeightSource, t: _Tensor, cfg: ModelConfig, quantize: str | None) -> np.ndarray:
-    """The bytes to pack for ``t``: as stored (q/k rows un-permuted for llama.cpp's files), or re-encoded."""
-    info = source.raw_info(t.name)
-    if info["format"] == "gguf" and t.type_name == t.stored:
-        raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)  # [rows, row bytes]
-        if cfg.arch in ("llama", "mistral") and t.name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_heads if t.name.endswith("q_proj.weight") else cfg.num_kv_heads
-            raw = unpermute_rows(raw, heads)
-        return np.ascontiguousarray(raw)
-    if info["format"] == "gguf":  # no kernel for the stored type: dequantized, kept in 16 bits
-        w = gguf_tensor_from_raw(cfg, t.name, info, source.raw_bytes(t.name))
-        return w.to(torch.float16).numpy().view(np.uint8)
-    if quantize == "Q8_0":
-        return native.q8_0_bytes(source.load(t.name))
-    return np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8)
-
-
-def _sorted_rows(source: WeightSource, t, ids: np.ndarray):
-    """Rows ``ids`` (increasing) of the GGUF tensor ``t`` as stored, in chunks for QMatrix.from_row_chunks (each a
-    multiple of PANEL rows but the last): one window of CHUNK_ROWS source rows read at a time and its file pages
-    dropped, so neither the table nor a full copy of the picked rows is ever resident."""
-    raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)  # [rows, row bytes]
-    bounds = np.searchsorted(ids, np.arange(0, t.rows + CHUNK_ROWS, CHUNK_ROWS))
-    pending: list[np.ndarray] = []
-    for w, (i, j) in enumerate(itertools.pairwise(bounds)):
-        if j > i:
-            pending.append(raw[ids[i:j]])  # a copy: the window's pages can go
-        _release(source, t.name, w * CHUNK_ROWS * raw.shape[1], min(t.rows, (w + 1) * CHUNK_ROWS) * raw.shape[1])
-        if sum(len(x) for x in pending) >= CHUNK_ROWS:
-            buf = np.concatenate(pending)
-            k = len(buf) // PANEL * PANEL
-            yield buf[:k]
-            pending = [buf[k:]]
-    if sum(len(x) for x in pending):
-        yield np.concatenate(pending)
-
-
-def _release(source: WeightSource, name: str, start: int = 0, end: int | None = None) -> None:
-    release = getattr(source, "release", None)
-    if release is not None:
-        release(name, start, end)
-
-
-def _pack(source: WeightSource, t: _Tensor, cfg: ModelConfig, quantize: str | None,
-          arena: native.WeightArena) -> native.QMatrix:
-    """``t`` packed into ``arena``. A big GGUF tensor packed as stored goes in chunks of CHUNK_ROWS rows, each
-    chunk's file pages dropped before the next is read, so loading never holds a whole embedding table twice."""
-    info = source.raw_info(t.name)
-    permuted = cfg.arch in ("llama", "mistral") and t.name.endswith(("q_proj.weight", "k_proj.weight"))
-    if info["format"] == "gguf" and t.type_name == t.stored and not permuted and t.rows > CHUNK_ROWS:
-        raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)  # [rows, row bytes]
-        row_bytes = raw.shape[1]
-
-        def chunks():
-            for a in range(0, t.rows, CHUNK_ROWS):
-                yield raw[a : a + CHUNK_ROWS]
-                _release(source, t.name, a * row_bytes, min(t.rows, a + CHUNK_ROWS) * row_bytes)
-
-        return native.QMatrix.from_row_chunks(t.type_name, t.rows, t.cols, chunks(), arena)
-    m = native.QMatrix.from_gguf_bytes(t.type_name, t.rows, t.cols, _stored_bytes(source, t, cfg, quantize), arena)
-    _release(source, t.name)
-    return m
-
-
-def names_read(cfg: ModelConfig, layers: LayerRange, *, embed: bool, head: bool, tensors) -> list[str]:
-    """Every stored tensor a shard of these layers reads: its matrices (``tensors``), norms, biases, rope factors."""
-    names = [*tensors, *(n for i in layers.indices() for n in layer_tensor_names(cfg, i) if n not in tensors)]
-    if head:
-        names.append(NORM)
-    return names
 
 
 class _Norm:
@@ -222,9 +90,10 @@ class _Embedding:
 
 
 class NativeShard:
-    """Layers ``[start, end)`` of a decoder on the native engine; the torch Shard's interface (shard.py)."""
+    """Layers ``[start, end)`` of a decoder on the native engine (engine.Shard)."""
 
     dtype = torch.float32
+    quantize: str | None = None  # what float checkpoints were quantized to at load (from_source)
 
     def __init__(self, cfg: ModelConfig, layers: LayerRange, stack: native.LayerStack, *,
                  embed: native.QMatrix | None, norm: torch.Tensor | None, lm_head: native.QMatrix | None,
@@ -237,10 +106,14 @@ class NativeShard:
         self.embed = None if embed is None else _Embedding(embed)
         self.norm = None if norm is None else _Norm(norm, cfg.rms_eps)
         self.lm_head = lm_head
-        self.head_source: tuple[WeightSource, _Tensor] | None = None  # where the LM head's rows are stored
+        self.head_source: tuple[WeightSource, StoredTensor] | None = None  # where the LM head's rows are stored
         self.rope_freqs = rope_freqs
         self.max_position = max_position
         self.rotary = Rotary(cfg, min(max_position, ROTARY_CHUNK), torch.float32, rope_freqs)  # grown on demand
+
+    @property
+    def engine(self) -> NativeEngine:
+        return NativeEngine(self.quantize)
 
     @property
     def has_embed(self) -> bool:
@@ -252,12 +125,17 @@ class NativeShard:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of packed weights this shard holds (shared ones included)."""
-        mats = {id(m): m.nbytes for s in self.specs for m in (getattr(s, n) for n in MATRICES)}
+        """Bytes of the weights this shard holds, shared ones included: its packed matrices and float32 vectors
+        (norms, biases)."""
+        held = {id(m): m.nbytes for s in self.specs for m in (getattr(s, n) for n in MATRICES)}
         for m in (self.embed_matrix, self.lm_head):
             if m is not None:
-                mats[id(m)] = m.nbytes
-        return sum(mats.values())
+                held[id(m)] = m.nbytes
+        vectors = [v for s in self.specs for v in (s.attn_norm, s.mlp_norm, s.q_bias, s.k_bias, s.v_bias)]
+        if self.norm is not None:
+            vectors.append(self.norm.weight)
+        held.update({id(v): v.numel() * v.element_size() for v in vectors if v is not None})
+        return sum(held.values())
 
     @classmethod
     def from_source(cls, source: WeightSource, layers: LayerRange, *, embed: bool, head: bool,
@@ -287,14 +165,14 @@ class NativeShard:
             want.append(EMBED)
         if lm_head and head_donor is None and not (tied and (embed or emb_donor is not None)):
             want.append(EMBED if tied else HEAD)
-        tensors = {n: _describe(source, n, quantize) for n in dict.fromkeys(want)}
+        tensors = {n: describe(source, n, quantize) for n in dict.fromkeys(want)}
         arena = native.WeightArena.for_matrices([(t.type_name, t.rows, t.cols) for t in tensors.values()])
         packed: dict[str, native.QMatrix] = {}
         total = sum(len(source.raw_bytes(n)) for n in tensors)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"packing layers {layers}", leave=False,
                   disable=None if progress else True, file=sys.stderr) as bar:
             for name, t in tensors.items():
-                packed[name] = _pack(source, t, cfg, quantize, arena)
+                packed[name] = pack(source, t, cfg, quantize, arena)
                 bar.update(len(source.raw_bytes(name)))
         specs = []
         for i in layers.indices():
@@ -321,14 +199,15 @@ class NativeShard:
                 head_m = packed[HEAD]
             if head_source is None:
                 stored = EMBED if tied else HEAD
-                head_source = (source, tensors[stored] if stored in tensors else _describe(source, stored, quantize))
+                head_source = (source, tensors[stored] if stored in tensors else describe(source, stored, quantize))
         freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
         norm = source.load(NORM).float() if head else None
         for name in names_read(cfg, layers, embed=embed, head=head, tensors=tensors):
-            _release(source, name)  # the norms' (and biases') pages too: everything is packed or copied now
+            release(source, name)  # the norms' (and biases') pages too: everything is packed or copied now
         shard = cls(cfg, layers, stack, embed=emb, norm=norm, lm_head=head_m, rope_freqs=freqs,
                     max_position=max_position or cfg.max_position, specs=specs)
         shard.head_source = head_source
+        shard.quantize = quantize
         return shard
 
     # ------------------------------------------------------------------------------------------- running
@@ -349,38 +228,56 @@ class NativeShard:
         mask: torch.Tensor | None = None,  # [1, n, cache.length + n] bool, or None: the cache + causal
         stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
-        """As Shard.forward: K/V of the new rows appended to ``cache``; -> hidden [1, n, hidden], or features if
+        """As engine.Shard: K/V of the new rows appended to ``cache``; -> hidden [1, n, hidden], or features if
         it holds the final norm. ``stop``: a StopFlag the engine reads before each layer (any other callable is
         asked once, before the first); when set, raises ForwardStopped with the rows' slots reserved."""
-        if self.embed is not None and not x.dtype.is_floating_point:
-            h = self.embed(x)  # [1, n, hidden], a fresh tensor
-        else:
-            h = x.to(torch.float32, copy=True)  # the engine updates it in place
-        b, n, _ = h.shape
-        assert b == 1, "the native engine runs one request's rows"
         if cache is None:
-            cache = self.new_cache(n)
-        start = cache.reserve(n)
-        pos = torch.arange(start, start + n) if positions is None else positions.reshape(n)  # [n]
-        last = int(pos.max()) if n else start
-        if last >= self.max_position:
-            raise ContextOverflow(f"position {last} exceeds the model limit {self.max_position}")
-        if mask is not None:
-            assert mask.shape == (1, n, start + n), (tuple(mask.shape), (1, n, start + n))
+            cache = self.new_cache(x.shape[1])
+        return self.forward_batch([BatchRows(x, cache, positions, mask)], stop)[0]
+
+    def forward_batch(self, items: Sequence[BatchRows], stop: Callable[[], bool] | None = None
+                      ) -> list[torch.Tensor]:
+        """The rows of several requests in one engine call (engine.Shard.forward_batch): each item's rows attend
+        to its own cache under its own mask; every row's result is bit-identical to a forward of its item alone."""
+        hs, groups, pos = [], [], []
+        top = 0
+        for it in items:
+            if self.embed is not None and not it.x.dtype.is_floating_point:
+                h = self.embed(it.x)  # [1, n, hidden], a fresh tensor
+            else:
+                # a copy: the engine updates the rows in place (several items are copied by the cat below)
+                h = it.x.to(torch.float32, copy=len(items) == 1)
+            b, n, _ = h.shape
+            assert b == 1, "the native engine takes one request's rows per item"
+            start = it.cache.reserve(n)
+            p = torch.arange(start, start + n) if it.positions is None else it.positions.reshape(n)  # [n]
+            last = int(p.max()) if n else start
+            if last >= self.max_position:
+                it.cache.advance(n)
+                raise ContextOverflow(f"position {last} exceeds the model limit {self.max_position}")
+            if it.mask is not None:
+                assert it.mask.shape == (1, n, start + n), (tuple(it.mask.shape), (1, n, start + n))
+            hs.append(h.view(n, -1))
+            pos.append(p)
+            top = max(top, last + 1)
+            if n:
+                groups.append(native.Group(it.cache.k[:, 0], it.cache.v[:, 0], start, n,
+                                           None if it.mask is None else it.mask[0]))
+        rows = hs[0].contiguous() if len(hs) == 1 else torch.cat(hs)  # [N, hidden], all items' rows
         flag = stop.c if isinstance(stop, StopFlag) else None
+        done = len(self.layers)
         if stop is not None and flag is None and stop():
-            cache.advance(n)
-            raise ForwardStopped(f"stopped before layer 0 of {len(self.layers)}")
-        rows = h.view(n, -1)  # [n, hidden]
-        rot = self._rotary_upto(last + 1)
-        done = self.stack.forward(rows, pos, rot.cos, rot.sin, cache.k[:, 0], cache.v[:, 0], start,
-                                  None if mask is None else mask[0], flag) if len(self.layers) else 0
-        cache.advance(n)
+            done = 0
+        elif groups and len(self.layers):
+            rot = self._rotary_upto(top)
+            done = self.stack.forward_groups(rows, torch.cat(pos), rot.cos, rot.sin, groups, flag)
+        for it in items:
+            it.cache.advance(it.x.shape[1])
         if done < len(self.layers):
             raise ForwardStopped(f"stopped before layer {done} of {len(self.layers)}")
         if self.norm is not None:
-            h = self.norm(h)
-        return h
+            rows = self.norm(rows)
+        return [o[None] for o in rows.split([h.shape[0] for h in hs])]
 
     forward = __call__
 
@@ -408,7 +305,7 @@ class NativeShard:
             source, t = self.head_source
             if source.raw_info(t.name)["format"] == "gguf" and t.type_name == t.stored and bool(
                     (ids[1:] > ids[:-1]).all()):
-                return native.QMatrix.from_row_chunks(t.type_name, len(ids), t.cols, _sorted_rows(source, t, ids))
+                return native.QMatrix.from_row_chunks(t.type_name, len(ids), t.cols, sorted_rows(source, t, ids))
             if source.raw_info(t.name)["format"] == "gguf" and t.type_name == t.stored:
                 raw = np.frombuffer(source.raw_bytes(t.name), dtype=np.uint8).reshape(t.rows, -1)
                 picked = np.empty((len(ids), raw.shape[1]), dtype=np.uint8)  # [V_d, row bytes], as stored
@@ -417,7 +314,7 @@ class NativeShard:
                 for w, (i, j) in enumerate(itertools.pairwise(bounds)):  # one window of rows at a
                     sel = order[i:j]  # time, its pages dropped before the next: never the whole table resident
                     picked[sel] = raw[ids[sel]]
-                    _release(source, t.name, w * CHUNK_ROWS * raw.shape[1],
+                    release(source, t.name, w * CHUNK_ROWS * raw.shape[1],
                              min(t.rows, (w + 1) * CHUNK_ROWS) * raw.shape[1])
                 return native.QMatrix.from_gguf_bytes(t.type_name, len(ids), t.cols, picked)
         chunks = (native.q8_0_bytes(self.lm_head.rows_f32(torch.from_numpy(ids[a : a + CHUNK_ROWS])))
@@ -436,30 +333,60 @@ class NativeShard:
             cache.keep([])
 
 
-def benchmark_layer(cfg: ModelConfig, tokens: int, context: int, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of one decoder layer of ``cfg``'s shape on the engine: ``tokens`` rows over ``context``
-    cached ones, random Q4_1 weights (the default model's type: the device's speed, not a model's values)."""
-    rng = np.random.default_rng(0)
+@dataclass(frozen=True)
+class NativeEngine:
+    """The native engine (engine.Engine): float32 activations over weights in their stored blocks."""
 
-    def q4_1(rows: int, cols: int) -> native.QMatrix:
-        blocks = rng.integers(0, 256, (rows * cols // 32, 20), dtype=np.uint8)
-        scales = rng.uniform(0.001, 0.01, (blocks.shape[0], 2)).astype(np.float16)
-        blocks[:, :4] = scales.view(np.uint8)
-        return native.QMatrix.from_gguf_bytes("Q4_1", rows, cols, blocks)
+    quantize: str | None = None  # what float checkpoints are quantized to at load (None: kept in their 16 bits)
+    name: ClassVar[str] = "native"
+    dtype: ClassVar[torch.dtype] = torch.float32
 
-    h, q, kv, inter = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
-    spec = native.LayerSpec(q=q4_1(q, h), k=q4_1(kv, h), v=q4_1(kv, h), o=q4_1(h, q), gate=q4_1(inter, h),
-                            up=q4_1(inter, h), down=q4_1(h, inter), mlp_norm=torch.ones(h), attn_norm=torch.ones(h))
-    stack = native.LayerStack([spec], hidden=h, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-                              head_dim=cfg.head_dim, intermediate=inter, eps=cfg.rms_eps)
-    rotary = Rotary(cfg, context + tokens, torch.float32)
-    k, v = stack.new_cache(context + tokens)
-    pos = torch.arange(context, context + tokens)
-    times = []
-    for i in range(warmup + repeats):
-        x = torch.randn(tokens, h)  # [tokens, hidden]
-        t0 = time.perf_counter()
-        stack.forward(x, pos, rotary.cos, rotary.sin, k, v, context)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    def describe(self) -> str:
+        return f"native ({native.isa()})"
+
+    def load(self, source: WeightSource, layers: LayerRange, *, embed: bool, head: bool, lm_head: bool | None = None,
+             donors: Sequence = (), progress: bool = False) -> NativeShard:
+        return NativeShard.from_source(source, layers, embed=embed, head=head, lm_head=lm_head,
+                                       quantize=self.quantize, progress=progress,
+                                       donors=[d for d in donors if isinstance(d, NativeShard)])
+
+    def tensor_bytes(self, source: WeightSource, name: str) -> int:
+        shape = tensor_shape(source, name)
+        if len(shape) == 1:  # norms and biases: float32 copies
+            return shape[0] * 4
+        t = describe(source, name, self.quantize)
+        return native.QMatrix.packed_size(t.type_name, t.rows, t.cols)
+
+    def kv_bytes_per_token(self, cfg: ModelConfig) -> int:
+        return cfg.kv_bytes_per_token(4)  # the cache is float32
+
+    def draft_net(self, cfg: ModelConfig, state: dict[str, torch.Tensor], max_position: int) -> NativeDraftHead:
+        return NativeDraftHead(cfg, state, max_position)
+
+    def layer_seconds(self, cfg: ModelConfig, tokens: int, context: int, repeats: int, warmup: int = 2) -> float:
+        """Random Q4_1 weights (the default model's type: the device's speed, not a model's values)."""
+        rng = np.random.default_rng(0)
+
+        def q4_1(rows: int, cols: int) -> native.QMatrix:
+            blocks = rng.integers(0, 256, (rows * cols // 32, 20), dtype=np.uint8)
+            scales = rng.uniform(0.001, 0.01, (blocks.shape[0], 2)).astype(np.float16)
+            blocks[:, :4] = scales.view(np.uint8)
+            return native.QMatrix.from_gguf_bytes("Q4_1", rows, cols, blocks)
+
+        h, q, kv, inter = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        spec = native.LayerSpec(q=q4_1(q, h), k=q4_1(kv, h), v=q4_1(kv, h), o=q4_1(h, q), gate=q4_1(inter, h),
+                                up=q4_1(inter, h), down=q4_1(h, inter), mlp_norm=torch.ones(h),
+                                attn_norm=torch.ones(h))
+        stack = native.LayerStack([spec], hidden=h, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                                  head_dim=cfg.head_dim, intermediate=inter, eps=cfg.rms_eps)
+        rotary = Rotary(cfg, context + tokens, torch.float32)
+        k, v = stack.new_cache(context + tokens)
+        pos = torch.arange(context, context + tokens)
+        times = []
+        for i in range(warmup + repeats):
+            x = torch.randn(tokens, h)  # [tokens, hidden]
+            t0 = time.perf_counter()
+            stack.forward(x, pos, rotary.cos, rotary.sin, k, v, context)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)

@@ -87,6 +87,21 @@ class WeightSource(Protocol):
     def raw_info(self, name: str) -> dict: ...
 
 
+def tensor_shape(source: WeightSource, name: str) -> tuple[int, ...]:
+    """The logical shape of the stored tensor ``name`` (as torch sees it: [out, in] for a matrix), from its
+    ``raw_info`` alone (nothing is read)."""
+    info = source.raw_info(name)
+    if info["format"] != "gguf":
+        return tuple(info["shape"])
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    shape = list(info["byte_shape"])
+    if np.dtype(info["dtype"]) == np.uint8:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[info["qtype"]]]
+        shape[-1] = shape[-1] // size * block
+    return tuple(shape)
+
+
 def unpermute_rows(w, n_head: int):
     """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> rotate-half layout). numpy or torch."""
     half = w.shape[0] // n_head // 2

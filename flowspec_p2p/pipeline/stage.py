@@ -23,8 +23,8 @@ import torch
 
 from ..errors import ContextOverflow, FlowSpecError, ForwardStopped, ProtocolError
 from ..model.dtypes import dtype_name
+from ..model.engine import BatchRows, Shard
 from ..model.kv_cache import KVCache
-from ..model.shard import Shard
 from .messages import MAX_ERROR_TEXT, MAX_NODES, DataMessage, Forward, Prune, Release, StageError, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,20 @@ MAX_PENDING = MAX_NODES  # pending tree nodes (live and dead) a request may hold
 
 
 Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class _Planned:
+    """A forward checked and placed, before its live rows run (StageCore._plan)."""
+
+    state: RequestState
+    msg: Forward
+    parents: list[int]  # the pending tree with the new nodes
+    depth: list[int]
+    dead: set[int]  # rows of msg not computed
+    slot: list[int | None]
+    live: list[int]  # rows of msg computed, in order
+    rows: BatchRows | None  # the live rows' input, cache, positions and mask; None when none is live
 
 
 @dataclass
@@ -115,16 +129,18 @@ class StageCore:
             state.next_seq = msg.seq + 1
             return out
         except Exception as e:
-            # request only, never the stage
-            self.counters["errors"] += 1
-            self.requests.pop(msg.request_id, None)
-            if isinstance(e, FlowSpecError):
-                log.warning("stage %d: request %s failed: %s", self.index, msg.request_id, e)
-            else:
-                log.exception("stage %d: request %s failed", self.index, msg.request_id)
-            text = f"{type(e).__name__}: {e}" if not isinstance(e, FlowSpecError) else str(e)
-            return StageError(request_id=msg.request_id, seq=msg.seq, stage=self.index,
-                              message=text[:MAX_ERROR_TEXT]), {}
+            return self._failed(msg, e)
+
+    def _failed(self, msg: DataMessage, e: Exception) -> tuple[StageError, Tensors]:
+        """A request's message failed: that request ends here (its state freed), never the stage."""
+        self.counters["errors"] += 1
+        self.requests.pop(msg.request_id, None)
+        if isinstance(e, FlowSpecError):
+            log.warning("stage %d: request %s failed: %s", self.index, msg.request_id, e)
+        else:
+            log.error("stage %d: request %s failed", self.index, msg.request_id, exc_info=e)
+        text = f"{type(e).__name__}: {e}" if not isinstance(e, FlowSpecError) else str(e)
+        return StageError(request_id=msg.request_id, seq=msg.seq, stage=self.index, message=text[:MAX_ERROR_TEXT]), {}
 
     def _state(self, msg: DataMessage, link: int) -> RequestState:
         state = self.requests.get(msg.request_id)
@@ -164,32 +180,89 @@ class StageCore:
     def _forward(self, state: RequestState, msg: Forward, tensors: Tensors, ahead: Prune | None,
                  stop: Callable[[], bool] | None = None) -> tuple[Forward, Tensors]:
         """Check the new nodes against the pending tree, skip the dead ones, run the live ones through the shard."""
-        cache, m, first = state.cache, len(msg.parents), msg.first
+        plan = self._plan(state, msg, tensors, ahead)
+        y = None
+        if plan.rows is not None:
+            try:
+                with torch.inference_mode():
+                    y = self.shard(plan.rows.x, plan.rows.cache, positions=plan.rows.positions, mask=plan.rows.mask,
+                                   stop=None if msg.commit else stop)[0]  # [n_live, hidden]
+            except ForwardStopped as e:  # the reserved slots hold nothing: no node points at them, the prune drops them
+                log.debug("stage %d: request %s forward %d %s", self.index, msg.request_id, msg.tag, e)
+                plan.dead |= set(plan.live)
+                plan.slot = [None if i >= msg.first and i - msg.first in plan.dead else s
+                             for i, s in enumerate(plan.slot)]
+                plan.live = []
+                self.counters["stopped"] = self.counters.get("stopped", 0) + 1
+        return self._finish(plan, y)
+
+    def _plan(self, state: RequestState, msg: Forward, tensors: Tensors, ahead: Prune | None) -> _Planned:
+        """Everything about a forward but running it: the tree extended, the rows placed, the live rows' input,
+        positions and mask (``rows``; None when no row is live)."""
+        cache, first = state.cache, msg.first
         parents, depth = self._extend_tree(state, msg)
         dead, slot, live = self._place_rows(state, msg, ahead)
-        name = "features" if self.shard.has_head else "hidden"
-        out = torch.zeros(m, self.shard.cfg.hidden_size, dtype=self.wire_dtype)  # [m, hidden]
+        rows = None
         if live:
             mask = None
             if dead or not (cache.pending == 0 and is_chain(msg.parents, 0)):
                 mask = ancestor_mask(cache.committed, parents, first, slot, live)[None]  # [1, n_live, C + slots]
-            try:
-                out[torch.tensor(live)] = self._run(msg, tensors, cache, live, mask, None if msg.commit else stop)
-            except ForwardStopped as e:  # the reserved slots hold nothing: no node points at them, the prune drops them
-                log.debug("stage %d: request %s forward %d %s", self.index, msg.request_id, msg.tag, e)
-                dead |= set(live)
-                slot = [None if i >= first and i - first in dead else s for i, s in enumerate(slot)]
-                live = []
-                self.counters["stopped"] = self.counters.get("stopped", 0) + 1
-        state.parents, state.depth, state.slot = parents, depth, slot
+            x = self._input(msg, tensors, len(msg.parents))  # [1, m] ids or [1, m, hidden]
+            positions = torch.tensor([[msg.positions[i] for i in live]], dtype=torch.long)  # [1, n_live]
+            rows = BatchRows(x[:, torch.tensor(live)], cache, positions, mask)
+        return _Planned(state, msg, parents, depth, dead, slot, live, rows)
+
+    def _finish(self, plan: _Planned, y: torch.Tensor | None) -> tuple[Forward, Tensors]:
+        """Bookkeeping after the live rows ran (``y`` [n_live, hidden]): the pending tree, a commit, the output."""
+        state, msg = plan.state, plan.msg
+        m = len(msg.parents)
+        name = "features" if self.shard.has_head else "hidden"
+        out = torch.zeros(m, self.shard.cfg.hidden_size, dtype=self.wire_dtype)  # [m, hidden]
+        if plan.live and y is not None:
+            out[torch.tensor(plan.live)] = y.to(self.wire_dtype)
+        state.parents, state.depth, state.slot = plan.parents, plan.depth, plan.slot
         if msg.commit:
-            cache.commit(m)
+            state.cache.commit(m)
             state.parents, state.depth, state.slot = [], [], []
         self.counters["forwards"] += 1
-        self.counters["tokens"] += len(live)
-        self.counters["skipped"] = self.counters.get("skipped", 0) + m - len(live)
+        self.counters["tokens"] += len(plan.live)
+        self.counters["skipped"] = self.counters.get("skipped", 0) + m - len(plan.live)
         spec = TensorSpec(name=name, dtype=dtype_name(self.wire_dtype), shape=tuple(out.shape))
-        return msg.model_copy(update={"tensors": [spec], "dead": sorted(dead)}), {name: out}
+        return msg.model_copy(update={"tensors": [spec], "dead": sorted(plan.dead)}), {name: out}
+
+    def handle_batch(self, items: Sequence[tuple[Forward, Tensors, Sequence[DataMessage], int]]
+                     ) -> list[tuple[DataMessage, Tensors] | None]:
+        """Forwards of different requests (each (msg, tensors, upcoming, link), as ``handle`` takes them) applied
+        together: every live row of every request in one ``shard.forward_batch`` call, each request's rows under
+        its own cache and mask, so each gets exactly what ``handle`` would give it alone. -> per item what
+        ``handle`` returns."""
+        assert len({msg.request_id for msg, *_ in items}) == len(items), "one forward per request in a batch"
+        results: list[tuple[DataMessage, Tensors] | None] = [None] * len(items)
+        plans: dict[int, _Planned] = {}
+        for i, (msg, tensors, upcoming, link) in enumerate(items):
+            held = self.requests.get(msg.request_id)
+            if held is not None and held.link != link:
+                results[i] = self.handle(msg, tensors, upcoming, link=link)  # dropped, as handle does
+                continue
+            try:
+                plans[i] = self._plan(self._state(msg, link), msg, tensors, _next_prune(msg.request_id, upcoming))
+            except Exception as e:
+                results[i] = self._failed(msg, e)
+        live = [i for i, p in plans.items() if p.rows is not None]
+        outs: list[torch.Tensor] = []
+        try:
+            with torch.inference_mode():
+                outs = [o[0] for o in self.shard.forward_batch([plans[i].rows for i in live])] if live else []
+        except Exception as e:
+            for i in plans:
+                results[i] = self._failed(items[i][0], e)
+            return results
+        ys = dict(zip(live, outs, strict=True))
+        for i, plan in plans.items():
+            results[i] = self._finish(plan, ys.get(i))
+            plan.state.next_seq = plan.msg.seq + 1
+        self.counters["batches"] = self.counters.get("batches", 0) + (len(items) > 1)
+        return results
 
     def _extend_tree(self, state: RequestState, msg: Forward) -> tuple[list[int], list[int]]:
         """Validate the new nodes (parents before children, positions = committed + depth, a commit is a plain
@@ -242,16 +315,6 @@ class StageCore:
         if cache.length + len(live) > cache.capacity:
             raise ContextOverflow(f"request {msg.request_id} exceeds this stage's KV capacity {cache.capacity}")
         return dead, slot, live
-
-    def _run(self, msg: Forward, tensors: Tensors, cache: KVCache, live: list[int], mask: torch.Tensor | None,
-             stop: Callable[[], bool] | None) -> torch.Tensor:
-        """The live rows through the shard -> [n_live, hidden] in the wire dtype."""
-        x = self._input(msg, tensors, len(msg.parents))  # [1, m] ids or [1, m, hidden]
-        positions = torch.tensor([[msg.positions[i] for i in live]], dtype=torch.long)  # [1, n_live]
-        with torch.inference_mode():
-            y = self.shard(x[:, torch.tensor(live)], cache, positions=positions, mask=mask,
-                           stop=stop)[0]  # [n_live, hidden]
-        return y.to(self.wire_dtype)
 
     def _input(self, msg: Forward, tensors: Tensors, m: int) -> torch.Tensor:
         hidden = self.shard.cfg.hidden_size

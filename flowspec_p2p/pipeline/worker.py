@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from ..errors import PeerGone
-from ..model.native_shard import StopFlag
+from ..model.engine import StopFlag
 from .emulation import Device
 from .messages import MAX_ERROR_TEXT, DataMessage, Forward, Prune, Release, StageError
 from .stage import StageCore, Tensors
@@ -38,6 +38,8 @@ from .transport import Frame, Inbox, LinkDown, Sender
 log = logging.getLogger(__name__)
 
 TIMELINE_LENGTH = 8192  # busy intervals kept per stage
+MAX_BATCH_REQUESTS = 16  # forwards of different requests run together in one engine call
+MAX_BATCH_ROWS = 1024  # rows of one batched forward (a prefill chunk and the decode rows that ride with it)
 OUTBOX_FRAMES = 64  # results waiting for the successor link; more and the stage stops taking frames
 BACKLOG_FRAMES = 256  # inbound frames a stage takes ahead of the one it computes (look-ahead)
 RECENT_FORWARDS = 64  # forwards whose busy time sets the stall bound the leader checks (forward_slowest_s)
@@ -51,9 +53,17 @@ class BusyInterval:
     start: float
     end: float
     compute_s: float
-    request_id: str
-    nodes: int
+    request_id: str  # the first request of a batched forward
+    nodes: int  # rows of every request in it
     tag: int
+    requests: int = 1  # requests whose forwards ran together
+
+
+async def _hold_until(deadline: float) -> bool:
+    """An emulated device's wait for a forward nothing can cut short: until time.perf_counter() reaches
+    ``deadline``. -> False (not discarded)"""
+    await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+    return False
 
 
 class _DiscardWatch:
@@ -143,11 +153,67 @@ class StageWorker:
             msg = ev.msg
             self.counters["frames_in"] += 1
             if isinstance(msg, Forward):
+                group = self._gather(ev, backlog)
+                self.counters["frames_in"] += len(group) - 1
+                if len(group) > 1:
+                    for out in await self._forward_batch(loop, executor, group, backlog):
+                        if out is not None:
+                            await self._out.put(out)
+                    continue
                 out = await self._forward(loop, executor, ev, backlog)
             else:
                 out = self.core.handle(msg, ev.tensors, link=ev.link)
             if out is not None:
                 await self._out.put(out)
+
+    @staticmethod
+    def _gather(ev: Frame, backlog: deque) -> list[Frame]:
+        """``ev`` (a Forward) and the queued Forwards of other requests that can run with it in one engine call:
+        each the first queued message of its request (so every request's messages still apply in order), at most
+        MAX_BATCH_REQUESTS of them and MAX_BATCH_ROWS rows. They leave the backlog; the rest keep their order."""
+        group, rows = [ev], len(ev.msg.parents)
+        taken = {ev.msg.request_id}  # requests in the group, or with an earlier message still queued
+        for e in list(backlog):
+            if len(group) >= MAX_BATCH_REQUESTS:
+                break
+            if not isinstance(e, Frame):  # a link event: what follows it waits for it
+                break
+            rid = e.msg.request_id
+            if isinstance(e.msg, Forward) and rid not in taken and rows + len(e.msg.parents) <= MAX_BATCH_ROWS:
+                group.append(e)
+                rows += len(e.msg.parents)
+                backlog.remove(e)
+            taken.add(rid)
+        return group
+
+    async def _forward_batch(self, loop, executor: ThreadPoolExecutor, group: list[Frame], backlog: deque
+                             ) -> list[tuple[DataMessage, Tensors] | None]:
+        """Run the Forwards of several requests in one engine call (StageCore.handle_batch), then let the device
+        finish them. A batch runs to the end: a prune of one of its requests does not cut the others short (its
+        rows are skipped by look-ahead where the prune was queued before the batch started)."""
+        start = time.time()
+        t0 = time.perf_counter()
+        items = [(e.msg, e.tensors, [x.msg for x in backlog if isinstance(x, Frame) and x.link == e.link], e.link)
+                 for e in group]
+        self._forward_since = t0
+        try:
+            outs = await loop.run_in_executor(executor, self.core.handle_batch, items)
+            compute_s = time.perf_counter() - t0
+            rows = sum(o[0].computed_rows for o in outs if o is not None and isinstance(o[0], Forward))
+            await self.device.finish(rows, compute_s, t0, len(self.core.shard.layers), False, _hold_until)
+        finally:
+            self._forward_since = None
+        end = time.time()
+        self._recent_s.append(end - start)
+        self.counters["compute_s"] += compute_s
+        self.counters["busy_s"] += end - start
+        self.counters["batched_forwards"] = self.counters.get("batched_forwards", 0) + len(group)
+        first = group[0].msg
+        self.timeline_buffer.append(BusyInterval(start, end, compute_s, first.request_id,
+                                                 sum(len(e.msg.parents) for e in group), first.tag, len(group)))
+        busy = round(end - start, 6)
+        return [o if o is None or not isinstance(o[0], Forward) else
+                (o[0].model_copy(update={"stage_s": [*o[0].stage_s, busy]}), o[1]) for o in outs]
 
     async def _forward(self, loop, executor: ThreadPoolExecutor, ev: Frame, backlog: deque
                        ) -> tuple[DataMessage, Tensors] | None:

@@ -25,9 +25,9 @@ import torch
 from pydantic import Field
 
 from ..ledger import Ledger
+from ..model.engine import Shard
 from ..model.generate import check_context
 from ..model.sampling import PositionalDraws, SamplingParams, choose
-from ..model.shard import Shard
 from ..types import Settings
 from .decoder import prefill_and_feed, verify_step
 from .drafter import Drafter

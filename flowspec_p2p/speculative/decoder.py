@@ -23,14 +23,12 @@ import torch
 
 from .. import env
 from ..ledger import Ledger
+from ..model.engine import Shard
 from ..model.generate import check_context, prefill_features
 from ..model.kv_cache import KVCache
-from ..model.native_shard import NativeShard
 from ..model.sampling import PositionalDraws, SamplingParams, choose
-from ..model.shard import Shard
 from .drafter import Drafter, HeadDrafter, TreeShape
 from .head import DraftBundle, find_compatible_drafts, find_draft
-from .native_head import NativeDraftHead
 from .ngram import LookupDrafter
 from .tree import DraftTree
 from .verify import Verdict, verify_tree, walk_rows
@@ -118,12 +116,9 @@ def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | Non
 
 
 def _head_drafter(target: Shard, stem: Path) -> tuple[LookupDrafter, dict]:
-    if isinstance(target, NativeShard):  # the head on the engine too, its weights in their stored 16 bits
-        cfg, state, vocab, meta = DraftBundle.read(stem)
-        head = NativeDraftHead(cfg, state, target.max_position)
-    else:
-        bundle = DraftBundle.load(stem, dtype=target.dtype)
-        head, vocab, meta = bundle.head, bundle.draft_vocab, bundle.meta
+    """The bundle at ``stem`` on the target's engine (the native engine runs the head with its own kernels)."""
+    cfg, state, vocab, meta = DraftBundle.read(stem)
+    head = target.engine.draft_net(cfg, state, target.max_position)
     return LookupDrafter(HeadDrafter(head, target, vocab)), meta
 
 

@@ -25,18 +25,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from ..model.engine import DraftNet, Shard
 from ..model.kv_cache import KVCache
-from ..model.shard import Shard
-from .head import DraftHead
 from .shape import TreeShape
 from .tree import DraftTree
-
-if TYPE_CHECKING:
-    from .native_head import NativeDraftHead
 
 
 class Drafter(Protocol):
@@ -161,7 +157,7 @@ class TreeDrafter(ABC):
 class HeadDrafter(TreeDrafter):
     """EAGLE head drafting: pairs (feature, next token) -> predicted feature -> logits via the target's LM head."""
 
-    def __init__(self, head: DraftHead | NativeDraftHead, target: Shard, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, head: DraftNet, target: Shard, draft_vocab: torch.Tensor | None = None):
         assert target.embed is not None, "needs the target's embedding"
         self.head = head
         self.embed = target.embed
@@ -178,10 +174,11 @@ class HeadDrafter(TreeDrafter):
     def _new_cache(self, capacity: int) -> KVCache:
         return self.head.new_cache(capacity)
 
-    def extra_bytes(self, packed: bool) -> int:
-        """Memory beyond the head's parameters and the target's LM head: the reduced LM-head copy (none for the
-        full vocabulary) and, with ``packed`` (shard.packing_enabled, the torch engine), its few-row copy."""
-        return self.lm_head.nbytes * ((self.draft_vocab is not None) + packed)
+    @property
+    def nbytes(self) -> int:
+        """Memory the drafter holds beyond the target's own tensors: the head's network and the reduced LM-head copy
+        (none for the full vocabulary, whose rows are the target's)."""
+        return self.head.nbytes + (self.lm_head.nbytes if self.draft_vocab is not None else 0)
 
     def _to_target(self, ids: torch.Tensor) -> list[int]:
         return (ids if self.draft_vocab is None else self.draft_vocab[ids]).tolist()

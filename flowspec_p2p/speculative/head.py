@@ -1,4 +1,7 @@
-"""EAGLE-style draft head (EAGLE-1/2 design, arXiv 2401.15077 §4; speculative-decoding-notes §1.1).
+"""EAGLE-style draft heads (EAGLE-1/2 design, arXiv 2401.15077 §4; speculative-decoding-notes §1.1): a trained head's
+bundle on disk (``DraftBundle``: weights, draft vocabulary, what it was trained for) and finding the installed ones.
+The network itself is model/draft_head.py's ``DraftHead`` (re-exported here); an engine runs it
+(``Engine.draft_net``).
 
 Glossary:
     feature f_t      the target's final-normed hidden state at position t (input of its LM head)
@@ -25,87 +28,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from .. import env
 from ..errors import WeightsError
 from ..model.arch import ModelConfig
-from ..model.kv_cache import KVCache
-from ..model.shard import DecoderBlock, Rotary
+from ..model.draft_head import DraftHead
 
 log = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).parent / "assets"
 FORMAT_VERSION = 1
-
-
-class DraftHead(nn.Module):
-    """The trainable part of the drafter: ``fc`` and one decoder block. Embedding and LM head are the target's."""
-
-    def __init__(self, cfg: ModelConfig, max_position: int = 4096):
-        super().__init__()
-        h = cfg.hidden_size
-        self.cfg = cfg
-        self.fc = nn.Linear(2 * h, h, bias=True)
-        self.block = DecoderBlock(cfg, input_norm=False)
-        self.max_position = max_position
-        self._rotary: Rotary | None = None
-        self.reset_parameters()
-
-    def reset_parameters(self, seed: int = 0, std: float = 0.02) -> DraftHead:
-        """Random init for training: fc and the block's matrices ~ N(0, std), biases zero, norms one."""
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in (self.fc.weight, self.block.wqkv, self.block.wo, self.block.w13, self.block.w2):
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-            for p in (self.fc.bias, self.block.bqkv):
-                if p is not None:
-                    p.zero_()
-            self.block.mlp_norm.weight.fill_(1.0)
-        return self
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    def rotary(self) -> Rotary:
-        dtype = self.dtype
-        if self._rotary is None or self._rotary.cos.dtype != dtype:
-            self._rotary = Rotary(self.cfg, self.max_position, dtype)
-        return self._rotary
-
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        c = self.cfg
-        return KVCache(1, c.num_kv_heads, c.head_dim, capacity, batch=batch, dtype=self.dtype)
-
-    def forward(
-        self,
-        features: torch.Tensor,  # [batch, n, hidden]  f_t (target features, or the head's own predictions)
-        next_embeds: torch.Tensor,  # [batch, n, hidden]  embed(x_t+1)
-        positions: torch.Tensor,  # [batch, n]  t
-        cache: KVCache | None = None,
-        mask: torch.Tensor | None = None,  # [batch, n, cache.length + n] bool, or None (causal)
-    ) -> torch.Tensor:
-        """-> predicted features f^_t+1 [batch, n, hidden]. Appends to ``cache`` when given."""
-        x = self.fc(torch.cat([next_embeds, features], dim=-1))
-        _b, n, _ = x.shape
-        cos, sin = self.rotary().gather(positions)
-        start = 0 if cache is None else cache.reserve(n)
-        attn_mask, causal = None, False
-        if mask is not None:
-            attn_mask = mask.unsqueeze(1)
-        elif n > 1:
-            if start == 0:
-                causal = True
-            else:
-                attn_mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)[None, None]
-        out = self.block(x, cos, sin, None if cache is None else (cache, 0, start), attn_mask, causal)
-        if cache is not None:
-            cache.advance(n)
-        return out
 
 
 @dataclass

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.engine import Shard
 from ..model.kv_cache import KVCache
-from ..model.shard import Shard
 
 log = logging.getLogger(__name__)
 

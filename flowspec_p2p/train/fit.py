@@ -30,7 +30,8 @@ from pydantic import Field
 from tqdm import tqdm
 
 from ..errors import ConfigError, WeightsError
-from ..model.shard import Shard
+from ..model.engine import Shard
+from ..model.load import get_engine
 from ..model.weights import open_source
 from ..speculative.head import DraftBundle, DraftHead
 from ..types import LayerRange, Settings
@@ -155,7 +156,7 @@ def _pad(xs: list[int], n: int) -> list[int]:
 def load_target(model: str | None) -> Shard:
     """Only the embedding, final norm and LM head of the target (no layers): what training needs."""
     src = open_source(model)
-    return Shard.from_source(src, LayerRange(start=0, end=0), embed=True, head=True, dtype=torch.float32)
+    return get_engine("torch").load(src, LayerRange(start=0, end=0), embed=True, head=True)
 
 
 def example_loss(

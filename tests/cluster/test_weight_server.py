@@ -13,9 +13,12 @@ from flowspec_p2p.cluster.control import RingNode
 from flowspec_p2p.cluster.stage_host import build_shard
 from flowspec_p2p.cluster.weight_server import WeightServer, fetch_range, stage_fingerprint
 from flowspec_p2p.errors import WeightsError
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.load import get_engine
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
+
+F64_ENGINE = get_engine("torch", torch.float64)
 
 
 async def serve(app: web.Application):
@@ -54,9 +57,9 @@ async def test_a_fetched_range_builds_the_same_shard_as_a_local_copy(tiny_server
                                   expected_fingerprint=expected)
         assert n2 == 0  # served from the content-addressed cache
     node = RingNode(agent_id="a", host="h", port=1, layers=rng, embed=False, head=True, fingerprint=expected)
-    local = build_shard(source, node, torch.float64)
-    remote = build_shard(fetched, node, torch.float64)
-    ref = Shard.from_source(source, rng, embed=False, head=True, dtype=torch.float64)
+    local = build_shard(source, node, F64_ENGINE)
+    remote = build_shard(fetched, node, F64_ENGINE)
+    ref = TorchShard.from_source(source, rng, embed=False, head=True, dtype=torch.float64)
     assert remote.head_t is None
     x = torch.randn(1, 5, 64, dtype=torch.float64)  # [batch, n, hidden]
     assert torch.equal(remote(x, None), ref(x, None))
@@ -123,12 +126,12 @@ async def test_quantised_gguf_blocks_travel_quantised_and_dequantise_identically
 
 def test_a_rebuilt_shard_shares_the_blocks_it_already_had_and_loads_the_rest(tiny_llama):
     source = open_source(tiny_llama)
-    old = Shard.from_source(source, LayerRange(start=0, end=2), embed=True, head=False, dtype=torch.float64)
+    old = TorchShard.from_source(source, LayerRange(start=0, end=2), embed=True, head=False, dtype=torch.float64)
     node = RingNode(agent_id="a", host="h", port=1, layers=LayerRange(start=1, end=4), embed=False, head=True,
                     fingerprint="")
-    new = build_shard(source, node, torch.float64, [old])
+    new = build_shard(source, node, F64_ENGINE, [old])
     assert new.blocks[0] is old.blocks[1]
-    ref = Shard.from_source(source, node.layers, embed=False, head=True, dtype=torch.float64)
+    ref = TorchShard.from_source(source, node.layers, embed=False, head=True, dtype=torch.float64)
     x = torch.randn(1, 3, 64, dtype=torch.float64)
     assert torch.equal(new(x, None), ref(x, None))
 

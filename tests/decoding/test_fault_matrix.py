@@ -28,7 +28,7 @@ from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.pipeline.messages import Forward, Prune, Release
 from flowspec_p2p.speculative.drafter import OracleDrafter
@@ -59,7 +59,7 @@ def parts(tiny_llama):
 def two_stages(tiny_llama):
     """The survivors' ring when no spare is there: the 4 layers on two stages."""
     src = open_source(tiny_llama)
-    return [Shard.from_source(src, LayerRange(start=a, end=b), embed=a == 0, head=b == 4, dtype=F64).eval()
+    return [TorchShard.from_source(src, LayerRange(start=a, end=b), embed=a == 0, head=b == 4, dtype=F64).eval()
             for a, b in ((0, 2), (2, 4))]
 
 

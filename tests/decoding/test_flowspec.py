@@ -18,7 +18,7 @@ from flowspec_p2p.decoding.pipedec import PipeDecConfig, make_pipedec
 from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.speculative.head import DraftHead
@@ -41,14 +41,14 @@ def parts(tiny_llama):
 @pytest.fixture(scope="module")
 def four_stages(tiny_llama):
     src = open_source(tiny_llama)
-    return [Shard.from_source(src, LayerRange(start=i, end=i + 1), embed=i == 0, head=i == 3, dtype=F64).eval()
+    return [TorchShard.from_source(src, LayerRange(start=i, end=i + 1), embed=i == 0, head=i == 3, dtype=F64).eval()
             for i in range(4)]
 
 
-def noisy_copy(shard: Shard, scale: float, seed: int) -> Shard:
+def noisy_copy(shard: TorchShard, scale: float, seed: int) -> TorchShard:
     """The target with noise on its layers: its argmax agrees with the target's only part of the time."""
     g = torch.Generator().manual_seed(seed)
-    noisy = Shard(shard.cfg, shard.layers, embed=True, head=True, dtype=F64)
+    noisy = TorchShard(shard.cfg, shard.layers, embed=True, head=True, dtype=F64)
     noisy.load_state_dict(shard.state_dict())
     noisy.head_t = shard.head_t
     with torch.no_grad():

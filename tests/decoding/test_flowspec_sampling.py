@@ -15,7 +15,7 @@ from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.model.generate import GenStats
 from flowspec_p2p.model.sampling import SamplingParams, target_probs
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.speculative.drafter import HeadDrafter, TreeShape
 from flowspec_p2p.speculative.head import DraftHead
@@ -37,11 +37,11 @@ def toy(tmp_path_factory):
                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, initializer_range=0.6,
                           bos_token_id=None, eos_token_id=None)
     src = open_source(folder)
-    cut = lambda a, b, e, h: Shard.from_source(src, LayerRange(start=a, end=b), embed=e, head=h, dtype=F64).eval()  # noqa: E731
+    cut = lambda a, b, e, h: TorchShard.from_source(src, LayerRange(start=a, end=b), embed=e, head=h, dtype=F64).eval()  # noqa: E731
     return cut(0, 3, True, True), cut(0, 0, True, True), [cut(i, i + 1, i == 0, i == 2) for i in range(3)]
 
 
-def exact_joint(whole: Shard, params: SamplingParams) -> np.ndarray:
+def exact_joint(whole: TorchShard, params: SamplingParams) -> np.ndarray:
     """P(t1, t2, t3 | prompt) by enumeration. -> [VOCAB ** 3]"""
     out = np.zeros(VOCAB**3)
     with torch.inference_mode():

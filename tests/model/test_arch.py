@@ -3,7 +3,7 @@ import torch
 
 from flowspec_p2p.errors import UnsupportedModel
 from flowspec_p2p.model.arch import config_from_hf
-from flowspec_p2p.model.shard import rope_inv_freq
+from flowspec_p2p.model.blocks import rope_inv_freq
 
 from ..conftest import tiny_hf_config
 

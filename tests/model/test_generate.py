@@ -8,8 +8,8 @@ import torch
 from flowspec_p2p.errors import ContextOverflow
 from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids, stream_text
 from flowspec_p2p.model.sampling import SamplingParams, choose, target_probs
-from flowspec_p2p.model.shard import Shard
 from flowspec_p2p.model.tokenizer import Detokenizer
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
 
@@ -27,10 +27,10 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _shard(folder, dtype=torch.float64) -> Shard:
+def _shard(folder, dtype=torch.float64) -> TorchShard:
     src = open_source(folder)
     whole = LayerRange(start=0, end=src.config.num_layers)
-    return Shard.from_source(src, whole, embed=True, head=True, dtype=dtype).eval()
+    return TorchShard.from_source(src, whole, embed=True, head=True, dtype=dtype).eval()
 
 
 @pytest.fixture(scope="module")

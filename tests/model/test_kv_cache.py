@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from flowspec_p2p.errors import ContextOverflow
 from flowspec_p2p.model.kv_cache import KVCache
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
 
@@ -120,10 +120,10 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_shard(tiny_llama) -> Shard:
+def tiny_shard(tiny_llama) -> TorchShard:
     src = open_source(tiny_llama)
     whole = LayerRange(start=0, end=src.config.num_layers)
-    return Shard.from_source(src, whole, embed=True, head=True, dtype=torch.float64).eval()
+    return TorchShard.from_source(src, whole, embed=True, head=True, dtype=torch.float64).eval()
 
 
 @dataclass
@@ -147,7 +147,7 @@ class TreeState:
         return len(self.ancestors(i)) - 1
 
 
-def _append_tree(shard: Shard, cache: KVCache, state: TreeState, tokens: list[int], parents: list[int]) -> None:
+def _append_tree(shard: TorchShard, cache: KVCache, state: TreeState, tokens: list[int], parents: list[int]) -> None:
     """Run new draft nodes (parents index the pending list as extended by these nodes) with their tree mask."""
     c, p0, n = len(state.committed), len(state.tokens), len(tokens)
     state.tokens += tokens
@@ -187,7 +187,7 @@ def _tree(draw, pending: int) -> tuple[list[int], list[int]]:
     return tokens, parents
 
 
-def _check_against_fresh_run(shard: Shard, cache: KVCache, state: TreeState, leaf: int, token: int) -> None:
+def _check_against_fresh_run(shard: TorchShard, cache: KVCache, state: TreeState, leaf: int, token: int) -> None:
     c = len(state.committed)
     fresh = shard.new_cache(CAPACITY)
     shard(torch.tensor([state.committed]), fresh)

@@ -1,12 +1,9 @@
 import pytest
 import torch
 
-from flowspec_p2p.env import PACKED_WEIGHTS
-from flowspec_p2p.model import kernels as fewrow
 from flowspec_p2p.model import native_shard
-from flowspec_p2p.model import shard as shard_mod
 from flowspec_p2p.model.native_shard import NativeShard
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
 
@@ -21,7 +18,8 @@ def _hf(folder):
 
 def _whole(folder, dtype=torch.float64):
     src = open_source(folder)
-    return Shard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True, dtype=dtype)
+    whole = LayerRange(start=0, end=src.config.num_layers)
+    return TorchShard.from_source(src, whole, embed=True, head=True, dtype=dtype)
 
 
 @pytest.mark.parametrize("kind", TINY_ARCHS)
@@ -62,9 +60,9 @@ def test_stages_in_sequence_equal_the_whole_model(tiny_llama):
     src = open_source(tiny_llama)
     ids = torch.randint(0, 96, (1, 12))
     whole = _whole(tiny_llama)
-    first = Shard.from_source(src, LayerRange(start=0, end=1), embed=True, head=False, dtype=torch.float64)
-    mid = Shard.from_source(src, LayerRange(start=1, end=3), embed=False, head=False, dtype=torch.float64)
-    last = Shard.from_source(src, LayerRange(start=3, end=4), embed=False, head=True, dtype=torch.float64)
+    first = TorchShard.from_source(src, LayerRange(start=0, end=1), embed=True, head=False, dtype=torch.float64)
+    mid = TorchShard.from_source(src, LayerRange(start=1, end=3), embed=False, head=False, dtype=torch.float64)
+    last = TorchShard.from_source(src, LayerRange(start=3, end=4), embed=False, head=True, dtype=torch.float64)
     with torch.inference_mode():
         ref = whole.logits(whole(ids, None))
         h = last(mid(first(ids, None), None), None)
@@ -118,7 +116,7 @@ def test_default_model_matches_transformers_in_float32_on_the_torch_engine(defau
     ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ref = hf_default(ids).logits
-    shard = Shard.from_source(default_model.source, LayerRange(start=0, end=30), embed=True, head=True).eval()
+    shard = TorchShard.from_source(default_model.source, LayerRange(start=0, end=30), embed=True, head=True).eval()
     assert (_logits(shard, ids) - ref).abs().max().item() <= 1e-3
 
 
@@ -139,95 +137,3 @@ def test_default_model_on_the_native_engine_stays_within_its_activation_rounding
     assert err.max().item() <= 3e-2
     assert err.mean().item() <= 3e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-
-
-def _backends() -> list:
-    """Each few-row backend this host has, as a pytest param (the others skipped with the reason)."""
-    have = {"onednn": shard_mod._onednn_available(), "fewrow": fewrow.library() is not None}
-    return [pytest.param(name, marks=() if ok else pytest.mark.skip(reason=f"no {name} backend on this host"))
-            for name, ok in have.items()]
-
-
-@pytest.fixture
-def one_thread():
-    """The fewrow kernel serves one torch thread only (stages and the leader run one)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.mark.parametrize("name", _backends())
-def test_packed_few_row_matmuls_agree_and_follow_the_weights(tiny_llama, monkeypatch, one_thread, name):
-    """Tree-sized forwards in float32 go through the backend's packed copies: same outputs as MKL's (to float32
-    rounding), never for one row, float64, or under autograd, and repacked when the weights change."""
-    shard = _whole(tiny_llama, dtype=torch.float32)
-    block = shard.blocks[0]
-    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(3))
-
-    def run(env: str, x=ids):
-        monkeypatch.setenv(PACKED_WEIGHTS, env)
-        with torch.inference_mode():
-            return shard(x, None)
-
-    plain = run("0")
-    assert block._packed.key is None
-    run(name, ids[:, :1])
-    assert block._packed.key is None  # one row: MKL
-    packed = run(name)
-    assert block._packed.key is not None
-    assert block._packed.key[0] == name
-    assert (packed - plain).abs().max().item() <= 1e-5
-    copy = block._packed.weights[0]
-    if name == "onednn":
-        assert copy.is_mkldnn  # a separate copy in oneDNN's layout
-    else:
-        assert copy.panels.data_ptr() != block.wqkv.data_ptr()
-    with torch.no_grad():
-        block.w13.mul_(0.5)
-    assert (run(name) - run("0")).abs().max().item() <= 1e-5
-    assert (run(name) - packed).abs().max().item() > 1e-3  # the new weights were used, not the stale copy
-    monkeypatch.setenv(PACKED_WEIGHTS, name)
-    fresh = _whole(tiny_llama, dtype=torch.float32)
-    fresh(ids, None)
-    assert fresh.blocks[0]._packed.key is None  # autograd on: training never sees the packed path
-    f64 = _whole(tiny_llama)
-    with torch.inference_mode():
-        f64(ids, None)
-    assert f64.blocks[0]._packed.key is None
-
-
-@pytest.mark.parametrize("name", _backends())
-def test_packed_lm_head_agrees_for_a_few_rows_only(tiny_llama, monkeypatch, one_thread, name):
-    """The LM head verifies a few rows through its packed copy (same logits to float32 rounding, same argmax);
-    one row and long prompt chunks stay on MKL."""
-    shard = _whole(tiny_llama, dtype=torch.float32)
-    feats = torch.randn(1, 40, shard.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
-
-    def logits(env: str, x):
-        monkeypatch.setenv(PACKED_WEIGHTS, env)
-        with torch.inference_mode():
-            return shard.logits(x)
-
-    assert torch.equal(logits(name, feats[:, :1]), feats[:, :1] @ shard.head_t)
-    assert torch.equal(logits(name, feats), feats @ shard.head_t)  # 40 rows: a prompt chunk, MKL
-    assert shard._head_packed.key is None
-    plain, packed = logits("0", feats[0, :5]), logits(name, feats[0, :5])  # [5, vocab]
-    assert shard._head_packed.key[0] == name
-    assert (packed - plain).abs().max().item() <= 1e-5
-    assert torch.equal(packed.argmax(-1), plain.argmax(-1))
-
-
-def test_the_best_backend_is_the_kernel_on_one_thread_and_onednn_on_more(monkeypatch, one_thread):
-    """FLOWSPEC_PACKED_WEIGHTS=1 picks the fewrow kernel where it runs (one torch thread), else oneDNN; 0 picks
-    none; float64 never packs."""
-    monkeypatch.setenv(PACKED_WEIGHTS, "1")
-    kernel = fewrow.library() is not None
-    onednn = shard_mod.ONEDNN if shard_mod._onednn_available() else None
-    assert shard_mod.backend() is (shard_mod.FEWROW if kernel else onednn)
-    torch.set_num_threads(2)
-    assert shard_mod.backend() is onednn
-    monkeypatch.setenv(PACKED_WEIGHTS, "0")
-    assert shard_mod.backend() is None
-    monkeypatch.setenv(PACKED_WEIGHTS, "1")
-    assert shard_mod.backend(torch.float64) is None

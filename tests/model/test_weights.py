@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flowspec_p2p.errors import ConfigError, UnsupportedModel, WeightsError
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import (
     _GGUF_GLOBAL,
     _GGUF_LAYER,
@@ -76,13 +76,13 @@ def test_a_quarter_of_the_layers_materialises_only_its_tensors(tiny_checkpoints,
     }
     for (layer, embed, head), expected in roles.items():
         spy.loaded.clear()
-        Shard.from_source(spy, LayerRange(start=layer, end=layer + 1), embed=embed, head=head, dtype=torch.float64)
+        TorchShard.from_source(spy, LayerRange(start=layer, end=layer + 1), embed=embed, head=head, dtype=torch.float64)
         assert Counter(spy.loaded) == Counter(expected), (layer, embed, head)
 
 
 def test_a_gguf_shard_materialises_only_its_tensors(tmp_path, tiny_checkpoints):
     spy = SpySource(open_source(_write_gguf(tmp_path / "m.gguf", tiny_checkpoints["llama"])))
-    Shard.from_source(spy, LayerRange(start=2, end=3), embed=False, head=False)
+    TorchShard.from_source(spy, LayerRange(start=2, end=3), embed=False, head=False)
     assert sorted(spy.loaded) == sorted(layer_tensor_names(spy.config, 2))
 
 
@@ -220,7 +220,7 @@ def test_gguf_loader_reproduces_transformers_logits(tmp_path, tiny_checkpoints, 
     assert src.config.rms_eps == pytest.approx(ref_cfg.rms_eps, rel=1e-7)  # GGUF stores it as float32
     assert src.config == ref_cfg.model_copy(update={"rms_eps": src.config.rms_eps})
     assert src.config.tie_embeddings == (kind != "llama-untied")
-    shard = Shard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=torch.float32)
+    shard = TorchShard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():

@@ -131,14 +131,46 @@ def test_a_frame_for_the_live_request_from_another_link_is_dropped_and_touches_n
 def test_an_unexpected_exception_in_the_shard_fails_the_request_not_the_stage(shard, monkeypatch):
     c = core(shard)
 
-    def boom(*a, **k):
-        raise RuntimeError("cannot allocate memory")
-
-    monkeypatch.setattr(c, "_run", boom)
+    monkeypatch.setattr(c, "shard", _Failing(c.shard))
     out, _ = c.handle(chain("a", 0, 2), hidden(2), link=1)
     assert isinstance(out, StageError)
     assert "cannot allocate memory" in out.message
     assert "a" not in c.requests
+    # in a batch: the batch's requests fail, the stage and the requests it holds go on
+    monkeypatch.undo()
+    assert not isinstance(c.handle(chain("held", 0, 2), hidden(2), link=1)[0], StageError)
+    monkeypatch.setattr(c, "shard", _Failing(c.shard))
+    outs = c.handle_batch([(chain("b", 0, 2), hidden(2), (), 1), (chain("c", 0, 1), hidden(1), (), 1)])
+    assert all(isinstance(o, StageError) and "cannot allocate memory" in o.message for o, _ in outs)
+    assert set(c.requests) == {"held"}
+
+
+class _Failing:
+    """A shard whose forwards raise something unexpected (as an allocation failing in the engine)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *a, **k):
+        raise RuntimeError("cannot allocate memory")
+
+    forward_batch = __call__
+
+
+def test_a_bad_forward_in_a_batch_fails_only_its_own_request(shard):
+    c = core(shard)
+    assert not isinstance(c.handle(chain("a", 0, 2), hidden(2), link=1)[0], StageError)
+    stale = chain("a", 0, 1)  # seq 0 again: out of sequence
+    outs = c.handle_batch([(stale, hidden(1), (), 1), (chain("b", 0, 3), hidden(3), (), 1),
+                           (chain("c", 0, 1), hidden(2), (), 1)])  # c: the wrong number of hidden rows
+    assert isinstance(outs[0][0], StageError) and "seq" in outs[0][0].message
+    assert not isinstance(outs[1][0], StageError)
+    assert outs[1][1]["hidden"].shape == (3, shard.cfg.hidden_size)
+    assert isinstance(outs[2][0], StageError)
+    assert set(c.requests) == {"b"}
 
 
 # -------------------------------------------------------------------------------------------- the worker

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.pipeline.messages import Forward, Prune, Release, StageError
 from flowspec_p2p.pipeline.stage import StageCore, ancestor_mask
@@ -20,11 +20,11 @@ def pipeline(tiny_llama):
     src = open_source(tiny_llama)
     cuts = [(0, 1, True, False), (1, 3, False, False), (3, 4, False, True)]
     stages = [
-        StageCore(Shard.from_source(src, LayerRange(start=a, end=b), embed=e, head=h, dtype=F64), index=i,
+        StageCore(TorchShard.from_source(src, LayerRange(start=a, end=b), embed=e, head=h, dtype=F64), index=i,
                   capacity=128, wire_dtype=F64)
         for i, (a, b, e, h) in enumerate(cuts)
     ]
-    whole = Shard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=F64)
+    whole = TorchShard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=F64)
     return stages, whole
 
 

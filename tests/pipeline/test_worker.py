@@ -188,3 +188,39 @@ async def test_a_prune_that_discards_a_whole_forward_cuts_it_at_the_next_emulate
                 assert out.dead == []
                 assert b["end"] - b["start"] >= emulated - 1e-3
         assert r.worker.snapshot()["cut"] == 1
+
+
+async def test_queued_forwards_of_different_requests_run_as_one_batch_each_in_its_own_order(shard):
+    """Forwards of four requests queued at a stage run together (one engine call); each request's messages still
+    apply in its own order (b's second forward waits for the next forward, c's prune follows its forward), and every
+    result is what the request gets from a stage of its own."""
+    inputs = {rid: hidden(n) for rid, n in (("a", 2), ("b", 3), ("c", 1), ("d", 4))}
+    second_b = hidden(1)
+
+    def feed(r):  # all queued before the worker takes the first
+        for rid, t in inputs.items():
+            r.put(fwd(rid, 0, t["hidden"].shape[0]), t)
+        r.put(fwd("b", 1, 1, first=0, start=3), second_b)
+        r.put(Prune(request_id="c", seq=1, accept=0, keep=[]))
+
+    async with Running(shard) as r:
+        feed(r)
+        got = [await asyncio.wait_for(r.out.get(), 30) for _ in range(6)]
+        snap = r.worker.snapshot()
+        timeline = r.worker.timeline()
+    order = [(f.msg.request_id, f.msg.kind, f.msg.seq) for f in got]
+    assert order == [("a", "forward", 0), ("b", "forward", 0), ("c", "forward", 0), ("d", "forward", 0),
+                     ("b", "forward", 1), ("c", "prune", 1)]
+    assert (snap["batches"], snap["batched_forwards"], snap["frames_in"], snap["forwards"]) == (1, 4, 6, 5)
+    assert [(b["requests"], b["nodes"]) for b in timeline] == [(4, 10), (1, 1)]
+    ref = []
+    for rid, t in inputs.items():  # the same inputs through a stage of their own, one request at a time
+        async with Running(shard) as alone:
+            alone.put(fwd(rid, 0, t["hidden"].shape[0]), t)
+            if rid == "b":
+                alone.put(fwd("b", 1, 1, first=0, start=3), second_b)
+            ref += [(await asyncio.wait_for(alone.out.get(), 30)).tensors["hidden"] for _ in range(1 + (rid == "b"))]
+    batched = [f.tensors["hidden"] for f in got if f.msg.kind == "forward"]
+    by_request = [batched[0], batched[1], batched[4], batched[2], batched[3]]  # a, b0, b1, c, d
+    for x, y in zip(by_request, ref, strict=True):
+        assert torch.equal(x, y)

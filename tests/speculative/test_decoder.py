@@ -151,7 +151,7 @@ def _stats():
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """A 5-token model (hidden 16) sharp enough that drafts are often accepted at several levels."""
-    from flowspec_p2p.model.shard import Shard
+    from flowspec_p2p.model.torch_shard import TorchShard
     from flowspec_p2p.model.weights import open_source
     from flowspec_p2p.types import LayerRange
 
@@ -173,7 +173,7 @@ def toy(tmp_path_factory):
         eos_token_id=None,
     )
     src = open_source(folder)
-    return Shard.from_source(src, LayerRange(start=0, end=2), embed=True, head=True, dtype=torch.float64).eval()
+    return TorchShard.from_source(src, LayerRange(start=0, end=2), embed=True, head=True, dtype=torch.float64).eval()
 
 
 def first_three_law(toy, prompt: list[int], params: SamplingParams):

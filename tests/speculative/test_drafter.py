@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowspec_p2p.env import PACKED_WEIGHTS
 from flowspec_p2p.model.generate import ARDecoder, generate_ids, prefill_features
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.model.shard import Shard, packing_enabled
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter, TreeShape
 from flowspec_p2p.speculative.head import DraftHead
@@ -29,15 +28,15 @@ SHAPES = [
 
 
 @functools.cache
-def tiny_target(folder: Path, dtype: torch.dtype = torch.float64) -> Shard:
+def tiny_target(folder: Path, dtype: torch.dtype = torch.float64) -> TorchShard:
     src = open_source(folder)
-    shard = Shard.from_source(
+    shard = TorchShard.from_source(
         src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True, dtype=dtype
     )
     return shard.eval().requires_grad_(False)
 
 
-def random_head(target: Shard, seed: int = 0) -> DraftHead:
+def random_head(target: TorchShard, seed: int = 0) -> DraftHead:
     torch.manual_seed(seed)
     head = DraftHead(target.cfg).to(torch.float64)
     head.block.reset_parameters(0.05)
@@ -76,7 +75,7 @@ def trained_head(folder: Path, steps: int = 200) -> DraftHead:
     return head.eval().requires_grad_(False)
 
 
-def start(drafter, target: Shard, prompt: list[int]):
+def start(drafter, target: TorchShard, prompt: list[int]):
     """Prefill the target on ``prompt`` (committed), feed the drafter; return (first token, target cache)."""
     cache = target.new_cache(256)
     drafter.reset(256)
@@ -187,30 +186,14 @@ def test_a_reduced_draft_vocabulary_drafts_only_its_tokens(tiny_llama):
     tree = drafter.draft(TreeShape(total_tokens=20, depth=4, top_k=4))
     assert all(t % 2 == 0 for t in tree.token_list[1:])
     tree.check()
-    # the planner counts the reduced LM-head copy [hidden, V/2] (and its packed copy); the full vocabulary
-    # reuses the target's LM head, so only a packed copy would be extra
+    # the planner counts the head's network and the reduced LM-head copy [hidden, V/2]; the full vocabulary
+    # reuses the target's LM head, so only the network is extra
     copy = target.cfg.hidden_size * len(vocab) * 8  # float64
-    assert (drafter.extra_bytes(False), drafter.extra_bytes(True)) == (copy, 2 * copy)
+    net = sum(p.numel() for p in drafter.head.parameters()) * 8
+    assert drafter.nbytes == net + copy
     full = HeadDrafter(random_head(target), target)
-    assert (full.extra_bytes(False), full.extra_bytes(True)) == (0, 2 * copy)
+    assert full.nbytes == net
 
-
-def test_float32_drafting_with_packed_weights_drafts_the_same_tree(tiny_llama, monkeypatch):
-    """In float32, expansions of a few rows go through oneDNN-packed copies of the head's block and of its LM head
-    (shard.py): the same tree as with MKL, scores to float32 rounding."""
-    target = tiny_target(tiny_llama, torch.float32)
-    head = random_head(target, seed=4).to(torch.float32)
-    shape = TreeShape(total_tokens=24, depth=4, top_k=4)
-    trees = {}
-    for env in ("0", "1"):
-        monkeypatch.setenv(PACKED_WEIGHTS, env)
-        drafter = HeadDrafter(head, target)
-        start(drafter, target, PROMPT)
-        trees[env] = drafter.draft(shape)
-        assert (drafter.lm_head._packed.key is not None) == (env == "1" and packing_enabled())
-    assert trees["0"].token_list == trees["1"].token_list
-    assert trees["0"].parent_list == trees["1"].parent_list
-    assert torch.allclose(trees["0"].scores, trees["1"].scores, atol=1e-4)
 
 
 def test_expansion_from_a_new_root_appends_to_the_pruned_tree(tiny_llama):

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from flowspec_p2p.model import native_shard
+from flowspec_p2p.model.native_draft import NativeDraftHead
 from flowspec_p2p.model.native_shard import NativeShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.speculative.decoder import load_drafter
 from flowspec_p2p.speculative.drafter import HeadDrafter
 from flowspec_p2p.speculative.head import DraftBundle, DraftHead
-from flowspec_p2p.speculative.native_head import NativeDraftHead
 from flowspec_p2p.speculative.ngram import LookupDrafter
 from flowspec_p2p.types import LayerRange
 

@@ -7,16 +7,16 @@ import torch
 
 from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.train.batchgen import BatchGenerator, Request, has_loop
 from flowspec_p2p.types import LayerRange
 
 
 @pytest.fixture(scope="module")
-def tiny_shard(tiny_llama) -> Shard:
+def tiny_shard(tiny_llama) -> TorchShard:
     src = open_source(tiny_llama)
-    return Shard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
+    return TorchShard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
                              dtype=torch.float64).eval()
 
 

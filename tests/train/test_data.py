@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.train import data as data_mod
 from flowspec_p2p.train.data import FIXED_TEMPERATURE, DataConfig, teacher_forced_data
@@ -37,7 +37,7 @@ class ByteChat:
 def test_teacher_forced_conversations_hold_the_targets_features_and_stop_at_the_answers_end(tiny_llama, tmp_path,
                                                                                              monkeypatch):
     src = open_source(tiny_llama)
-    shard = Shard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
+    shard = TorchShard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
                               dtype=torch.float64).eval()
     tok = ByteChat()
     tok.encode = lambda text, enc=tok.encode: [STOP if t == ord("|") % 90 + 3 else t for t in enc(text)]

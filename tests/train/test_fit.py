@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flowspec_p2p.errors import ConfigError
-from flowspec_p2p.model.shard import Shard
+from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import model_fingerprint, open_source
 from flowspec_p2p.speculative.head import DraftBundle, DraftHead, find_draft
 from flowspec_p2p.train.batchgen import BatchGenerator, Request
@@ -57,7 +57,7 @@ def peaked_llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny(peaked_llama):
     src = open_source(peaked_llama)
-    shard = Shard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
+    shard = TorchShard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True,
                               dtype=torch.float64).eval()
     return src, shard
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 from . import _lib
 from ._lib import library
 from .formats import TYPES, WeightType, weight_type
-from .layers import LayerSpec, LayerStack, rmsnorm
+from .layers import Group, LayerSpec, LayerStack, rmsnorm
 from .qmatrix import QMatrix, WeightArena, q8_0_bytes, quantize_q8_0
 
 __all__ = [
     "TYPES",
+    "Group",
     "LayerSpec",
     "LayerStack",
     "QMatrix",

@@ -37,6 +37,11 @@ class FsConfig(ctypes.Structure):
                 ("intermediate", c_int32), ("eps", c_float)]
 
 
+class FsGroup(ctypes.Structure):
+    _fields_ = [("k_cache", c_void_p), ("v_cache", c_void_p), ("mask", c_void_p), ("row0", c_int64),
+                ("n", c_int64), ("capacity", c_int64), ("start", c_int64)]
+
+
 _SIGNATURES = {
     "fs_init": (c_int, [c_int]),
     "fs_threads": (c_int, []),
@@ -53,6 +58,8 @@ _SIGNATURES = {
     "fs_layers_forward": (c_int, [POINTER(FsConfig), POINTER(FsLayer), c_int, c_void_p, c_int64, c_void_p, c_void_p,
                                   c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_int64, c_void_p,
                                   POINTER(c_int)]),
+    "fs_layers_forward_groups": (c_int, [POINTER(FsConfig), POINTER(FsLayer), c_int, c_void_p, c_int64, c_void_p,
+                                         c_void_p, c_void_p, c_int64, POINTER(FsGroup), c_int, POINTER(c_int)]),
     "fs_struct_size": (c_int64, [c_char_p]),
     "fs_advise_hugepages": (c_int, [c_void_p, c_int64]),
 }
@@ -64,7 +71,7 @@ def load(path: Path) -> ctypes.CDLL:
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
-    for struct in (FsMatrix, FsLayer, FsConfig):
+    for struct in (FsMatrix, FsLayer, FsConfig, FsGroup):
         if lib.fs_struct_size(struct.__name__.replace("Fs", "fs_").lower().encode()) != ctypes.sizeof(struct):
             raise RuntimeError(f"{path}: struct {struct.__name__} differs from the C side")
     _self_test(lib, path)

@@ -95,39 +95,76 @@ class LayerStack:
         or [n, start + n] bool/uint8; stop: a ctypes.c_int another thread may set to end the forward after the
         current layer. Returns the number of layers completed."""
         n = x.shape[0] if x.ndim == 2 else -1
+        return self.forward_groups(x, pos, cos, sin, [Group(k_cache, v_cache, start, n, mask)], stop)
+
+    def forward_groups(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       groups: Sequence[Group], stop: ctypes.c_int | None = None) -> int:
+        """``forward`` over the rows of several requests in one call: ``groups`` take x's rows in order, each with
+        its own caches, start and mask (``Group``); the matmuls run over all rows at once, each group's rows
+        attend to its own cache only. Returns the number of layers completed."""
+        n = x.shape[0] if x.ndim == 2 else -1
         if x.dtype != torch.float32 or x.shape != (n, self.hidden) or not x.is_contiguous() or x.is_cuda:
             raise ValueError(f"x: expected contiguous CPU float32 [n, {self.hidden}], got {x.dtype} "
                              f"{tuple(x.shape)}")
         if cos.ndim != 2 or cos.shape[1] != self.head_dim or sin.shape != cos.shape:
             raise ValueError(f"cos/sin: expected [max_pos, {self.head_dim}], got {tuple(cos.shape)} "
                              f"{tuple(sin.shape)}")
-        for name, t in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        for name, t in (("cos", cos), ("sin", sin)):
             if t.dtype != torch.float32 or not t.is_contiguous() or t.is_cuda:
                 raise ValueError(f"{name}: expected a contiguous CPU float32 tensor, got {t.dtype}")
-        cap = k_cache.shape[2] if k_cache.ndim == 4 else -1
-        if k_cache.shape != (self.n_layers, self.kv_heads, cap, self.head_dim) or v_cache.shape != k_cache.shape:
-            raise ValueError(f"caches: expected [{self.n_layers}, {self.kv_heads}, capacity, {self.head_dim}], got "
-                             f"{tuple(k_cache.shape)} {tuple(v_cache.shape)}")
-        if not 0 <= start <= cap - n:
-            raise ValueError(f"start {start} + {n} rows exceeds the cache capacity {cap}")
         if pos.shape != (n,) or pos.dtype.is_floating_point:
             raise ValueError(f"pos: expected integer [{n}], got {pos.dtype} {tuple(pos.shape)}")
         pos32 = pos.to(torch.int32).contiguous()  # [n]
         if n and (int(pos32.min()) < 0 or int(pos32.max()) >= cos.shape[0]):
             raise ValueError(f"pos: positions must lie in [0, {cos.shape[0]})")
-        mask8 = None
-        if mask is not None:
-            if mask.shape != (n, start + n) or mask.dtype not in (torch.bool, torch.uint8):
-                raise ValueError(f"mask: expected bool/uint8 [{n}, {start + n}], got {mask.dtype} "
-                                 f"{tuple(mask.shape)}")
-            mask8 = mask.to(torch.uint8).contiguous()  # [n, start + n]
-        done = _lib.require().fs_layers_forward(
+        if sum(g.n for g in groups) != n or any(g.n < 1 for g in groups):
+            raise ValueError(f"groups: {[g.n for g in groups]} rows do not cover the {n} rows of x")
+        structs = (_lib.FsGroup * max(len(groups), 1))()
+        keep = []  # the masks the structs point into
+        row = 0
+        for i, g in enumerate(groups):
+            mask8 = self._check_group(g)
+            keep.append(mask8)
+            structs[i] = _lib.FsGroup(g.k_cache.data_ptr(), g.v_cache.data_ptr(), _ptr(mask8), row, g.n,
+                                      g.k_cache.shape[2], g.start)
+            row += g.n
+        done = _lib.require().fs_layers_forward_groups(
             ctypes.byref(self.config), self._structs, self.n_layers, x.data_ptr(), n, pos32.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), cos.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), cap, start,
-            _ptr(mask8), None if stop is None else ctypes.pointer(stop))
+            cos.data_ptr(), sin.data_ptr(), cos.shape[0], structs, len(groups),
+            None if stop is None else ctypes.pointer(stop))
         if done < 0:
-            raise RuntimeError(f"fs_layers_forward failed ({done})")
+            raise RuntimeError(f"fs_layers_forward_groups failed ({done})")
         return done
+
+    def _check_group(self, g: Group) -> torch.Tensor | None:
+        """The group's caches and mask checked (the C side trusts them) -> its mask as uint8, or None."""
+        for name, t in (("k_cache", g.k_cache), ("v_cache", g.v_cache)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.is_cuda:
+                raise ValueError(f"{name}: expected a contiguous CPU float32 tensor, got {t.dtype}")
+        cap = g.k_cache.shape[2] if g.k_cache.ndim == 4 else -1
+        if g.k_cache.shape != (self.n_layers, self.kv_heads, cap, self.head_dim) or g.v_cache.shape != g.k_cache.shape:
+            raise ValueError(f"caches: expected [{self.n_layers}, {self.kv_heads}, capacity, {self.head_dim}], got "
+                             f"{tuple(g.k_cache.shape)} {tuple(g.v_cache.shape)}")
+        if not 0 <= g.start <= cap - g.n:
+            raise ValueError(f"start {g.start} + {g.n} rows exceeds the cache capacity {cap}")
+        if g.mask is None:
+            return None
+        if g.mask.shape != (g.n, g.start + g.n) or g.mask.dtype not in (torch.bool, torch.uint8):
+            raise ValueError(f"mask: expected bool/uint8 [{g.n}, {g.start + g.n}], got {g.mask.dtype} "
+                             f"{tuple(g.mask.shape)}")
+        return g.mask.to(torch.uint8).contiguous()  # [n, start + n]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One request's rows in a batched forward: its caches [layers, kv_heads, capacity, head_dim] float32, where its
+    rows' K and V go (slots [start, start + n)) and its mask (None: the cache + causal; or [n, start + n])."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    start: int
+    n: int
+    mask: torch.Tensor | None = None
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -271,5 +271,6 @@ int64_t fs_struct_size(const char *name) {
     if (strcmp(name, "fs_matrix") == 0) return (int64_t)sizeof(fs_matrix);
     if (strcmp(name, "fs_layer") == 0) return (int64_t)sizeof(fs_layer);
     if (strcmp(name, "fs_config") == 0) return (int64_t)sizeof(fs_config);
+    if (strcmp(name, "fs_group") == 0) return (int64_t)sizeof(fs_group);
     return -1;
 }

@@ -90,6 +90,23 @@ FS_API int fs_layers_forward(const fs_config *cfg, const fs_layer *layers, int n
                              float *k_cache, float *v_cache, int64_t capacity, int64_t start, const uint8_t *mask,
                              volatile int *stop);
 
+/* Rows [row0, row0 + n) of a batched forward that belong to one request: its KV caches ([n_layers][kv_heads]
+ * [capacity][head_dim] float32; the rows' K and V go to slots [start, start + n)) and its mask (NULL, or uint8
+ * [n, start + n] as in fs_layers_forward). */
+typedef struct fs_group {
+    float *k_cache, *v_cache;
+    const uint8_t *mask;
+    int64_t row0, n, capacity, start;
+} fs_group;
+
+/* fs_layers_forward over the rows of several requests at once: groups[0..n_groups) cover x's n rows in order
+ * (contiguous, each n >= 1). The matmuls run over all n rows together (each weight streamed once); each row
+ * attends only to its own group's cache. A row's result is bit-identical to running its group alone. Returns the
+ * number of layers completed, or a negative FS_E* code. */
+FS_API int fs_layers_forward_groups(const fs_config *cfg, const fs_layer *layers, int n_layers, float *x, int64_t n,
+                                    const int32_t *pos, const float *rope_cos, const float *rope_sin,
+                                    int64_t max_pos, const fs_group *groups, int n_groups, volatile int *stop);
+
 /* Asks the OS to back [p, p + n) with transparent huge pages (the 2 MiB-aligned part of it; call before the
  * memory is first written). Packed weights stream with far fewer TLB misses. Returns 0, or -1 where unsupported. */
 FS_API int fs_advise_hugepages(void *p, int64_t n);

@@ -1,13 +1,14 @@
-/* fs_layers_forward: a stack of Llama-family decoder layers on n rows in one call, so Python pays one call per
- * stage forward instead of a dispatch per op.
+/* fs_layers_forward(_groups): a stack of Llama-family decoder layers on n rows in one call, so Python pays one call
+ * per stage forward instead of a dispatch per op; the rows may belong to several requests (groups), each with its
+ * own KV cache and mask: the matmuls run over all rows at once, the attention per group.
  *
  * Per layer (h: the normed input, a: its int16 quantization, shared by the matmuls that read it):
  *   h = rmsnorm(x, attn_norm) (or x)      q, k, v = h @ Wq^T (+bq) ...   rope(q), rope(k) at pos
  *   cache[start + r] = k, v               att = softmax(q k^T / sqrt(hd), visible slots) v
  *   x += att @ Wo^T                       h = rmsnorm(x, mlp_norm)
  *   g, u = h @ Wg^T, h @ Wu^T             x += (silu(g) * u) @ Wd^T
- * Everything a row computes depends only on that row, the cache and the keys visible to it, in slot order, so a
- * row's result is the same alone or in any batch (batch invariance); the matmuls and the attention run on the
+ * Everything a row computes depends only on that row, its group's cache and the keys visible to it, in slot order,
+ * so a row's result is the same alone or in any batch, with any other requests' rows (batch invariance); the matmuls and the attention run on the
  * pool (panels; (row, head) pairs), the cheap per-row steps on the pool only when there are enough rows. */
 #include <math.h>
 
@@ -24,8 +25,10 @@ typedef struct stack {
     const int32_t *pos;
     const float *cos, *sin;
     const fs_layer *L;
-    float *kc, *vc;  /* this layer's caches [kv_heads][capacity][hd] */
-    int64_t capacity, start;
+    int layer;                 /* the index of L */
+    const fs_group *groups;    /* the requests' row ranges, caches and masks */
+    int n_groups;
+    const int32_t *row_group;  /* [n]: the group of each row */
     const float *norm; /* the norm of the current step (NULL: none) */
     int quantize;      /* whether the current step quantizes */
 } stack;
@@ -66,10 +69,17 @@ static void add_bias(float *x, const float *bias, int64_t n) {
         for (int64_t i = 0; i < n; i++) x[i] = x[i] + bias[i];
 }
 
+/* group g's cache of the current layer: [kv_heads][capacity][hd] */
+static float *layer_cache(const stack *s, const fs_group *g, float *base) {
+    return base + (int64_t)s->layer * s->c->kv_heads * g->capacity * s->c->head_dim;
+}
+
 /* biases, rotary embedding and the cache write of row r */
 static void qk_row(void *ctx, int64_t r, int thread) {
     stack *s = ctx;
     const int hd = s->c->head_dim;
+    const fs_group *g = &s->groups[s->row_group[r]];
+    float *kc = layer_cache(s, g, g->k_cache), *vc = layer_cache(s, g, g->v_cache);
     const float *cos = s->cos + (int64_t)s->pos[r] * hd, *sin = s->sin + (int64_t)s->pos[r] * hd;
     float *q = s->q + r * s->qdim, *k = s->k + r * s->kvdim, *v = s->v + r * s->kvdim;
     (void)thread;
@@ -79,9 +89,9 @@ static void qk_row(void *ctx, int64_t r, int thread) {
     for (int h = 0; h < s->c->q_heads; h++) rope(q + h * hd, cos, sin, hd);
     for (int h = 0; h < s->c->kv_heads; h++) {
         rope(k + h * hd, cos, sin, hd);
-        const int64_t slot = (h * s->capacity + s->start + r) * hd;
-        memcpy(s->kc + slot, k + h * hd, (size_t)hd * sizeof(float));
-        memcpy(s->vc + slot, v + h * hd, (size_t)hd * sizeof(float));
+        const int64_t slot = (h * g->capacity + g->start + r - g->row0) * hd;
+        memcpy(kc + slot, k + h * hd, (size_t)hd * sizeof(float));
+        memcpy(vc + slot, v + h * hd, (size_t)hd * sizeof(float));
     }
 }
 
@@ -120,17 +130,22 @@ static fs_mm mm_of(const fs_matrix *w, const fs_act *a, const float *x, int64_t 
     return (fs_mm){w->type, w->rows, w->cols, n, w->data, is_int(w) ? a : NULL, x, ldx, y, w->rows};
 }
 
-static void attention(stack *s, const uint8_t *mask, float *scratch, int64_t ld_scores) {
+/* each group's rows against its own cache, one pool dispatch per group */
+static void attention(stack *s, float *scratch, int64_t ld_scores) {
     const fs_config *c = s->c;
     const int group = c->q_heads / c->kv_heads;
-    const fs_attn at = {s->q, s->kc, s->vc, mask, s->att, scratch, s->capacity, s->start, s->n, ld_scores,
-                        fs_attn_scratch(group, c->head_dim, ld_scores), c->q_heads, group, c->head_dim,
-                        1.0f / sqrtf((float)c->head_dim)};
-    attn_job job = {&at, s->isa};
-    fs_pool_run(attn_item, &job, (s->n + FS_ATT_ROWS - 1) / FS_ATT_ROWS * c->kv_heads);
+    for (int gi = 0; gi < s->n_groups; gi++) {
+        const fs_group *g = &s->groups[gi];
+        const fs_attn at = {s->q + g->row0 * s->qdim, layer_cache(s, g, g->k_cache), layer_cache(s, g, g->v_cache),
+                            g->mask, s->att + g->row0 * s->qdim, scratch, g->capacity, g->start, g->n, ld_scores,
+                            fs_attn_scratch(group, c->head_dim, ld_scores), c->q_heads, group, c->head_dim,
+                            1.0f / sqrtf((float)c->head_dim)};
+        attn_job job = {&at, s->isa};
+        fs_pool_run(attn_item, &job, (g->n + FS_ATT_ROWS - 1) / FS_ATT_ROWS * c->kv_heads);
+    }
 }
 
-static void layer(stack *s, const uint8_t *mask, float *scores, int64_t ld_scores) {
+static void layer(stack *s, float *scores, int64_t ld_scores) {
     const fs_config *c = s->c;
     const fs_layer *L = s->L;
     const int64_t hidden = c->hidden, n = s->n;
@@ -143,7 +158,7 @@ static void layer(stack *s, const uint8_t *mask, float *scores, int64_t ld_score
                           mm_of(&L->v, &s->a, hin, hidden, s->v, n)};
     fs_run_matmuls(qkv, 3);
     run_rows(s, qk_row, s->qdim);
-    attention(s, mask, scores, ld_scores);
+    attention(s, scores, ld_scores);
     s->b.cols = s->qdim;
     if (is_int(&L->o)) run_rows(s, quantize_att_row, s->qdim);
     const fs_mm o = mm_of(&L->o, &s->b, s->att, s->qdim, s->out, n);
@@ -204,30 +219,60 @@ static int buffers(stack *s, float **scores, int64_t ld_scores) {
     return fs_act_alloc(&s->b, FS_S_ACT2, n, qcols % FS_QB ? 0 : qcols);
 }
 
+/* groups cover [0, n) in order, each inside its cache; -> the widest start + n (the scores' row length) or < 0 */
+static int64_t check_groups(const fs_group *groups, int n_groups, int64_t n) {
+    int64_t row = 0, widest = 0;
+    for (int i = 0; i < n_groups; i++) {
+        const fs_group *g = &groups[i];
+        if (g->row0 != row || g->n < 1 || g->start < 0 || g->start + g->n > g->capacity || !g->k_cache ||
+            !g->v_cache)
+            return FS_EINVAL;
+        row += g->n;
+        if (g->start + g->n > widest) widest = g->start + g->n;
+    }
+    return row == n ? widest : FS_EINVAL;
+}
+
+int fs_layers_forward_groups(const fs_config *cfg, const fs_layer *layers, int n_layers, float *x, int64_t n,
+                             const int32_t *pos, const float *rope_cos, const float *rope_sin, int64_t max_pos,
+                             const fs_group *groups, int n_groups, volatile int *stop) {
+    if (n < 0 || n_layers < 0 || n_groups < 0 || max_pos <= 0) return FS_EINVAL;
+    int rc = check(cfg, layers, n_layers);
+    if (rc != FS_OK || (n == 0 && n_groups == 0)) return rc;
+    const int64_t widest = check_groups(groups, n_groups, n);
+    if (widest < 0) return (int)widest;
+    fs_lock();
+    int32_t *row_group = (int32_t *)fs_scratch(FS_S_GROUPS, (size_t)n * sizeof(int32_t));
+    stack s = {.c = cfg, .isa = fs_current_isa(), .n = n, .x = x, .pos = pos, .cos = rope_cos, .sin = rope_sin,
+               .groups = groups, .n_groups = n_groups, .row_group = row_group};
+    s.qdim = (int64_t)cfg->q_heads * cfg->head_dim;
+    s.kvdim = (int64_t)cfg->kv_heads * cfg->head_dim;
+    float *scores;
+    const int64_t ld_scores = (widest + 15) / 16 * 16;
+    rc = row_group ? buffers(&s, &scores, ld_scores) : FS_ENOMEM;
+    if (row_group)
+        for (int gi = 0; gi < n_groups; gi++)
+            for (int64_t r = groups[gi].row0; r < groups[gi].row0 + groups[gi].n; r++) row_group[r] = gi;
+    int done = 0;
+    for (; rc == FS_OK && done < n_layers; done++) {
+        if (stop && *stop) break;
+        s.L = &layers[done];
+        s.layer = done;
+        layer(&s, scores, ld_scores);
+    }
+    fs_unlock();
+    return rc == FS_OK ? done : rc;
+}
+
 int fs_layers_forward(const fs_config *cfg, const fs_layer *layers, int n_layers, float *x, int64_t n,
                       const int32_t *pos, const float *rope_cos, const float *rope_sin, int64_t max_pos,
                       float *k_cache, float *v_cache, int64_t capacity, int64_t start, const uint8_t *mask,
                       volatile int *stop) {
     if (n < 0 || n_layers < 0 || start < 0 || start + n > capacity || max_pos <= 0) return FS_EINVAL;
-    int rc = check(cfg, layers, n_layers);
-    if (rc != FS_OK || n == 0) return rc == FS_OK ? 0 : rc;
-    fs_lock();
-    stack s = {.c = cfg, .isa = fs_current_isa(), .n = n, .x = x, .pos = pos, .cos = rope_cos, .sin = rope_sin,
-               .capacity = capacity, .start = start};
-    s.qdim = (int64_t)cfg->q_heads * cfg->head_dim;
-    s.kvdim = (int64_t)cfg->kv_heads * cfg->head_dim;
-    float *scores;
-    const int64_t ld_scores = (start + n + 15) / 16 * 16;
-    rc = buffers(&s, &scores, ld_scores);
-    int done = 0;
-    const int64_t layer_cache = (int64_t)cfg->kv_heads * capacity * cfg->head_dim;
-    for (; rc == FS_OK && done < n_layers; done++) {
-        if (stop && *stop) break;
-        s.L = &layers[done];
-        s.kc = k_cache + done * layer_cache;
-        s.vc = v_cache + done * layer_cache;
-        layer(&s, mask, scores, ld_scores);
+    if (n == 0) {
+        const int rc = check(cfg, layers, n_layers);
+        return rc == FS_OK ? 0 : rc;
     }
-    fs_unlock();
-    return rc == FS_OK ? done : rc;
+    const fs_group one = {k_cache, v_cache, mask, 0, n, capacity, start};
+    return fs_layers_forward_groups(cfg, layers, n_layers, x, n, pos, rope_cos, rope_sin, max_pos, &one, 1, stop);
 }

@@ -1,6 +1,7 @@
-"""The EAGLE draft head (head.py) on the native engine: its fc and decoder block quantized to Q8_0 at load and run
-by the engine's kernels, so drafting costs a few native calls per level instead of torch ops, and the head takes
-a quarter of the memory of its float32 torch twin. Same inputs and outputs as ``DraftHead``:
+"""The EAGLE draft head (draft_head.py) on the native engine, the native engine's DraftNet (engine.py): its fc and
+decoder block quantized to Q8_0 at load and run by the engine's kernels, so drafting costs a few native calls per
+level instead of torch ops, and the head takes a quarter of the memory of its float32 torch twin. Same inputs and
+outputs as ``DraftHead``:
 
     h     = fc([embed(x_t+1) ; f_t])      [n, 2H] @ [H, 2H]^T + bias   (Q8_0 weights, float32 activations)
     f^t+1 = block(h)                      one LayerStack layer, no input norm, its own one-layer KV cache
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..model import native
-from ..model.arch import ModelConfig
-from ..model.kv_cache import KVCache
-from ..model.native.qmatrix import Q8_0_BLOCK
-from ..model.shard import Rotary
+from . import native
+from .arch import ModelConfig
+from .blocks import Rotary
+from .kv_cache import KVCache
+from .native.qmatrix import Q8_0_BLOCK
 
 ROTARY_CHUNK = 1024  # positions the rotary tables grow by
 
@@ -60,12 +61,21 @@ class NativeDraftHead:
                                 o=_matrix(state["block.wo"].t()), gate=_matrix(w13[:inter]), up=_matrix(w13[inter:]),
                                 down=_matrix(state["block.w2"].t()), mlp_norm=state["block.mlp_norm.weight"].float(),
                                 attn_norm=None, **bias)
+        self.spec = spec
         self.stack = native.LayerStack([spec], hidden=cfg.hidden_size, q_heads=cfg.num_heads,
                                        kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate=inter,
                                        eps=cfg.rms_eps)
         self.fc = _matrix(state["fc.weight"])  # [hidden, 2 hidden]
         self.fc_bias = state["fc.bias"].float().contiguous()  # [hidden]
         self.rotary = Rotary(cfg, min(max_position, ROTARY_CHUNK), torch.float32)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its packed matrices and float32 vectors."""
+        mats = sum(getattr(self.spec, n).nbytes for n in ("q", "k", "v", "o", "gate", "up", "down"))
+        vecs = sum(t.numel() * 4 for t in (self.spec.mlp_norm, self.spec.q_bias, self.spec.k_bias, self.spec.v_bias,
+                                           self.fc_bias) if t is not None)
+        return mats + self.fc.nbytes + vecs
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         assert batch == 1, "the native engine runs one request's rows"
