@@ -41,6 +41,7 @@ The ledger reads no clock itself except for ``started``'s default: events carry 
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Sequence
@@ -48,7 +49,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 MAX_TOP_LOGPROBS = 20
-STATS_KEYS = ("mode", "prompt_tokens", "new_tokens", "steps", "prefill_s", "decode_s", "tau", "decode_tokens_per_s")
+STATS_KEYS = (  # what every reply's stats carry first (reply_stats); the rest: extra_stats
+    "mode", "prompt_tokens", "new_tokens", "steps", "prefill_s", "decode_s", "tau", "decode_tokens_per_s")
 
 F = TypeVar("F")
 
@@ -294,8 +296,7 @@ def reply_stats(led: Ledger) -> dict:
 
 def itl_gaps(led: Ledger) -> list[tuple[float, int]]:
     """(seconds since the previous chunk, tokens) of every committed chunk after the first."""
-    c = led.chunks
-    return [(t - p, n) for (p, _), (t, n) in zip(c, c[1:], strict=False)]
+    return [(t - p, n) for (p, _), (t, n) in itertools.pairwise(led.chunks)]
 
 
 def acceptance_by_depth(led: Ledger) -> list[float]:

@@ -15,9 +15,9 @@ Each request leaves one access-log line (access.py).
 Extensions to the OpenAI request body: ``decoding`` ("ar", "chunk", "pipedec", "flowspec"; default: the leader's
 default mode, or ``model`` when that names a mode) and ``top_k``. Non-streamed responses carry a top-level ``stats``
 object (mode, new_tokens, steps, tau, prefill_s, decode_s, decode_started_at, decode_finished_at, ...: a view of the
-request's ledger, ledger.reply_stats); the last streamed chunk carries it too. For benchmarks, ``return_token_ids: true`` adds the generated ids to it
-(``token_ids``) and ``return_leader_timeline: true`` the leader's compute intervals (``leader_intervals``,
-time.time() pairs).
+request's ledger, ledger.reply_stats); the last streamed chunk carries it too. For benchmarks, ``return_token_ids:
+true`` adds the generated ids to it (``token_ids``) and ``return_leader_timeline: true`` the leader's compute
+intervals (``leader_intervals``, time.time() pairs).
 ``temperature`` defaults to 1.0 as in OpenAI's API (0 = greedy). ``logprobs`` (and ``top_logprobs``) work in every
 mode, streamed and not: the target's log-probabilities at each committed token (ledger.py). Fields the server cannot
 honour are refused with a 400 naming them (schemas.py).

@@ -9,8 +9,8 @@ build step, nothing fetched from the internet) that the server keeps up to date 
 The state: the cluster as the control plane knows it (members, the plan, the stages with their counters, a
 transition in progress, the plan history with each re-plan's trigger), the leader (pipeline, queue, counters), the
 request in flight or else the last one (its ledger's summary, ledger.request_summary: tokens/s, tau, acceptance by
-depth, each stage's busy time and bubbles, resumes), the requests before it, and every stage's busy intervals over the last
-TIMELINE_WINDOW_S (``timelines``: cluster/telemetry.py) beside the leader's own compute.
+depth, each stage's busy time and bubbles, resumes), the requests before it, and every stage's busy intervals over the
+last TIMELINE_WINDOW_S (``timelines``: cluster/telemetry.py) beside the leader's own compute.
 
 The chat box on the page posts to /v1/chat/completions (streamed) like any client. Everything here is a route of the
 API app, so a middleware of the app (an API key) covers the page, its assets and its event stream alike.

@@ -87,8 +87,8 @@ def make_decoder(args: argparse.Namespace, lm):
 
 def run(args: argparse.Namespace) -> int:
     # The engine's imports (torch) load only when a command runs, so `flowspec cluster up` and `chat` stay light.
-    from ..model.dtypes import parse_dtype
     from ..ledger import Ledger, reply_stats
+    from ..model.dtypes import parse_dtype
     from ..model.generate import stream_text
     from ..model.load import load_model, set_threads
     from ..model.sampling import SamplingParams

@@ -61,7 +61,8 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob
     """logits: [vocab] of the position that decided ``token`` -> its log-probability and the ``top_n`` best (the raw
     distribution: log_softmax of the logits, before temperature, top-k or top-p; it draws nothing, so the tokens are
     the same with or without logprobs)."""
-    assert logits.ndim == 1 and 0 <= top_n <= MAX_TOP_LOGPROBS
+    assert logits.ndim == 1, logits.shape
+    assert 0 <= top_n <= MAX_TOP_LOGPROBS, top_n
     with torch.inference_mode():
         lp = torch.log_softmax(logits.to(torch.float64), dim=-1)  # [vocab]
         top: tuple[tuple[int, float], ...] = ()
