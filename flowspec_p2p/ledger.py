@@ -4,8 +4,8 @@ vLLM's ``SpecDecodingStats`` is the model (vllm/v1/spec_decode/metrics.py): the 
 logging and Prometheus sides only read it. Here a ``Ledger`` is created by whoever owns the request (the API's
 handler, ``Leader.generate`` or a single-device decoder's caller), owned by that request alone, and appended to by:
 
-    the request's owner  ``committed`` (each chunk passed on, stamped), ``resumed`` (a new attempt), ``attempt_ended``,
-                         ``finish``
+    the request's owner  ``admitted`` (after its wait for a turn), ``committed`` (each chunk passed on, stamped),
+                         ``resumed`` (a new attempt), ``attempt_ended``, ``finish``
     its decoding mode    ``prefilled`` (the prompt's forward and the first token), ``stepped`` (a forward that committed
                          tokens), ``walked`` (a verification walk: a step that verified a draft), ``drafted``,
                          ``decoded`` (the decode phase's seconds), ``note`` (its typed mode-specific figures)
@@ -108,6 +108,7 @@ class Ledger:
     window_s: float = 0.0  # from the first forward sent to the last result back, summed over attempts
     leader_busy: list[tuple[float, float]] = field(default_factory=list)  # the leader's compute, time.time()
     logprobs: list[TokenLogprob] | None = None
+    queued_s: float = 0.0  # waiting for its turn (decoding/admission.py)
     finished: float | None = None
     outcome: str = ""  # "completed", "cancelled" or "failed" once finished
 
@@ -176,6 +177,10 @@ class Ledger:
         self.leader_busy.append((start, end))
 
     # ------------------------------------------------------------------------------------- the owner's events
+
+    def admitted(self, queued_s: float) -> None:
+        """Its turn came after ``queued_s`` seconds of waiting."""
+        self.queued_s += queued_s
 
     def committed(self, tokens: int, at: float, logprobs: Sequence[TokenLogprob] = ()) -> None:
         """A chunk of ``tokens`` was passed on at ``at``; ``logprobs``: the ones noted for it (when asked for; extra

@@ -39,6 +39,7 @@ from ..speculative.decoder import SpecDecoder
 from ..speculative.drafter import Drafter, TreeShape
 from ..speculative.tree import DraftTree
 from . import ENGINE_PARTS, llamacpp
+from .paths import portable_command, portable_path
 
 log = logging.getLogger(__name__)
 
@@ -249,19 +250,20 @@ def memory_jobs(cfg: EngineBenchConfig, ours: Ours) -> list[MemoryJob]:
 
 
 def setup_record(cfg: EngineBenchConfig, ours: Ours, command: str) -> dict:
-    """What was run, on what: results.json's "setup"."""
+    """What was run, on what: results.json's "setup" (paths relative to the repository: bench/paths.py)."""
     shard = ours.lm.shard
     exe = cfg.llama_bench
     return {
-        "command": command, "model": str(cfg.model), "model_name": cfg.model.name,
+        "command": portable_command(command), "model": portable_path(cfg.model), "model_name": cfg.model.name,
         "file_mb": cfg.model.stat().st_size / 2**20, "num_layers": ours.lm.source.config.num_layers,
         "engine": shard.engine.describe(),
         "threads": list(cfg.threads), "repeats": cfg.repeats, "tokens": cfg.tokens, "rows": list(cfg.rows),
         "parts": list(cfg.parts), "prompt_label": cfg.prompt_label, "prompt": cfg.prompt,
         "prompt_tokens": len(ours.prompt_ids), "tree": None if ours.shape is None else ours.shape.model_dump(),
         "tree_fanout": TREE_FANOUT, "row_passes": ROW_PASSES,
-        "llama_bench": None if exe is None else str(exe), "llama_build": None if exe is None else llamacpp.version(exe),
-        "llama_cli": str(cli) if (cli := llamacpp.find_llama_cli(exe)) else None,
+        "llama_bench": None if exe is None else portable_path(exe),
+        "llama_build": None if exe is None else llamacpp.version(exe),
+        "llama_cli": portable_path(cli) if (cli := llamacpp.find_llama_cli(exe)) else None,
         "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
         "cpus": os.cpu_count(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }

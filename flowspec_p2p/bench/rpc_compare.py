@@ -1,7 +1,7 @@
 """The client half of scripts/rpc_compare.sh (a measurement, not part of the product): the same greedy chat against our
 cluster's API (ar, flowspec and the default mode, auto) and llama-server (over its RPC servers), interleaved,
 medians; each server's own decode timing; then each side's total RSS over its processes (/proc: VmRSS now, VmHWM the
-peak). Standard library only.
+peak). Standard library only. Paths in the results are relative to the repository (bench/paths.py).
 
     python -m flowspec_p2p.bench.rpc_compare --ours URL --ours-pid PID --llama URL --llama-pids PID,PID,PID --out DIR
 """
@@ -17,10 +17,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from .paths import portable_command, portable_path
+
 PROMPT = "Write a story about a robot who learns to paint."
 MAX_TOKENS = 128
 SIDES = ("ours-ar", "ours-flowspec", "ours-auto", "llama.cpp-rpc")
 OURS = ("ours-ar", "ours-flowspec", "ours-auto")
+PATH_KEYS = ("llama_bin", "model")  # the setup's paths (from rpc_compare.sh), recorded relative to the repository
 
 
 def post(url: str, body: dict, timeout_s: float = 600.0) -> tuple[dict, float]:
@@ -92,9 +95,21 @@ def memory(pids: list[int]) -> dict:
         if "VmRSS" not in status:
             continue
         kb = {k: int(status[k].split()[0]) for k in ("VmRSS", "VmHWM")}
-        procs.append({"pid": pid, "cmd": cmd[:600], "rss_mb": kb["VmRSS"] / 1024, "peak_mb": kb["VmHWM"] / 1024})
+        procs.append({"pid": pid, "cmd": portable_command(cmd)[:600], "rss_mb": kb["VmRSS"] / 1024,
+                      "peak_mb": kb["VmHWM"] / 1024})
     return {"processes": procs, "rss_mb": sum(p["rss_mb"] for p in procs),
             "peak_mb": sum(p["peak_mb"] for p in procs)}
+
+
+def setup_record(command: str, runs: int, extra: dict) -> dict:
+    """results.json's "setup": the command, the run count, the prompt and ``extra`` (rpc_compare.sh's), with every
+    path in them relative to the repository."""
+    setup = {"command": portable_command(command), "runs": runs, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+             "cpus": len(os.sched_getaffinity(0)), **extra}
+    for key in PATH_KEYS:
+        if isinstance(setup.get(key), str):
+            setup[key] = portable_path(setup[key])
+    return setup
 
 
 def common_prefix(a: str, b: str) -> int:
@@ -195,8 +210,7 @@ def main() -> int:
     first = {s["side"]: s["text"] for s in samples if s["run"] == 0}
     ref = first["llama.cpp-rpc"]
     same = {s: common_prefix(first[s], ref) for s in ("ours-ar", "ours-flowspec")}
-    res = {"setup": {"command": args.command, "runs": args.runs, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-                     "cpus": len(os.sched_getaffinity(0)), **json.loads(args.setup)},
+    res = {"setup": setup_record(args.command, args.runs, json.loads(args.setup)),
            "summary": summarize(samples),
            "memory": {"ours": memory(descendants(args.ours_pid)),
                       "llama": memory([int(x) for x in args.llama_pids.split(",")])},

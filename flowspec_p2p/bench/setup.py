@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..speculative.head import find_draft
+from .paths import portable_path
 
 if TYPE_CHECKING:
     from .edge import BenchConfig
@@ -55,9 +56,10 @@ def _draft_info(cfg: BenchConfig, model_fp: str | None, offered: list[str]) -> d
         meta = json.loads(stem.with_suffix(".json").read_text())
         fp = _sha16(stem.with_suffix(".safetensors"))
     except (OSError, ValueError):
-        return {"draft_fingerprint": None, "draft": str(stem)}
+        return {"draft_fingerprint": None, "draft": portable_path(stem)}
     keep = ("target_fingerprint", "exported_at", "draft_vocab_size", "parameters", "training", "evaluation")
-    return {"draft_fingerprint": fp, "draft": str(stem), "draft_meta": {k: meta.get(k) for k in keep if k in meta}}
+    return {"draft_fingerprint": fp, "draft": portable_path(stem),
+            "draft_meta": {k: meta.get(k) for k in keep if k in meta}}
 
 
 def make_setup(cfg: BenchConfig, slowdown: float, view: dict | None, modes: list[str], offered: list[str],
@@ -92,7 +94,7 @@ def make_setup(cfg: BenchConfig, slowdown: float, view: dict | None, modes: list
         "threads_per_agent": cfg.threads,
         "wire_dtype": cfg.wire_dtype,
         "context": cfg.context,
-        "model": str(cfg.model) if cfg.model else "packaged default",
+        "model": portable_path(cfg.model) if cfg.model else "packaged default",
         "model_fingerprint": model_fp,
         **_draft_info(cfg, model_fp, offered),
         "modes": modes,

@@ -81,6 +81,7 @@ class Pipeline:
     epoch: int = 0
     stages: int = 1  # compute stages in the ring (the first hop included)
     info: dict = field(default_factory=dict)  # free-form, shown on /cluster
+    max_requests: int | None = None  # requests whose KV the plan holds on every stage (None: the settings')
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,8 @@ class ModeContext:
         self.stop_ids = stop_ids
         self.ledger = ledger  # the request's, across its attempts
         self.head: Shard = parts.head
-        self.drafter = parts.drafter
+        # the request's own drafter state (its caches and context) over the shared draft model
+        self.drafter = None if parts.drafter is None else parts.drafter.fork()
         self.settings = parts.settings
         # sampled tokens come from (seed, absolute position) only (sampling.PositionalDraws): a resumed request
         # continues exactly as it would have undisturbed

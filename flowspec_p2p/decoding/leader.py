@@ -16,8 +16,11 @@ Glossary:
     ledger       ``Ledger`` (ledger.py): the request's one record, owned by the request; its mode, its ring view
                  and the leader append to it, across attempts; the reply's stats, /metrics and the dashboard render it
 
-One request is in flight at a time (batch size 1, as in FlowSpec); others wait for their turn (at most
-``max_waiting`` of them, at most ``queue_timeout_s``) and are then refused with ``Busy`` (HTTP 503). Requests
+Up to ``max_requests`` requests are decoded at once, each by its own mode on its own tasks: their messages share
+the ring, each stage runs the queued forwards of different requests in one batched engine call (pipeline/worker.py),
+and every request's output is what it would be alone (the engine is batch-invariant). Others wait for their turn in
+arrival order (admission.py: at most ``max_waiting`` of them, at most ``queue_timeout_s``) and are then refused
+with ``Busy`` (HTTP 503). Requests
 arriving while there is no pipeline (planning, loading) wait ``ready_timeout_s`` and then get ``NotReady``
 (HTTP 503 with Retry-After). A request whose pipeline breaks — a link down, no reply within ``step_timeout_s``, a
 re-plan (``set_pipeline``) — **resumes**: the leader waits up to ``resume_timeout_s`` for the next pipeline (the
@@ -54,6 +57,7 @@ from ..model.sampling import SamplingParams
 from ..pipeline.messages import Release
 from ..pipeline.transport import Frame, Inbox, LinkDown
 from ..speculative.drafter import Drafter
+from .admission import Admission
 from .ar import AR
 from .auto import Choice, ModeChooser
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
@@ -114,8 +118,7 @@ class Leader:
         self.pipeline: Pipeline | None = None
         self._ready = asyncio.Event()
         self._swapped = asyncio.Event()  # set whenever a new pipeline is installed
-        self._turn = asyncio.Lock()
-        self._waiting = 0
+        self.admission = Admission(self.settings.max_requests, self.settings.max_waiting)
         self._active: dict[str, ModeContext] = {}
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
@@ -174,6 +177,8 @@ class Leader:
         if pipeline is None:
             self._ready.clear()
         else:
+            if pipeline.max_requests is not None:  # the plan holds KV for this many requests on every stage
+                self.admission.set_limit(pipeline.max_requests)
             self._ready.set()
             self._swapped.set()
             log.info("pipeline ready: epoch %d, %d stage(s), first hop %s takes %s", pipeline.epoch,
@@ -244,7 +249,7 @@ class Leader:
         stop_ids = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer is not None else stop_ids
         self.counters["requests"] += 1
         job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), ledger)
-        await self._take_turn()
+        await self._take_turn(ledger)
         self.ledgers.append(ledger)
         outcome = "failed"
         try:
@@ -268,7 +273,7 @@ class Leader:
             raise
         finally:
             ledger.finish(outcome, time.time())
-            self._turn.release()
+            self.admission.release()
 
     async def _attempt(self, job: _Job, pipeline: Pipeline, attempt: int) -> AsyncIterator[list[int]]:
         """One attempt of ``job`` on ``pipeline``, from the tokens it committed so far. Raises PeerGone when the
@@ -327,19 +332,12 @@ class Leader:
         self.counters["resumed"] += 1
         return nxt
 
-    async def _take_turn(self) -> None:
-        if self._turn.locked() and self._waiting >= self.settings.max_waiting:
-            self.counters["busy"] += 1
-            raise Busy(f"{self._waiting} requests are already waiting; retry later")
-        self._waiting += 1
+    async def _take_turn(self, ledger: Ledger) -> None:
         try:
-            async with asyncio.timeout(self.settings.queue_timeout_s):
-                await self._turn.acquire()
-        except TimeoutError:
+            ledger.admitted(await self.admission.acquire(self.settings.queue_timeout_s))
+        except Busy:
             self.counters["busy"] += 1
-            raise Busy(f"waited {self.settings.queue_timeout_s:g} s for the request ahead; retry later") from None
-        finally:
-            self._waiting -= 1
+            raise
 
     async def _wait_replaced(self, old: Pipeline) -> Pipeline | None:
         """The first pipeline other than ``old`` installed within ``resume_timeout_s``, or None."""
@@ -375,7 +373,8 @@ class Leader:
             "auto": self.chooser.snapshot(),
             "slowdown": getattr(self.parts.compute, "slowdown", 1.0),
             "in_flight": list(self._active),
-            "waiting": self._waiting,
+            "waiting": self.admission.waiting,
+            "admission": self.admission.snapshot(),
             **self.counters,
             "last_request": next((reply_stats(led) for led in reversed(self.ledgers)
                                   if led.attempt.ended_at is not None), None),

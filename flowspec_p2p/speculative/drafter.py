@@ -23,6 +23,7 @@ Two drafters plug into the same loop: ``HeadDrafter`` (a trained or random ``hea
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Protocol
@@ -47,6 +48,10 @@ class Drafter(Protocol):
 
     def draft_levels(self, shape: TreeShape, partial: bool = True) -> Iterator[DraftTree]:
         """``draft`` one model forward at a time (TreeDrafter.draft_levels); the last tree is draft's."""
+
+    def fork(self) -> Drafter:
+        """A drafter sharing this one's weights with request state of its own (its caches, its context), so
+        several requests draft at once; reset() it for its request."""
 
 
 class TreeDrafter(ABC):
@@ -83,6 +88,12 @@ class TreeDrafter(ABC):
         self.cache = self._new_cache(capacity)
         self.root = None
         self._slot: dict[int, int] = {}
+
+    def fork(self) -> TreeDrafter:
+        twin = copy.copy(self)  # the model and its tables are shared; the request state is made anew below
+        twin._draft_done()
+        twin.reset(1)
+        return twin
 
     def draft(self, shape: TreeShape) -> DraftTree:
         *_, tree = self.draft_levels(shape, partial=False)
@@ -242,6 +253,11 @@ class HeadDrafter(TreeDrafter):
 
     def _draft_done(self) -> None:
         self._feat = {}
+
+    def fork(self) -> HeadDrafter:
+        twin = super().fork()
+        twin.last_feature = None
+        return twin
 
 
 class OracleDrafter(TreeDrafter):

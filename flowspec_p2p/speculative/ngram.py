@@ -75,6 +75,9 @@ class LookupDrafter:
         self.lookup.reset()
         self.root = None
 
+    def fork(self) -> LookupDrafter:
+        return LookupDrafter(None if self.base is None else self.base.fork(), self.cfg)
+
     def feed(self, tokens: Sequence[int], features: torch.Tensor, next_token: int) -> None:
         if self.base is not None:
             self.base.feed(tokens, features, next_token)

@@ -77,7 +77,8 @@ async def test_a_client_that_hangs_up_is_cancelled_within_a_second_and_frees_tur
     await asyncio.sleep(0.3)
     task.cancel()  # the client goes away: its connection closes
     await asyncio.gather(task, return_exceptions=True)
-    took = await until(lambda: leader.idle.is_set() and caches_free(ring) and not leader._turn.locked(), 1.0)
+    took = await until(lambda: leader.idle.is_set() and caches_free(ring) and leader.admission.in_flight == 0,
+                       1.0)
     assert took < 1.0
     assert leader.counters["cancelled"] == 1
     async with aiohttp.ClientSession() as s, \
@@ -94,14 +95,16 @@ async def test_a_client_that_hangs_up_while_queued_leaves_the_queue(slow):
                 s.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": n}) as r:
             return r.status
 
+    leader.admission.set_limit(1)  # one request in flight: the next one queues
     first = asyncio.create_task(call(40))
     await until(lambda: not leader.idle.is_set(), 5)
     queued = asyncio.create_task(call(40))
-    await until(lambda: leader._waiting == 1, 5)
+    await until(lambda: leader.admission.waiting == 1, 5)
     queued.cancel()
     await asyncio.gather(queued, return_exceptions=True)
-    await until(lambda: leader._waiting == 0, 1.0)
+    await until(lambda: leader.admission.waiting == 0, 1.0)
     assert await first == 200
+    assert leader.admission.in_flight == 0
 
 
 @pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 10**30])

@@ -17,6 +17,7 @@ import torch
 from flowspec_p2p import cli
 from flowspec_p2p.bench import engine, llamacpp
 from flowspec_p2p.bench import engine_report as rep
+from flowspec_p2p.bench.paths import portable_path
 from flowspec_p2p.errors import ConfigError
 from flowspec_p2p.model.generate import ARDecoder
 from flowspec_p2p.speculative.decoder import SpecDecoder
@@ -263,7 +264,7 @@ def test_the_command_measures_ours_and_the_fake_llama_bench_and_writes_both_file
                    "--rows", "1,2", "--prompt", "Name a colour.", "--out", str(out), "--no-progress"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
-    assert res["setup"]["llama_bench"] == str(llama_bin / "llama-bench")
+    assert res["setup"]["llama_bench"] == portable_path(llama_bin / "llama-bench")  # relative to the repository
     d = res["summary"]["decode"]["1"]
     assert set(d["tokens_per_s"]) == {"ours-ar", "ours-spec", "llama.cpp"}
     assert d["tokens_per_s"]["llama.cpp"] == pytest.approx(1 / fake.TG_S)

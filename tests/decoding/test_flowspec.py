@@ -139,6 +139,9 @@ class RecordingDrafter:
             self.events.append(("level", int(tree.depth.max())))
             yield tree
 
+    def fork(self):  # a request's own drafter, logging into the same events
+        return RecordingDrafter(self.base.fork(), self.events)
+
     def __getattr__(self, name):
         return getattr(self.base, name)
 

@@ -187,11 +187,14 @@ async def test_requests_wait_for_a_pipeline_then_get_not_ready(parts):
         await asyncio.gather(run_task, return_exceptions=True)
 
 
-async def test_one_request_in_flight_and_a_bounded_queue(parts):
-    leader = make_leader(parts, max_waiting=1, queue_timeout_s=0.2)
+async def test_requests_in_flight_are_bounded_and_so_is_the_queue(parts):
+    leader = make_leader(parts, max_requests=2, max_waiting=1, queue_timeout_s=0.2)
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
         first = leader.generate(PROMPT, params=GREEDY, max_tokens=50, stop_ids=NO_STOP, mode="ar")
-        await anext(first)  # holds the turn while suspended
+        second = leader.generate(PROMPT[:4], params=GREEDY, max_tokens=50, stop_ids=NO_STOP, mode="ar")
+        await anext(first)  # both hold a turn while suspended
+        await anext(second)
+        assert leader.snapshot()["admission"]["in_flight"] == 2
         waiting = asyncio.get_running_loop().create_task(run(leader, PROMPT, 3, mode="ar"))
         await asyncio.sleep(0.02)
         with pytest.raises(Busy, match="already waiting"):
@@ -201,6 +204,8 @@ async def test_one_request_in_flight_and_a_bounded_queue(parts):
         await first.aclose()  # the client went away: the turn passes on and the stages are released
         out, _ = await run(leader, PROMPT, 3, mode="ar")
         assert out == parts.reference(PROMPT, 3)
+        await second.aclose()
+        assert leader.snapshot()["admission"]["in_flight"] == 0
 
 
 async def test_replanning_fails_the_request_in_flight_and_later_requests_use_the_new_pipeline(parts):

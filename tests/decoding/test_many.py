@@ -1,0 +1,113 @@
+"""Many requests at once through one ring (issue: many users): every mode, eight different prompts alone and then
+all at once, over a 3-stage ring that batches the requests' forwards in each stage. Each reply is token for token
+the reply it gets alone (greedy: single-device autoregressive decoding), and a seeded sampled reply the same text."""
+
+import asyncio
+
+import pytest
+import torch
+
+from flowspec_p2p.decoding.ar import AR
+from flowspec_p2p.decoding.chunk import CHUNK
+from flowspec_p2p.decoding.flowspec import make_flowspec
+from flowspec_p2p.decoding.leader import Leader
+from flowspec_p2p.decoding.loopback import LoopbackRing
+from flowspec_p2p.decoding.pipedec import make_pipedec
+from flowspec_p2p.decoding.settings import LeaderSettings
+from flowspec_p2p.ledger import Ledger
+from flowspec_p2p.model import native_shard
+from flowspec_p2p.model.generate import ARDecoder, generate_ids
+from flowspec_p2p.model.load import get_engine
+from flowspec_p2p.model.sampling import SamplingParams
+from flowspec_p2p.model.weights import open_source
+from flowspec_p2p.speculative.drafter import HeadDrafter
+from flowspec_p2p.speculative.head import DraftHead
+from flowspec_p2p.types import LayerRange
+
+from ..gguf_fixtures import write_random_gguf
+from ..ring_fixtures import F64, tiny_parts
+
+MODES = ["ar", "chunk", "pipedec", "flowspec", "auto"]
+PROMPTS = [[5 + i, 17, 33 - i, 8, 61, 9 + 2 * i, 12, 40][: 4 + i % 5] for i in range(8)]
+TOKENS = 14
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_llama):
+    return tiny_parts(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def drafter(parts):
+    torch.manual_seed(0)
+    head = DraftHead(parts.whole.cfg).to(F64)
+    head.block.reset_parameters(0.1)
+    return HeadDrafter(head, parts.head)
+
+
+def make_leader(parts, drafter):
+    return Leader(parts.head, None, drafter=drafter, modes=[AR, CHUNK, make_pipedec(), make_flowspec()],
+                  settings=LeaderSettings(max_context=120, prefill_chunk=4, max_requests=8, step_timeout_s=30.0))
+
+
+async def generate(leader, prompt, mode, params):
+    out, stats = [], Ledger(mode="?")
+    async for chunk in leader.generate(prompt, params=params, max_tokens=TOKENS, stop_ids=frozenset(), mode=mode,
+                                       stats=stats):
+        out += chunk
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_eight_requests_at_once_each_get_the_reply_they_get_alone(parts, drafter, mode):
+    greedy = SamplingParams()
+    leader = make_leader(parts, drafter)
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
+        alone = [await generate(leader, p, mode, greedy) for p in PROMPTS]
+        together = await asyncio.gather(*(generate(leader, p, mode, greedy) for p in PROMPTS))
+        batched = sum(w.snapshot().get("batched_forwards", 0) for w in ring.workers)
+        assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
+        async with asyncio.timeout(5):  # every request's state freed on every stage (the Releases go in band)
+            while any(w.core.requests for w in ring.workers):  # noqa: ASYNC110 - polling the stages' state
+                await asyncio.sleep(0.01)
+    assert alone == [parts.reference(p, TOKENS) for p in PROMPTS]
+    assert list(together) == alone
+    assert batched > 0  # the stages ran several requests' forwards in one call
+
+
+@pytest.mark.parametrize("mode", ["ar", "flowspec", "auto"])
+async def test_seeded_sampled_requests_give_the_same_text_alone_and_among_others(parts, drafter, mode):
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=100 + i) for i in range(len(PROMPTS))]
+    leader = make_leader(parts, drafter)
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
+        alone = [await generate(leader, p, mode, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+        together = await asyncio.gather(*(generate(leader, p, mode, sp)
+                                          for p, sp in zip(PROMPTS, params, strict=True)))
+    assert list(together) == alone
+    assert alone == [parts.reference(p, TOKENS, sp) for p, sp in zip(PROMPTS, params, strict=True)]
+
+
+@pytest.mark.skipif(not native_shard.available(), reason="the native engine is unavailable here")
+@pytest.mark.parametrize("mode", ["ar", "flowspec"])
+async def test_on_the_native_engine_batched_requests_equal_autoregressive_decoding_bit_for_bit(tmp_path, mode):
+    """Two native stages that batch the requests' rows in one engine call: each reply is the single-device
+    autoregressive reply, token for token (the engine is batch-invariant, so no tolerance)."""
+    src = open_source(write_random_gguf(tmp_path / "q4_k.gguf", "Q4_K", seed=3, scale=0.2))
+    engine = get_engine("native")
+    whole = engine.load(src, LayerRange(start=0, end=2), embed=True, head=True)
+    head = engine.load(src, LayerRange(start=0, end=0), embed=True, head=True)
+    stages = [engine.load(src, LayerRange(start=0, end=1), embed=True, head=False),
+              engine.load(src, LayerRange(start=1, end=2), embed=False, head=True, lm_head=False)]
+    torch.manual_seed(0)
+    net = DraftHead(whole.cfg).to(torch.float32)
+    net.block.reset_parameters(0.05)
+    drafter = HeadDrafter(engine.draft_net(whole.cfg, net.state_dict(), whole.max_position), head)
+    leader = Leader(head, None, drafter=drafter, modes=[AR, make_flowspec()],
+                    settings=LeaderSettings(max_context=120, prefill_chunk=4, max_requests=8))
+    greedy = SamplingParams()
+    async with LoopbackRing(stages, leader, hops="memory", wire_dtype=torch.float32) as ring:
+        together = await asyncio.gather(*(generate(leader, p, mode, greedy) for p in PROMPTS))
+        batched = sum(w.snapshot().get("batched_forwards", 0) for w in ring.workers)
+    assert list(together) == [generate_ids(ARDecoder(whole), p, greedy, TOKENS)[0] for p in PROMPTS]
+    assert batched > 0
+    leader.close()
