@@ -16,7 +16,7 @@ from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.registry import builtin_modes
 from flowspec_p2p.decoding.settings import LeaderSettings
-from flowspec_p2p.ledger import Ledger, reply_stats
+from flowspec_p2p.ledger import Ledger, reply_stats, request_summary
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.pipeline.transport import QueueSender
 
@@ -142,3 +142,38 @@ async def test_a_resumed_request_reports_the_sum_over_its_attempts_in_every_view
     assert summary["resumes"] == 1
     assert_views_agree(stats, summary, m, mode)
     assert value(m, "flowspec_inter_token_latency_seconds_count", mode=mode) == n - 1
+
+
+DETERMINISTIC = ("new_tokens", "steps", "tau", "prompt_tokens", "drafted", "accepted_by_depth", "tree_nodes",
+                 "segments")  # chunk verifies whole trees: what it does depends on the tokens alone, not on timing
+
+
+@pytest.mark.parametrize("mode", ["ar", "chunk"])
+async def test_requests_decoded_at_once_each_keep_their_own_ledger(parts, mode):
+    """Four requests in flight together: each ledger holds its own request's figures, the ones it gets alone."""
+    leader = leader_for(parts, "random", max_requests=4, prefill_chunk=4)
+    prompts = [TOK.encode(t) for t in ("Hi", "Hello there", "A longer prompt here", "Yo")]
+
+    async def one(prompt: list[int]) -> Ledger:
+        ledger = Ledger(mode="?")
+        async for _ in leader.generate(prompt, params=SamplingParams(), max_tokens=12 + len(prompt) % 5,
+                                       stop_ids=frozenset(), mode=mode, stats=ledger):
+            pass
+        return ledger
+
+    def figures(led: Ledger) -> dict:
+        s = reply_stats(led)
+        return {k: s[k] for k in DETERMINISTIC if k in s}
+
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
+        alone = [await one(p) for p in prompts]
+        together = await asyncio.gather(*(one(p) for p in prompts))
+    assert [figures(led) for led in together] == [figures(led) for led in alone]
+    assert [led.new_tokens for led in together] == [12 + len(p) % 5 for p in prompts]
+    assert [sum(n for _, n in led.chunks) for led in together] == [led.new_tokens for led in together]
+    assert len({led.id for led in together}) == len(prompts)
+    for led in together:  # and the views of each agree with one another
+        metrics = ApiMetrics(leader)
+        metrics.reply(200, None, led, True)
+        m = scrape_values(generate_latest(metrics.registry).decode())
+        assert_views_agree(reply_stats(led), request_summary(led), m, mode)
