@@ -89,6 +89,9 @@ class AgentConfig(Settings):
     # the model engine (model/engine.py): auto (the native engine where it runs this model, else torch), native or
     # torch; the leader's is named in every plan, so every stage runs the same one. Unset: FLOWSPEC_ENGINE, else auto
     engine: Literal["auto", "native", "torch"] = "auto"
+    # (leader) requests decoded at once (the planner counts KV for this many on every stage); None: as many as the
+    # devices' memory holds, at most planner.DEFAULT_MAX_REQUESTS
+    max_requests: int | None = Field(default=None, ge=1, le=16)
     # activations between stages: float32 keeps every mode exactly equal to single-device decoding (lossless);
     # float16 / bfloat16 halve the bytes on slow links but round the hidden states (greedy output may drift)
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"

@@ -34,6 +34,8 @@ async def test_three_agents_find_each_other_fetch_their_layers_and_serve(make, p
         ref = parts.reference(prompt, 12)
         assert data["choices"][0]["text"] == ByteTokenizer().decode(ref)
         assert data["stats"]["new_tokens"] == 12
+        # no --max-requests: the plan holds KV for as many requests as memory allows, and admits that many
+        assert leader.coordinator.update.max_requests == leader.leader.admission.limit == 8
         # every stage's KV capacity covers the context and a draft tree's pending nodes beyond it
         settings = leader.leader.settings
         assert leader.coordinator.update.context == settings.max_context + settings.tree_margin
@@ -52,11 +54,12 @@ async def test_every_stage_runs_the_engine_the_leaders_plan_names(make, tmp_path
     model = write_random_gguf(tmp_path / "m.gguf", "Q8_0")
     planning = {"context": 64, "stages": 2, "leader_layers": "always"}
     leader = Agent(make("lead", leader=True, model=model, dtype="float32", wire_dtype="float32", engine="torch",
-                        planning=planning, decoding="ar"), tokenizer=ByteTokenizer())
+                        planning=planning, decoding="ar", max_requests=3), tokenizer=ByteTokenizer())
     member = Agent(make("m", dtype="float32", wire_dtype="float32", engine="auto"))
     async with running(leader, member):
         await until(serving(leader, 1))
         assert leader.coordinator.update.engine == "torch"
+        assert leader.coordinator.update.max_requests == leader.leader.admission.limit == 3  # --max-requests
         assert member.stage_host.active.shard.engine.name == "torch"
         assert leader.stage_host.active.shard.engine.name == "torch"
         data = await complete(leader, [1, 5, 9], n=4)

@@ -41,6 +41,7 @@ TIMELINE_PATH = "/control/timeline"
 MAX_CONTROL_BYTES = 4 * 1024 * 1024
 MAX_RING = 256  # stages of a plan
 MAX_CONTEXT = 1 << 20  # a plan's KV capacity per request (the data plane's MAX_POSITION)
+MAX_REQUESTS = 16  # requests in flight a plan may hold (pipeline/stage.py's MAX_REQUESTS per link)
 
 
 def check_host(host: str) -> str:
@@ -167,6 +168,7 @@ class PlanUpdate(_Msg):
     context: int = Field(ge=2, le=MAX_CONTEXT)  # KV capacity per request each stage allocates
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"  # compute dtype of every shard
     engine: Literal["native", "torch"]  # the engine every stage runs (the leader's: model/engine.py)
+    max_requests: int = Field(default=1, ge=1, le=MAX_REQUESTS)  # requests in flight whose KV every stage holds
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from ..config import AgentConfig
 from ..errors import ConfigError, FlowSpecError, PeerGone, PlanInfeasible, ProtocolError
@@ -46,7 +47,7 @@ from .control import (
 )
 from .membership import Heard, Joined, Left, Membership, Planned, Tick
 from .net import Net
-from .planner import plan
+from .planner import plan_requests
 from .plans import ModelSizes, Plan, PlanOptions, diff, render
 from .stage_host import StageHost, connect_with_retry, ws_url
 from .view import cluster_view, plan_stages
@@ -112,6 +113,7 @@ class Coordinator:
                                    leader_layers=cfg.planning.leader_layers)
         self.membership = Membership(self_info=info)
         self.plan: Plan | None = None
+        self.requests = 1  # requests in flight the latest plan holds KV for (planner.plan_requests)
         self.update: PlanUpdate | None = None  # of the serving epoch
         self.epoch = 0  # last epoch started
         self.transition: Transition | None = None
@@ -260,8 +262,9 @@ class Coordinator:
             self.membership = membership_mod.apply(self.membership, Planned(at=now))
             self.planning = True  # until the new plan is kept or its transition has started
             try:
-                new = await asyncio.to_thread(plan, membership_mod.devices(self.membership), self.model,
-                                              self.options)
+                new, self.requests = await asyncio.to_thread(
+                    partial(plan_requests, requests=self.cfg.max_requests), membership_mod.devices(self.membership),
+                    self.model, self.options)
                 infeasible = None
                 if self._can_keep(new):
                     self.plan = new
@@ -301,7 +304,8 @@ class Coordinator:
         update = PlanUpdate(cluster=cfg.cluster, epoch=self.epoch, leader=self.info, plan=new, ring=tuple(nodes),
                             config=self.model_config, model_fingerprint=self.model.fingerprint,
                             context=self.leader.settings.stage_capacity, dtype=cfg.dtype,
-                            engine=self.leader.head.engine.name, wire_dtype=cfg.wire_dtype)
+                            engine=self.leader.head.engine.name, wire_dtype=cfg.wire_dtype,
+                            max_requests=self.requests)
         departed = ", ".join(f"{a} ({r})" for a, r in self.membership.departed)
         trigger = self.broken or (f"departed: {departed}" if departed else "membership changed")
         self.transition = Transition(update=update, trigger=trigger,
@@ -399,7 +403,8 @@ class Coordinator:
             return
         info = {"plan": [f"{s.agent_id} {s.layers}" for s in u.plan.stages],
                 "emulation": self.stage_host.link.describe()}
-        await self.leader.set_pipeline(Pipeline(sender, takes="tokens", epoch=u.epoch, stages=len(u.ring), info=info))
+        await self.leader.set_pipeline(Pipeline(sender, takes="tokens", epoch=u.epoch, stages=len(u.ring), info=info,
+                                                max_requests=u.max_requests))
         now = time.monotonic()
         took = now - t.started
         self.plan, self.update, self.transition, self.broken = u.plan, u, None, None

@@ -77,6 +77,7 @@ class ClusterOptions(Settings):
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] | None = None
     decoding: Literal["auto", "ar", "chunk", "pipedec", "flowspec"] | None = None  # the leader's default mode
     engine: Literal["auto", "native", "torch"] | None = None  # every agent's (--engine); None: theirs to choose
+    max_requests: int | None = Field(default=None, ge=1, le=16)  # the leader's --max-requests
     flowspec: FlowSpecOverrides | None = None  # the leader's FlowSpecConfig fields that differ from the defaults
     secret: str | None = None  # a passphrase the agents derive the cluster key from (default: a fresh key)
     cluster_key: str | None = None  # the cluster key's text form (default: a fresh key)
@@ -164,7 +165,7 @@ class LocalCluster:
             if o.draft is not None:
                 args += ["--draft", str(o.draft)]
             flags |= {"--context": o.context, "--stages": o.stages, "--leader-layers": o.leader_layers,
-                      "--wire-dtype": o.wire_dtype, "--decoding": o.decoding,
+                      "--wire-dtype": o.wire_dtype, "--decoding": o.decoding, "--max-requests": o.max_requests,
                       "--flowspec-config": json.dumps(o.flowspec) if o.flowspec else None}
         elif o.members_have_model:
             args += ["--model", str(o.model or default_model_path())]

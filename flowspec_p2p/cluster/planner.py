@@ -39,6 +39,7 @@ from .plans import MB, Device, Excluded, ModelSizes, Plan, PlanOptions, Stage
 ROUND_TRIP_WEIGHT = 0.25  # share of the round trip that pipelined decoding cannot hide (verification points)
 EXHAUSTIVE_MAX_DEVICES = 8  # beyond this many devices, only prefixes of a few orderings are tried
 DEFAULT_LINK_MBPS = 100.0  # a device that reports no link estimate
+DEFAULT_MAX_REQUESTS = 8  # requests in flight the leader plans for when none is configured (fewer where memory ends)
 ACTIVATION_FACTOR = 24  # working-set floats per token per hidden unit (qkv, MLP intermediate, scores)
 
 
@@ -255,6 +256,22 @@ def plan(devices: Sequence[Device], model: ModelSizes, options: PlanOptions | No
             f"{len(devices)} device(s) offering {total / MB:.0f} MB in all"
         )
     return _build(c, model, opts, best, leader, devices, best_with)
+
+
+def plan_requests(devices: Sequence[Device], model: ModelSizes, options: PlanOptions | None = None, *,
+                  requests: int | None = None, most: int = DEFAULT_MAX_REQUESTS) -> tuple[Plan, int]:
+    """The plan for ``requests`` requests in flight (the KV of each on every stage, ``PlanOptions.kv_requests``),
+    or, with None, for as many as fit, from ``most`` down to one (memory decides: the same devices hold fewer
+    requests' KV beside more layers). -> (plan, requests it holds)"""
+    opts = options or PlanOptions()
+    if requests is not None:
+        return plan(devices, model, opts.model_copy(update={"kv_requests": requests})), requests
+    for n in range(most, 1, -1):
+        try:
+            return plan(devices, model, opts.model_copy(update={"kv_requests": n})), n
+        except PlanInfeasible:
+            continue
+    return plan(devices, model, opts.model_copy(update={"kv_requests": 1})), 1
 
 
 def _build(c: _Costs, model: ModelSizes, opts: PlanOptions, best: _Candidate, leader: Device,

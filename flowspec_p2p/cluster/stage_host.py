@@ -38,7 +38,7 @@ from ..pipeline.codec import wire_dtype as wire_torch_dtype
 from ..pipeline.emulation import Device, LinkEmulation
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer
-from ..pipeline.stage import MAX_REQUESTS, StageCore
+from ..pipeline.stage import StageCore
 from ..pipeline.transport import (
     CLOSE_SHUTDOWN,
     RING_PATH,
@@ -198,7 +198,7 @@ class StageHost:
         engine = get_engine(update.engine, parse_dtype(update.dtype))  # the plan's: every stage runs the same one
         cfg = update.config
         kv_bytes = engine.kv_bytes_per_token(cfg) * len(node.layers) * update.context  # one request's K and V
-        if kv_bytes * MAX_REQUESTS > psutil.virtual_memory().total:
+        if kv_bytes * update.max_requests > psutil.virtual_memory().total:
             raise ConfigError(f"a KV capacity of {update.context} positions needs {kv_bytes / 2**20:.0f} MiB per "
                               f"request on layers {node.layers}, more than this device holds")
         for held in (self.active, self.prepared):

@@ -72,6 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-cors", action="append", default=None, metavar="ORIGIN",
                    help="(leader) a browser origin the API answers cross-origin (repeatable; '*' for any)")
     p.add_argument("--context", type=int, default=None, help="(leader) KV tokens per request on every stage")
+    p.add_argument("--max-requests", type=int, default=None, metavar="N",
+                   help="(leader) requests decoded at once; every stage holds KV for N requests (default: as many as "
+                   "the devices' memory holds, at most 8); more wait in a queue, and beyond it get 503 + Retry-After")
     p.add_argument("--stages", type=int, default=None, help="(leader) force exactly N layer-holding stages")
     p.add_argument("--leader-layers", choices=["auto", "always", "never"], default=None,
                    help="(leader) may the leader hold layers itself (never = FlowSpec's layout)")
@@ -101,7 +104,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "cluster": args.cluster, "name": args.name, "leader": args.leader, "model": args.model, "draft": args.draft,
         "interfaces": args.interfaces, "peers": args.peers, "mdns": args.mdns, "port": args.port,
         "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
-        "cache_max_gb": args.cache_max_gb, "engine": args.engine,
+        "cache_max_gb": args.cache_max_gb, "engine": args.engine, "max_requests": args.max_requests,
         "secret": args.secret, "cluster_key_file": args.cluster_key_file, "insecure": args.insecure,
         "api_key": args.api_key, "api_insecure": args.api_insecure, "api_cors": args.api_cors,
         "wire_dtype": args.wire_dtype, "decoding": args.decoding,

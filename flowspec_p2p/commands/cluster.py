@@ -73,6 +73,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the leader's FlowSpec settings that differ from the defaults, as a JSON object of "
                    "FlowSpecConfig fields, e.g. '{\"segment_cap\": 6}' (see flowspec_p2p/decoding/flowspec.py)")
     add_engine_argument(p, "every agent's model engine")
+    p.add_argument("--max-requests", type=int, default=None, metavar="N",
+                   help="requests the leader decodes at once (default: as many as memory holds, at most 8)")
     p.add_argument("--state-dir", type=Path, default=None, help="keep agents' state and logs here (default: temp)")
     p.add_argument("--insecure", action="store_true",
                    help="an open cluster: no cluster key, plain http between agents (default: a fresh key, TLS)")
@@ -89,7 +91,8 @@ def _options(args: argparse.Namespace) -> ClusterOptions:
                               threads=args.threads, link_mbps=args.link_mbps, link_latency_ms=args.link_latency_ms,
                               slowdown=args.slowdown, stages=args.stages, leader_layers=args.leader_layers,
                               context=args.context, wire_dtype=args.wire_dtype, state_root=args.state_dir,
-                              decoding=args.decoding, engine=args.engine, insecure=args.insecure,
+                              decoding=args.decoding, engine=args.engine, max_requests=args.max_requests,
+                              insecure=args.insecure,
                               flowspec=json_object(args.flowspec_config, "--flowspec-config"))
     except ValidationError as e:
         raise ConfigError(f"invalid cluster options: {e}") from None

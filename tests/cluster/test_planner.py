@@ -152,3 +152,21 @@ def test_a_tied_leader_needs_no_embedding_bytes_beside_its_head():
     assert costs_u.leader_extra_bytes() - costs_t.leader_extra_bytes() == untied.embed_bytes
     stage = dev(1, 1000, 10)  # a stage that embeds still holds its own table
     assert costs_t.fixed_bytes(stage, embed=True, head=False) == costs_u.fixed_bytes(stage, embed=True, head=False)
+
+
+def test_the_plan_holds_kv_for_as_many_requests_as_memory_allows():
+    """Unconfigured, the leader plans for DEFAULT_MAX_REQUESTS requests in flight, fewer where the devices' memory
+    cannot hold their KV beside the layers; configured, that many or no plan."""
+    model = smol()
+    kv_one = model.kv_bytes_per_token * model.context * model.num_layers  # one request's KV over every layer
+    roomy = [dev(0, 4000, 10, leader=True)]
+    p, n = planner.plan_requests(roomy, model)
+    assert n == planner.DEFAULT_MAX_REQUESTS
+    check_invariants(p, roomy, model)
+    weights = sum(model.layer_bytes) + model.embed_bytes + model.head_bytes + model.draft_bytes
+    tight = [dev(0, (weights + 3.5 * kv_one) / MB + 20, 10, leader=True)]  # room for three requests' KV
+    p, n = planner.plan_requests(tight, model)
+    assert n == 3
+    assert planner.plan_requests(tight, model, requests=2)[1] == 2
+    with pytest.raises(PlanInfeasible):
+        planner.plan_requests(tight, model, requests=8)
