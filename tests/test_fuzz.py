@@ -13,7 +13,7 @@ from flowspec_p2p.decoding.chunk import CHUNK
 from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.settings import LeaderSettings
-from flowspec_p2p.model.generate import GenStats
+from flowspec_p2p.ledger import Ledger
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.pipeline.messages import PROTOCOL_VERSION
 from flowspec_p2p.pipeline.transport import RingHello
@@ -33,7 +33,7 @@ BODIES = 50
 async def greedy(leader, mode, n=16):
     out = []
     async for chunk in leader.generate(PROMPT, params=SamplingParams(), max_tokens=n, stop_ids=frozenset(),
-                                       mode=mode, stats=GenStats(mode="?")):
+                                       mode=mode, stats=Ledger(mode="?")):
         out += chunk
     return out
 

@@ -46,9 +46,9 @@ async def access_log(request: web.Request, handler):
 
 def _done(request: web.Request, status: int, reason: str, seconds: float) -> None:
     job = request.get(JOB)
-    trace = getattr(job, "trace", None)
+    ledger = getattr(job, "ledger", None)
     metrics = request.app.get(API_METRICS)
     if metrics is not None:
-        metrics.reply(status, reason, trace, request.path in COMPLETION_PATHS)
-    tokens = f" {trace.tokens} tokens ({trace.mode})" if trace is not None else ""
+        metrics.reply(status, reason, ledger, request.path in COMPLETION_PATHS)
+    tokens = f" {ledger.new_tokens} tokens ({ledger.mode})" if ledger is not None else ""
     log.info("%s %s %d%s %.3f s", request.method, request.path, status, tokens, seconds)

@@ -14,12 +14,12 @@ Each request leaves one access-log line (access.py).
 
 Extensions to the OpenAI request body: ``decoding`` ("ar", "chunk", "pipedec", "flowspec"; default: the leader's
 default mode, or ``model`` when that names a mode) and ``top_k``. Non-streamed responses carry a top-level ``stats``
-object (mode, new_tokens, steps, tau, prefill_s, decode_s, decode_started_at, decode_finished_at, ...); the last
-streamed chunk carries it too. For benchmarks, ``return_token_ids: true`` adds the generated ids to it
-(``token_ids``) and ``return_leader_timeline: true`` the leader's compute intervals (``leader_intervals``,
-time.time() pairs).
+object (mode, new_tokens, steps, tau, prefill_s, decode_s, decode_started_at, decode_finished_at, ...: a view of the
+request's ledger, ledger.reply_stats); the last streamed chunk carries it too. For benchmarks, ``return_token_ids:
+true`` adds the generated ids to it (``token_ids``) and ``return_leader_timeline: true`` the leader's compute
+intervals (``leader_intervals``, time.time() pairs).
 ``temperature`` defaults to 1.0 as in OpenAI's API (0 = greedy). ``logprobs`` (and ``top_logprobs``) work in every
-mode, streamed and not: the target's log-probabilities at each committed token (trace.py). Fields the server cannot
+mode, streamed and not: the target's log-probabilities at each committed token (ledger.py). Fields the server cannot
 honour are refused with a 400 naming them (schemas.py).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for requests the client must
@@ -49,11 +49,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from ..decoding.leader import Leader
-from ..decoding.trace import RequestTrace, TokenLogprob
 from ..errors import (
     FlowSpecError,
 )
-from ..model.generate import GenStats
+from ..ledger import Ledger, TokenLogprob, reply_stats
 from ..model.tokenizer import Detokenizer
 from .access import JOB, access_log
 from .auth import secure_api
@@ -97,22 +96,21 @@ class _Job:
             raise ApiError(400, f"{which} must be at most {settings.max_context}", "invalid_request_error", which)
         mode = body.decoding or _mode_named(leader, body.model)
         self.spec, self.budget = leader.check(len(prompt), max_tokens, mode)
-        self.stats = GenStats(mode=self.spec.name)
+        self.ledger = Ledger(mode=self.spec.name, prompt_tokens=len(prompt), top_logprobs=body.top_logprobs_wanted())
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.finish_reason = "length"
         self.token_ids: list[int] = []
-        self.leader_intervals: list[tuple[float, float]] | None = [] if body.return_leader_timeline else None
-        self.trace = RequestTrace(mode=self.spec.name, prompt_tokens=len(prompt),
-                                  top_logprobs=body.top_logprobs_wanted())
         self.text_offset = 0  # characters of the reply whose logprobs went out (completions' text_offset)
 
     def stats_dict(self) -> dict:
-        d = self.stats.as_dict()
+        """The reply's ``stats``: the ledger's view, with the token ids and the leader's compute intervals when
+        asked for."""
+        d = reply_stats(self.ledger)
         if self.body.return_token_ids:
             d["token_ids"] = list(self.token_ids)
-        if self.leader_intervals is not None:
-            d["leader_intervals"] = [[round(a, 6), round(b, 6)] for a, b in self.leader_intervals]
+        if self.body.return_leader_timeline:
+            d["leader_intervals"] = [[round(a, 6), round(b, 6)] for a, b in self.ledger.leader_busy]
         return d
 
     async def deltas(self) -> AsyncIterator[tuple[str, list[TokenLogprob]]]:
@@ -121,7 +119,7 @@ class _Job:
         tok = self.leader.tokenizer
         detok = Detokenizer(tok, self.body.stop_strings())
         stop_ids = tok.stop_ids
-        noted = self.trace.logprobs
+        noted = self.ledger.logprobs
         taken = 0
 
         def new_logprobs() -> list[TokenLogprob]:
@@ -131,8 +129,7 @@ class _Job:
             return out
 
         chunks = self.leader.generate(self.prompt, params=self.body.sampling(), max_tokens=self.budget,
-                                      stop_ids=stop_ids, mode=self.spec.name, stats=self.stats,
-                                      timeline=self.leader_intervals, trace=self.trace)
+                                      stop_ids=stop_ids, mode=self.spec.name, stats=self.ledger)
         async with contextlib.aclosing(chunks):
             async for ids in chunks:
                 self.token_ids += ids
@@ -152,12 +149,12 @@ class _Job:
             yield tail, rest
 
     def usage(self) -> dict:
-        n = self.stats.new_tokens
+        n = self.ledger.new_tokens
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         """OpenAI's ``logprobs`` object of a choice for ``entries`` (None when the request did not ask)."""
-        if entries is None or self.trace.logprobs is None:
+        if entries is None or self.ledger.logprobs is None:
             return None
         decode = self.leader.tokenizer.decode
         if self.kind == "chat":
@@ -180,7 +177,7 @@ class _Job:
                 "choices": [choice]}
 
     def full(self, text: str) -> dict:
-        lp = self.logprobs(self.trace.logprobs)
+        lp = self.logprobs(self.ledger.logprobs)
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                       "finish_reason": self.finish_reason}

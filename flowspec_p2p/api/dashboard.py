@@ -8,9 +8,9 @@ build step, nothing fetched from the internet) that the server keeps up to date 
 
 The state: the cluster as the control plane knows it (members, the plan, the stages with their counters, a
 transition in progress, the plan history with each re-plan's trigger), the leader (pipeline, queue, counters), the
-request in flight or else the last one (its trace summary: tokens/s, tau, acceptance by depth, each stage's busy
-time and bubbles, resumes), the requests before it, and every stage's busy intervals over the last
-TIMELINE_WINDOW_S (``timelines``: cluster/telemetry.py) beside the leader's own compute.
+request in flight or else the last one (its ledger's summary, ledger.request_summary: tokens/s, tau, acceptance by
+depth, each stage's busy time and bubbles, resumes), the requests before it, and every stage's busy intervals over the
+last TIMELINE_WINDOW_S (``timelines``: cluster/telemetry.py) beside the leader's own compute.
 
 The chat box on the page posts to /v1/chat/completions (streamed) like any client. Everything here is a route of the
 API app, so a middleware of the app (an API key) covers the page, its assets and its event stream alike.
@@ -28,7 +28,7 @@ from pathlib import Path
 from aiohttp import web
 
 from ..decoding.leader import Leader
-from ..decoding.trace import RequestTrace
+from ..ledger import Ledger, request_summary
 from .metrics import View, cluster_state
 
 STATIC_DIR = Path(__file__).with_name("static")
@@ -42,30 +42,30 @@ CONTENT_SECURITY_POLICY = ("default-src 'self'; img-src 'self' data:; style-src 
 Timelines = Callable[[float], Awaitable[list[dict]]]  # since (time.time()) -> per stage: {stage, agent_id, intervals}
 
 
-def _brief(t: RequestTrace) -> dict:
-    s = t.summary()
+def _brief(led: Ledger, now: float) -> dict:
+    s = request_summary(led, now)
     return {k: s[k] for k in ("id", "mode", "outcome", "tokens", "tokens_per_s", "tau", "elapsed_s", "started")}
 
 
-def _recent_busy(traces: list[RequestTrace], since: float) -> list[list[float]]:
-    return [[round(a, 4), round(b, 4)] for t in traces if (t.finished or time.time()) > since
-            for a, b in t.leader_busy if b > since]
+def _recent_busy(ledgers: list[Ledger], since: float, now: float) -> list[list[float]]:
+    return [[round(a, 4), round(b, 4)] for led in ledgers if (led.finished or now) > since
+            for a, b in led.leader_busy if b > since]
 
 
 async def dashboard_state(leader: Leader, view: View | None, timelines: Timelines | None) -> dict:
     now = time.time()
     since = now - TIMELINE_WINDOW_S
     known = await cluster_state(view)
-    traces = list(leader.traces)
+    ledgers = list(leader.ledgers)
     stages = await timelines(since) if timelines is not None else []
     return {
         "now": now,
         "window_s": TIMELINE_WINDOW_S,
         "cluster": known,
         "leader": leader.snapshot(),
-        "request": traces[-1].summary(now) if traces else None,
-        "recent": [_brief(t) for t in reversed(traces[:-1])][:RECENT_REQUESTS],
-        "timeline": {"stages": stages, "leader": _recent_busy(traces, since)},
+        "request": request_summary(ledgers[-1], now) if ledgers else None,
+        "recent": [_brief(led, now) for led in reversed(ledgers[:-1])][:RECENT_REQUESTS],
+        "timeline": {"stages": stages, "leader": _recent_busy(ledgers, since, now)},
     }
 
 

@@ -1,11 +1,11 @@
-"""Token log-probabilities (decoding/trace.TokenLogprob) in OpenAI's two shapes: the chat API's ``logprobs.content``
+"""Token log-probabilities (ledger.TokenLogprob) in OpenAI's two shapes: the chat API's ``logprobs.content``
 list and the legacy completions API's parallel lists. A token's text is its own decoding; ``bytes`` its UTF-8."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..decoding.trace import TokenLogprob
+from ..ledger import TokenLogprob
 
 Decode = Callable[[list[int]], str]
 

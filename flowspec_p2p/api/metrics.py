@@ -1,7 +1,7 @@
 """``GET /metrics`` of the leader's API: Prometheus text format (prometheus-client), every name prefixed
 ``flowspec_``, in a registry of the app's own (two leaders in one process never mix).
 
-Recorded as requests end, from each request's trace (decoding/trace.py):
+Recorded as requests end, a view of each request's ledger (ledger.py):
 
     flowspec_requests_total{mode,status}               completion requests by decoding mode and HTTP status (a
                                                        stream that fails after it started counts with the error's)
@@ -42,7 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..cluster.stage_metrics import prometheus_response
 from ..decoding.leader import Leader
-from ..decoding.trace import RequestTrace
+from ..ledger import Ledger, itl_gaps
 
 METRICS_PATH = "/metrics"
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -97,24 +97,24 @@ class ApiMetrics:
         self.state = _StateCollector(leader)
         r.register(self.state)
 
-    def reply(self, status: int, reason: str | None, trace: RequestTrace | None, completion: bool) -> None:
-        """One API reply went out (``trace``: of a completion request that got as far as the leader)."""
+    def reply(self, status: int, reason: str | None, ledger: Ledger | None, completion: bool) -> None:
+        """One API reply went out (``ledger``: of a completion request that was validated)."""
         if status >= 400:
             self.errors.labels(str(status), reason or "unknown").inc()
         if completion:
-            self.requests.labels(trace.mode if trace is not None else "none", str(status)).inc()
-        if trace is not None and trace.finished is not None:
-            self._request(trace)
+            self.requests.labels(ledger.mode if ledger is not None else "none", str(status)).inc()
+        if ledger is not None and ledger.finished is not None:  # it got as far as the leader
+            self._request(ledger)
 
-    def _request(self, t: RequestTrace) -> None:
+    def _request(self, t: Ledger) -> None:
         mode = t.mode
         self.prompt_tokens.labels(mode).inc(t.prompt_tokens)
-        self.generation_tokens.labels(mode).inc(t.tokens)
+        self.generation_tokens.labels(mode).inc(t.new_tokens)
         self.duration.labels(mode).observe(t.finished - t.started)
         if t.first_token_at is not None:
             self.ttft.labels(mode).observe(t.first_token_at - t.started)
         itl = self.itl.labels(mode)
-        for gap, n in t.itl_gaps():
+        for gap, n in itl_gaps(t):
             for _ in range(n):
                 itl.observe(gap / n)
         walks = self.walk_tokens.labels(mode)
@@ -122,7 +122,7 @@ class ApiMetrics:
             walks.observe(k)
         for d, n in enumerate(t.accepted_at_depth, 1):
             self.depth.labels(mode, str(d)).inc(n)
-        self.drafted.labels(mode).inc(t.drafted)
+        self.drafted.labels(mode).inc(t.draft_tokens)
         for i, busy in enumerate(t.stage_busy_s, 1):
             self.stage_busy.labels(str(i)).inc(busy)
             self.stage_bubble.labels(str(i)).inc(max(0.0, t.window_s - busy))

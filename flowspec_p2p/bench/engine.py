@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..model.generate import ARDecoder, GenStats, prefill_features
+from ..ledger import Ledger, extra_stats
+from ..model.generate import ARDecoder, prefill_features
 from ..model.load import LoadedModel, set_threads
 from ..model.sampling import SamplingParams
 from ..speculative.decoder import SpecDecoder
@@ -93,12 +94,12 @@ class Ours:
 
 def decode_sample(decoder, prompt_ids: Sequence[int], tokens: int) -> dict:
     """One greedy run decoding exactly ``tokens`` tokens after the prefill's (no stop ids, like llama-bench)."""
-    stats = GenStats(mode=decoder.mode)
-    for _ in decoder(list(prompt_ids), GREEDY, tokens + 1, frozenset(), stats):
+    ledger = Ledger(mode=decoder.mode)
+    for _ in decoder(list(prompt_ids), GREEDY, tokens + 1, frozenset(), ledger):
         pass
-    decoded = stats.new_tokens - 1
-    out = {"tokens_per_s": decoded / stats.decode_s, "tau": round(stats.tau, 4), "decoded": decoded}
-    if (share := stats.extra.get("draft_share")) is not None:
+    decoded = ledger.new_tokens - 1
+    out = {"tokens_per_s": decoded / ledger.decode_s, "tau": round(ledger.tau, 4), "decoded": decoded}
+    if (share := extra_stats(ledger).get("draft_share")) is not None:
         out["draft_share"] = share  # the part of the decode time spent drafting (spec)
     return out
 

@@ -37,7 +37,8 @@ from ..decoding.ar import AR
 from ..decoding.context import DecodingMode
 from ..decoding.leader import Leader
 from ..decoding.settings import LeaderSettings
-from ..model.generate import ARDecoder, GenStats, generate_ids
+from ..ledger import Ledger, reply_stats
+from ..model.generate import ARDecoder, generate_ids
 from ..model.sampling import SamplingParams
 from ..pipeline import codec
 from ..pipeline.emulation import ComputeEmulation, LinkEmulation
@@ -228,11 +229,11 @@ async def bench_ring(*, stages: int = 3, modes: tuple[str, ...] = ("ar", "chunk"
             ids = lm.tokenizer.chat([{"role": "user", "content": text}])
             if single:  # the same model on one device, no pipeline: what the ring's overhead is measured against
                 out, stats = await asyncio.to_thread(_single_device, lm.shard, ids, max_tokens)
-                per_mode[SINGLE].append(stats.as_dict())
+                per_mode[SINGLE].append(reply_stats(stats))
                 outputs[SINGLE].append(out)
             for mode in run_modes:
                 out, stats = await _generate(leader, ids, mode, max_tokens)
-                per_mode[mode].append(stats.as_dict())
+                per_mode[mode].append(reply_stats(stats))
                 outputs[mode].append(out)
                 log.info("prompt %d/%d %-8s %3d tokens, tau %.2f, decode %.1f tok/s", i + 1, len(texts), mode,
                          stats.new_tokens, stats.tau, _decode_tps(stats))
@@ -260,16 +261,16 @@ async def bench_ring(*, stages: int = 3, modes: tuple[str, ...] = ("ar", "chunk"
     }
 
 
-def _single_device(model, ids: list[int], max_tokens: int) -> tuple[list[int], GenStats]:
+def _single_device(model, ids: list[int], max_tokens: int) -> tuple[list[int], Ledger]:
     return generate_ids(ARDecoder(model), ids, GREEDY, max_tokens)
 
 
-def _decode_tps(stats: GenStats) -> float:
+def _decode_tps(stats: Ledger) -> float:
     return (stats.new_tokens - 1) / stats.decode_s if stats.decode_s > 0 else 0.0
 
 
-async def _generate(leader: Leader, ids: list[int], mode: str, max_tokens: int) -> tuple[list[int], GenStats]:
-    stats = GenStats(mode=mode)
+async def _generate(leader: Leader, ids: list[int], mode: str, max_tokens: int) -> tuple[list[int], Ledger]:
+    stats = Ledger(mode=mode)
     out: list[int] = []
     async for chunk in leader.generate(ids, params=GREEDY, max_tokens=max_tokens, mode=mode, stats=stats):
         out += chunk

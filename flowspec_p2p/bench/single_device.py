@@ -13,12 +13,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..ledger import Ledger, reply_stats
 from ..model.engine import Shard
-from ..model.generate import ARDecoder, GenStats, generate_ids
+from ..model.generate import ARDecoder, generate_ids
 from ..model.sampling import SamplingParams
 from ..specbench import Question
 from ..speculative.auto import AutoDecoder
-from ..speculative.decoder import SpecDecoder
+from ..speculative.decoder import SpecDecoder, SpecFigures
 from ..speculative.drafter import TreeDrafter, TreeShape
 from . import write_json_md
 
@@ -39,7 +40,7 @@ def _elapsed(fn: Callable[[], object]) -> float:
 # -- tuner: forward curve, draft cost, teacher-forced acceptance ------------------------------------------------
 
 
-def _per_token(stats: GenStats) -> float | None:
+def _per_token(stats: Ledger) -> float | None:
     return stats.decode_s / (stats.new_tokens - 1) if stats.new_tokens > 1 else None
 
 
@@ -74,12 +75,12 @@ def bench(
             row = {"dataset": bp.dataset, "line": bp.line, "temperature": temp}
             if temp == 0.0:
                 ref, ar_stats = generate_ids(ar, ids, params, max_new_tokens, tokenizer.stop_ids)
-                row["ar"] = {**ar_stats.as_dict(), "per_token_s": _per_token(ar_stats)}
+                row["ar"] = {**reply_stats(ar_stats), "per_token_s": _per_token(ar_stats)}
             out, st = generate_ids(spec, ids, params, max_new_tokens, tokenizer.stop_ids)
-            row["spec"] = st.as_dict()
+            row["spec"] = reply_stats(st)
             if temp == 0.0:  # auto (the default mode) right after, same prompt
                 auto_out, auto_stats = generate_ids(auto, ids, params, max_new_tokens, tokenizer.stop_ids)
-                row["auto"] = auto_stats.as_dict()
+                row["auto"] = reply_stats(auto_stats)
                 row["auto_equal"] = auto_out == ref
             if temp == 0.0:
                 div = next((j for j, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), None)
@@ -95,10 +96,9 @@ def bench(
                     }
                 steps = st.steps - 1
                 if steps and row["ar"]["per_token_s"]:
-                    row["draft_per_step_vs_forward"] = st.extra["draft_s"] / steps / row["ar"]["per_token_s"]
-                    row["verify_per_step_vs_forward"] = (
-                        (st.decode_s - st.extra["draft_s"]) / steps / row["ar"]["per_token_s"]
-                    )
+                    draft_s = st.figure(SpecFigures).draft_s
+                    row["draft_per_step_vs_forward"] = draft_s / steps / row["ar"]["per_token_s"]
+                    row["verify_per_step_vs_forward"] = (st.decode_s - draft_s) / steps / row["ar"]["per_token_s"]
             rows.append(row)
     return {
         "config": {

@@ -87,8 +87,9 @@ def make_decoder(args: argparse.Namespace, lm):
 
 def run(args: argparse.Namespace) -> int:
     # The engine's imports (torch) load only when a command runs, so `flowspec cluster up` and `chat` stay light.
+    from ..ledger import Ledger, reply_stats
     from ..model.dtypes import parse_dtype
-    from ..model.generate import GenStats, stream_text
+    from ..model.generate import stream_text
     from ..model.load import load_model, set_threads
     from ..model.sampling import SamplingParams
 
@@ -104,13 +105,13 @@ def run(args: argparse.Namespace) -> int:
         ]
         prompt = tok.chat(messages)
     decoder = make_decoder(args, lm)
-    stats = GenStats(mode=decoder.mode)
-    chunks = decoder(prompt, params, args.max_tokens, tok.stop_ids, stats)
+    ledger = Ledger(mode=decoder.mode)
+    chunks = decoder(prompt, params, args.max_tokens, tok.stop_ids, ledger)
     for delta in stream_text(chunks, tok, args.stop):
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats:
-        sys.stderr.write(json.dumps(stats.as_dict()) + "\n")
+        sys.stderr.write(json.dumps(reply_stats(ledger)) + "\n")
     return 0

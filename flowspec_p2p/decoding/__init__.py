@@ -2,8 +2,8 @@
 
 Owns: what a mode sees of one request (context), the modes (ar, chunk: Chunk-PP, pipedec: PipeDec, flowspec: FlowSpec
 with its pure bookkeeping in flowstate), the mode registry (registry), the leader (leader: requests, turns,
-resumption, the demultiplexer), what a request did as it happens and its logprobs (trace) and an in-process ring
-for tests and benchmarks (loopback).
+resumption, the demultiplexer; what each request does goes to its ledger, the base module ledger.py) and an
+in-process ring for tests and benchmarks (loopback).
 
-May import: pipeline, spec, model and the base modules. flowstate is pure: no asyncio, aiohttp or zeroconf.
+May import: pipeline, speculative, model and the base modules. flowstate is pure: no asyncio, aiohttp or zeroconf.
 """

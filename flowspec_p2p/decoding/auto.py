@@ -11,7 +11,8 @@ A mode with no measurement yet is tried first (in ``candidates`` order); after t
 mode is tried again after ``recheck`` requests, twice as late each time it loses again (so a mode that never pays
 costs a vanishing share of the requests).
 
-Pure bookkeeping (no torch, no I/O): leader.py asks ``choose`` per request and reports ``record`` after it.
+Pure bookkeeping (no torch, no I/O): leader.py asks ``choose`` per request (the ``Choice`` goes to the request's
+ledger) and reports ``record`` after it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
+from ..ledger import Ledger
 from ..types import Settings
 
 
@@ -48,6 +50,10 @@ class Choice:
     def as_dict(self) -> dict:
         return {"chose": self.mode, "reason": self.reason,
                 "rates": {m: None if r is None else round(r, 2) for m, r in self.rates.items()}}
+
+    def stats(self, ledger: Ledger) -> dict:
+        """Its key of the reply's stats (it is one of the request's figures, ledger.Figures): ``auto``."""
+        return {"auto": self.as_dict()}
 
 
 LOAD_BUCKETS = (1, 2, 4, 8)  # requests in flight: 1, 2, 3-4, 5-8, more

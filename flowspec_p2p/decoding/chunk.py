@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
+from ..ledger import Ledger
 from ..speculative.drafter import TreeShape
 from ..speculative.tree import DraftTree, segment_bounds, split_lengths
 from ..speculative.verify import Verdict, verify_tree, walk_rows
@@ -31,6 +33,21 @@ from .context import DecodingMode, ModeContext, prefill
 # it is cut into one segment per stage, so a bigger tree costs little more per round. Same budget as FlowSpec's
 # initial tree, so the two modes draft comparable trees.
 CHUNK_TREE = TreeShape(total_tokens=24, depth=6, top_k=4)
+
+
+@dataclass
+class ChunkFigures:
+    """Chunk-PP's own figures of an attempt: the drafter's seconds, segments per tree, the tree shape; in the stats
+    also ``tree_nodes``, the mean tree size per round (the root included)."""
+
+    shape: TreeShape
+    segments: int
+    draft_s: float = 0.0
+
+    def stats(self, ledger: Ledger) -> dict:
+        rounds = ledger.attempt_walks
+        return dict(draft_s=round(self.draft_s, 4), segments=self.segments, tree=self.shape.model_dump(),
+                    tree_nodes=round((ledger.attempt_drafted + rounds) / rounds, 2) if rounds else 0.0)
 
 
 def _verify(ctx: ModeContext, tree: DraftTree, f: torch.Tensor, committed: int) -> Verdict:
@@ -52,27 +69,25 @@ def _commit(ctx: ModeContext, tree: DraftTree, f: torch.Tensor, verdict: Verdict
 async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: int | None = None
                      ) -> AsyncIterator[list[int]]:
     """``segments``: per tree (default: the pipeline's stages + 1, the leader included, as the reference)."""
-    drafter, stats = ctx.drafter, ctx.stats
-    budget = ctx.max_new_tokens
+    drafter, ledger = ctx.drafter, ctx.ledger
     segments = segments or ctx.pipeline.stages + 1
     t0 = time.perf_counter()
     feats = await prefill(ctx)  # [P, hidden]
     token = await ctx.compute(ctx.next_token, feats[-1])
-    drafter.reset(len(ctx.prompt) + budget + shape.draft_slots())
+    drafter.reset(len(ctx.prompt) + ctx.max_new_tokens + shape.draft_slots())
     await ctx.compute(drafter.feed, ctx.prompt, feats, token)
-    stats.prefill_s = time.perf_counter() - t0
-    stats.steps, stats.new_tokens = 1, 1
+    ledger.prefilled(len(ctx.prompt), time.perf_counter() - t0)
+    fig = ChunkFigures(shape, segments)
+    ledger.note(fig)
     committed = len(ctx.prompt)
-    draft_s, nodes = 0.0, 0
     t1 = time.perf_counter()
     try:
         yield [token]
-        while stats.new_tokens < budget and token not in ctx.stop_ids:
-            remaining = budget - stats.new_tokens
+        while (remaining := ctx.remaining) > 0 and token not in ctx.stop_ids:
             # 1. draft (no deeper than the reply can still grow)
             td = time.perf_counter()
             tree: DraftTree = await ctx.compute(drafter.draft, shape.capped(remaining - 1))
-            draft_s += time.perf_counter() - td
+            fig.draft_s += time.perf_counter() - td
             # 2. all segments down the pipeline, back to back
             parents, positions = tree.parent_list, tree.positions(committed).tolist()
             bounds = segment_bounds(split_lengths(len(tree), segments))
@@ -87,21 +102,15 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
             committed += len(verdict.accepted)
             out = verdict.emitted(tree)[:remaining]
             ctx.walked(verdict, len(out))
-            stats.steps += 1
-            stats.new_tokens += len(out)
-            nodes += len(tree)
             token = out[-1]
             yield out
             # 4. the drafter learns the committed tokens with their real target features
-            more = stats.new_tokens < budget and token not in ctx.stop_ids
+            more = ctx.remaining > 0 and token not in ctx.stop_ids
             td = time.perf_counter()
             await ctx.compute(_commit, ctx, tree, f, verdict, more)
-            draft_s += time.perf_counter() - td
+            fig.draft_s += time.perf_counter() - td
     finally:
-        stats.decode_s = time.perf_counter() - t1
-        rounds = stats.steps - 1
-        stats.extra.update(draft_s=round(draft_s, 4), segments=segments, tree=shape.model_dump(),
-                           tree_nodes=round(nodes / rounds, 2) if rounds else 0.0)
+        ledger.decoded(time.perf_counter() - t1)
 
 
 def make_chunk(shape: TreeShape = CHUNK_TREE, segments: int | None = None) -> DecodingMode:

@@ -6,11 +6,12 @@ it, and runs the mode.
 Writing a mode (the built-in modes plug in the same way; ar.py is the simplest)::
 
     async def my_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
+        t0 = time.perf_counter()
         await ctx.forward(parents=[-1, 0], positions=[0, 1], tokens=ctx.prompt[:2], commit=True)
         msg, tensors = await ctx.recv()                   # this request's next returned message, in order
         feats = ctx.features(tensors)                      # [m, hidden] final-normed, head dtype
         token = await ctx.compute(ctx.next_token, feats[-1])  # heavy work on the leader's compute thread
-        ctx.stats.steps += 1; ctx.stats.new_tokens += 1
+        ctx.ledger.prefilled(2, time.perf_counter() - t0)  # what it did goes to the request's ledger (ledger.py)
         yield [token]                                      # committed tokens, streamed to the client at once
 
     leader.register_mode(DecodingMode("my-mode", my_mode, needs_drafter=False))
@@ -18,10 +19,13 @@ Writing a mode (the built-in modes plug in the same way; ar.py is the simplest):
 A mode must not send ``Release``: the leader does, in order, when the mode ends (or is closed early because the
 client left or a stop string matched). Prefill belongs to the mode (``prefill`` is the shared helper).
 
-What a mode reports (``ctx.trace``, trace.py; the dashboard and /metrics read it): a token decided from one position
-comes from ``next_token``, which also notes its logprobs when the request asked for them; a speculative mode calls
-``note_walk`` after each verification (on the compute thread: it reads the walk's logits rows), ``walked`` with what
-the walk emitted, and ``drafted`` with the draft nodes it sends. Sending and receiving note the rest themselves.
+What a mode reports goes to ``ctx.ledger``, the request's one record (ledger.py; the reply's stats, the dashboard and
+/metrics are views of it): ``prefilled`` once the prompt decided the first token, ``stepped`` per committing forward,
+``decoded`` with the decode phase's seconds and ``note`` with its own typed figures. A token decided from one
+position comes from ``next_token``, which also notes its logprobs when the request asked for them; a speculative mode
+calls ``note_walk`` after each verification (on the compute thread: it reads the walk's logits rows), ``walked``
+with what the walk emitted (a step), and ``drafted`` with the draft nodes it sends. Sending, receiving and
+``compute`` note the rest themselves. ``remaining`` is what the attempt may still commit.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from typing import Any, Literal, Protocol, TypeVar
 import torch
 
 from ..errors import LinkLost, PeerGone, StageFailed
+from ..ledger import MAX_TOP_LOGPROBS, Ledger, TokenLogprob
 from ..model.engine import Shard
-from ..model.generate import GenStats
 from ..model.sampling import PositionalDraws, SamplingParams, choose
 from ..pipeline.codec import wire_dtype
 from ..pipeline.messages import DataMessage, Forward, Prune, StageError
@@ -46,12 +50,26 @@ from ..pipeline.transport import Frame, Sender
 from ..speculative.drafter import Drafter
 from ..speculative.verify import Rows, Verdict
 from .settings import LeaderSettings
-from .trace import RequestTrace, TokenLogprob, token_logprobs
 
 T = TypeVar("T")
 
 RETURN_SLACK = 16  # returned messages a request may hold beyond what it sent (a stage's own StageErrors)
 Tensors = dict[str, torch.Tensor]
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    """logits: [vocab] of the position that decided ``token`` -> its log-probability and the ``top_n`` best (the raw
+    distribution: log_softmax of the logits, before temperature, top-k or top-p; it draws nothing, so the tokens are
+    the same with or without logprobs)."""
+    assert logits.ndim == 1, logits.shape
+    assert 0 <= top_n <= MAX_TOP_LOGPROBS, top_n
+    with torch.inference_mode():
+        lp = torch.log_softmax(logits.to(torch.float64), dim=-1)  # [vocab]
+        top: tuple[tuple[int, float], ...] = ()
+        if top_n > 0:
+            values, ids = torch.topk(lp, min(top_n, lp.shape[-1]))  # [top_n] each
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        return TokenLogprob(int(token), float(lp[token]), top)
 
 
 @dataclass
@@ -134,8 +152,7 @@ class ModeContext:
     """One request's view of the pipeline and the leader's parts (see the module docstring)."""
 
     def __init__(self, parts: LeaderParts, pipeline: Pipeline, request_id: str, prompt: list[int],
-                 params: SamplingParams, max_new_tokens: int, stop_ids: frozenset[int], stats: GenStats,
-                 trace: RequestTrace | None = None):
+                 params: SamplingParams, max_new_tokens: int, stop_ids: frozenset[int], ledger: Ledger):
         self.parts = parts
         self.pipeline = pipeline
         self.request_id = request_id
@@ -143,7 +160,7 @@ class ModeContext:
         self.params = params
         self.max_new_tokens = max_new_tokens  # already clamped to the context limit
         self.stop_ids = stop_ids
-        self.stats = stats
+        self.ledger = ledger  # the request's, across its attempts
         self.head: Shard = parts.head
         # the request's own drafter state (its caches and context) over the shared draft model
         self.drafter = None if parts.drafter is None else parts.drafter.fork()
@@ -158,11 +175,21 @@ class ModeContext:
         self.returned = 0  # forward results queued here, not yet taken by recv()
         self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
         self.load = 1  # requests in flight when it started, itself included (the leader sets it)
-        self.busy: list[tuple[float, float]] = []  # time.time() (start, end) of each compute, emulated wait included
-        self.trace = trace if trace is not None else RequestTrace(mode=stats.mode)
+        self._busy_from = len(ledger.leader_busy)  # the ledger's compute intervals before this attempt
+        self._base_tokens = ledger.new_tokens  # the ledger's tokens before this attempt
         self.pending_logprobs: list[TokenLogprob] = []  # for the next chunk the mode yields (the leader takes them)
         self._sent_at: deque[float] = deque()  # time.perf_counter() of each Forward in flight, oldest first
         self._mark: float | None = None  # time.perf_counter() up to which the request's window is counted
+
+    @property
+    def remaining(self) -> int:
+        """New tokens this attempt may still commit."""
+        return self.max_new_tokens - (self.ledger.new_tokens - self._base_tokens)
+
+    @property
+    def busy(self) -> list[tuple[float, float]]:
+        """time.time() (start, end) of each compute of this attempt, emulated wait included."""
+        return self.ledger.leader_busy[self._busy_from:]
 
     def fail(self, error: BaseException) -> None:
         if self.error is None:
@@ -196,7 +223,7 @@ class ModeContext:
             await self.pipeline.sender.send(msg, tensors)
         except PeerGone as e:
             raise PeerGone(f"pipeline broke while sending: {e}") from e
-        self.trace.sent_bytes += (counters.bytes - before) if counters is not None else 0
+        self.ledger.sent((counters.bytes - before) if counters is not None else 0)
 
     async def forward(self, *, first: int = 0, parents: Sequence[int], positions: Sequence[int],
                       tokens: Sequence[int] | torch.Tensor, commit: bool = False, tag: int = 0) -> None:
@@ -238,14 +265,12 @@ class ModeContext:
         return msg, item.tensors
 
     def _returned(self, msg: Forward, tensors: Tensors) -> None:
-        now, trace = time.perf_counter(), self.trace
-        if self._sent_at:
-            trace.trips_s.append(now - self._sent_at.popleft())
+        now = time.perf_counter()
+        trip = now - self._sent_at.popleft() if self._sent_at else None
+        window = 0.0
         if self._mark is not None:
-            trace.window_s += now - self._mark
-            self._mark = now
-        trace.returned(msg.stage_s)
-        trace.returned_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            window, self._mark = now - self._mark, now
+        self.ledger.returned(msg.stage_s, sum(t.numel() * t.element_size() for t in tensors.values()), trip, window)
 
     async def recv_forward(self) -> tuple[Forward, Tensors]:
         """The next returned Forward, skipping acks of prunes."""
@@ -290,35 +315,32 @@ class ModeContext:
         position, self.next_position = self.next_position, self.next_position + 1
         token = choose(logits, self.params, None) if self.gen is None else self.gen.sample(logits, self.params,
                                                                                            position)
-        if self.trace.top_logprobs is not None:
-            self.pending_logprobs.append(token_logprobs(logits, token, self.trace.top_logprobs))
+        if self.ledger.top_logprobs is not None:
+            self.pending_logprobs.append(token_logprobs(logits, token, self.ledger.top_logprobs))
         return token
 
     def note_walk(self, rows: Rows, verdict: Verdict, emitted: Sequence[int]) -> None:
         """After a verification walk over ``rows`` (target logits per tree node) that emitted ``emitted``: the
         logprobs of each emitted token, from the row of the accepted node before it (rows the walk already read)."""
-        n = self.trace.top_logprobs
+        n = self.ledger.top_logprobs
         if n is not None:
             self.pending_logprobs += [token_logprobs(rows[verdict.accepted[j]], t, n) for j, t in enumerate(emitted)]
 
     def walked(self, verdict: Verdict, emitted: int) -> None:
-        """A walk ended in ``verdict`` and emitted ``emitted`` tokens (after any budget cut). The target confirmed
-        the draft as deep as the accepted path went, one level more when the token after it is a drafted child not
-        verified yet (FlowSpec continues there)."""
-        confirmed = len(verdict.accepted) - 1 + (verdict.next_child is not None)
-        self.trace.walked(emitted, min(confirmed, emitted))
+        """A walk (a step) ended in ``verdict`` and emitted ``emitted`` tokens (after any budget cut). The target
+        confirmed the draft ``verdict.confirmed`` levels deep (no deeper than what it emitted)."""
+        self.ledger.walked(emitted, min(verdict.confirmed, emitted))
 
     def drafted(self, nodes: int) -> None:
         """``nodes`` drafted tokens go down the pipeline to be verified."""
-        self.trace.drafted += nodes
+        self.ledger.drafted(nodes)
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` where the leader computes (``LeaderParts.compute``); the interval, an emulated
-        device's wait included, is recorded in ``busy``."""
+        device's wait included, goes to the ledger (``busy``: this attempt's)."""
         start = time.time()
         out = await self.parts.compute.run(fn, *args)
-        self.busy.append((start, time.time()))
-        self.trace.leader_busy.append(self.busy[-1])
+        self.ledger.computed(start, time.time())
         return out
 
 

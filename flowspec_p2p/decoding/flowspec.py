@@ -14,9 +14,9 @@ Glossary (tree words as in tree.py, protocol words as in messages.py):
                     never verified yet)
     step            one returned segment: map it to current indices, extend the verified prefix, and — when the
                     root is verified — *walk* (verify.py): accept the longest verified path the target agrees
-                    with and decide the token after it (argmax, or an exact sample). ``GenStats.steps`` counts
-                    walks (+1 for the prefill), so tau = tokens per verification as for chunk and spec; the
-                    returned segments are ``extra["segments"]``
+                    with and decide the token after it (argmax, or an exact sample). A walk is one of the
+                    ledger's steps (+1 for the prefill), so tau = tokens per verification as for chunk and spec;
+                    the returned segments are the stats' ``segments``
     continue        the decided token equals a child of the last accepted node that is already in the tree (sent or
                     not): that child becomes the new root and its subtree survives — no pipeline drain. If the
                     child was still unsent (``continues_unsent``), its features are a ring trip away, as after
@@ -46,11 +46,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
 import torch
 
+from ..ledger import Ledger
 from ..pipeline.messages import Forward
 from ..speculative.drafter import TreeShape
 from ..speculative.tree import DraftTree
@@ -99,7 +101,7 @@ class Growth(Protocol):
         """A segment came back (``msg.stage_s``: each stage's busy seconds for it)."""
 
     def report(self) -> dict:
-        """What it learned in this request, for GenStats.extra."""
+        """What it learned in this request, for the reply's stats."""
 
 
 Send = Callable[[], Awaitable[None]]  # fill the ring with what is ready to go
@@ -173,6 +175,19 @@ class FlowSpecGrowth:
         return k
 
 
+@dataclass
+class TreeFigures:
+    """The tree loop's own figures of an attempt (the reply's stats): segments in flight, the loop's counters
+    (flowstats.FlowStats; ``walks`` from the ledger) and what the growth learned."""
+
+    in_flight: int
+    loop: FlowStats
+    growth: Growth
+
+    def stats(self, ledger: Ledger) -> dict:
+        return dict(in_flight=self.in_flight, **self.loop.extra(ledger.attempt_walks), **self.growth.report())
+
+
 class _TreeLoop:
     """One request's pipelined tree loop (tree_pipeline): the ring kept full, and each returned segment turned
     into a walk, a prune in band and a grown tree."""
@@ -183,7 +198,7 @@ class _TreeLoop:
         self.verdict: Verdict | None = None  # the last walk's, until advance() applies it
 
     def budget(self) -> int:
-        return self.ctx.max_new_tokens - self.ctx.stats.new_tokens
+        return self.ctx.remaining
 
     async def fill(self) -> None:
         """Keep ``in_flight`` live segments in the ring while unsent nodes exist. Segments that a prune emptied do
@@ -221,10 +236,8 @@ class _TreeLoop:
         verdict = await ctx.compute(_walk, ctx, state)  # the root is always in the verified prefix here
         stats.verify_s += time.perf_counter() - tv
         stats.walked()
-        ctx.stats.steps += 1  # a verification: comparable with chunk's rounds and spec's steps
         out = verdict.emitted(state.tree)[: self.budget()]
-        ctx.walked(verdict, len(out))
-        ctx.stats.new_tokens += len(out)
+        ctx.walked(verdict, len(out))  # a step: comparable with chunk's rounds and spec's steps
         if verdict.stopped or self.budget() <= 0 or out[-1] in ctx.stop_ids:
             return out, True
         self.verdict = verdict
@@ -254,23 +267,21 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
                         draft_slots: int = 64) -> AsyncIterator[list[int]]:
     """The pipelined tree loop shared by FlowSpec and PipeDec: prefill, fill the ring with segments, and on every
     returned segment extend the verified prefix, walk, prune in band, grow the tree, refill."""
-    drafter, stats = ctx.drafter, ctx.stats
-    budget = ctx.max_new_tokens
+    drafter, ledger = ctx.drafter, ctx.ledger
     in_flight = in_flight or ctx.pipeline.stages + 1
     t0 = time.perf_counter()
     feats = await prefill(ctx)  # [P, hidden]
     token = await ctx.compute(ctx.next_token, feats[-1])
-    drafter.reset(len(ctx.prompt) + budget + draft_slots)
+    drafter.reset(len(ctx.prompt) + ctx.max_new_tokens + draft_slots)
     await ctx.compute(drafter.feed, ctx.prompt, feats, token)
-    stats.prefill_s = time.perf_counter() - t0
-    stats.steps, stats.new_tokens = 1, 1
+    ledger.prefilled(len(ctx.prompt), time.perf_counter() - t0)
     t1 = time.perf_counter()
-    loop: _TreeLoop | None = None
     try:
         yield [token]
-        if stats.new_tokens >= budget or token in ctx.stop_ids:
+        if ctx.remaining <= 0 or token in ctx.stop_ids:
             return
         loop = _TreeLoop(ctx, growth, FlowState(tree=DraftTree.root(token), committed=len(ctx.prompt)), in_flight)
+        ledger.note(TreeFigures(in_flight, loop.stats, growth))
         await loop.start()
         while True:
             msg, tensors = await ctx.recv()
@@ -283,9 +294,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
                 return
             await loop.advance()
     finally:
-        stats.decode_s = time.perf_counter() - t1
-        if loop is not None:
-            stats.extra.update(in_flight=in_flight, **loop.stats.extra(), **growth.report())
+        ledger.decoded(time.perf_counter() - t1)
 
 
 async def flowspec_mode(ctx: ModeContext, config: FlowSpecConfig | None = None) -> AsyncIterator[list[int]]:

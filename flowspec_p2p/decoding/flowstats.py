@@ -1,6 +1,6 @@
-"""What the pipelined tree loop (flowspec.tree_pipeline) reports about itself in ``GenStats.extra``: segment and
-node counts, walk outcomes, ring trips, and what each walk outcome costs. Diagnostics for ``flowspec bench``; the
-algorithm (flowstate.py) neither reads nor needs any of it."""
+"""What the pipelined tree loop (flowspec.tree_pipeline) reports about itself in the reply's stats (its figures in
+the request's ledger: flowspec.TreeFigures): segment and node counts, walk outcomes, ring trips, and what each walk
+outcome costs. Diagnostics for ``flowspec bench``; the algorithm (flowstate.py) neither reads nor needs any of it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .flowstate import Segment
 @dataclass
 class WalkClock:
     """What each walk outcome costs: the time from a walk to the next one, summed by the first walk's outcome
-    (FlowState.outcome), into GenStats.extra as ``<outcome>_gap_s`` and ``<outcome>_gaps``. A continue whose
+    (FlowState.outcome), into the reply's stats as ``<outcome>_gap_s`` and ``<outcome>_gaps``. A continue whose
     child was in flight costs about one stage time; a restart, or a continue to an unsent child, a trip round
     the ring. ``flowspec bench`` reports the mean of each. Call ``walked`` at every walk and ``outcome`` once
     the walk is applied (the request's last walk has none)."""
@@ -38,8 +38,8 @@ class FlowStats:
     """Counters of one request's tree loop, fed by the loop as it sends, takes back and walks."""
 
     counters: dict = field(default_factory=lambda: dict(
-        segments=0, nodes_sent=0, nodes_returned=0, nodes_dead=0, walks=0, continues=0, continues_unsent=0,
-        restarts=0, prunes=0, trip_s=0.0, trips=0))
+        segments=0, nodes_sent=0, nodes_returned=0, nodes_dead=0, continues=0, continues_unsent=0, restarts=0,
+        prunes=0, trip_s=0.0, trips=0))
     clock: WalkClock = field(default_factory=WalkClock)
     sent_at: dict[int, float] = field(default_factory=dict)  # segment tag -> time.perf_counter() it went out
     draft_s: float = 0.0
@@ -61,7 +61,7 @@ class FlowStats:
             c["trips"] += 1
 
     def walked(self) -> None:
-        self.counters["walks"] += 1
+        """A walk (the ledger counts it: Ledger.walked)."""
         self.clock.walked(time.perf_counter())
 
     def applied(self, outcome: str) -> None:
@@ -78,6 +78,7 @@ class FlowStats:
     def drafted(self) -> None:
         self.counters["drafts"] = self.counters.get("drafts", 0) + 1
 
-    def extra(self) -> dict:
-        counters = {**self.counters, "trip_s": round(self.counters["trip_s"], 6)}
+    def extra(self, walks: int) -> dict:
+        """Its keys of the reply's stats; ``walks``: the attempt's, from the ledger."""
+        counters = {**self.counters, "walks": walks, "trip_s": round(self.counters["trip_s"], 6)}
         return dict(draft_s=round(self.draft_s, 4), verify_s=round(self.verify_s, 4), **counters, **self.clock.sums)

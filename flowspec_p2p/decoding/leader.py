@@ -12,7 +12,9 @@ Glossary:
                  stage does not embed, the embedding
     mode         a decoding strategy: an async generator ``mode(ctx)`` yielding committed-token chunks
     context      ``ModeContext``: one request's view of the pipeline (send / recv with request id and sequence
-                 numbers filled in, head, drafter, sampling, budget, stats)
+                 numbers filled in, head, drafter, sampling, budget, the request's ledger)
+    ledger       ``Ledger`` (ledger.py): the request's one record, owned by the request; its mode, its ring view
+                 and the leader append to it, across attempts; the reply's stats, /metrics and the dashboard render it
 
 Up to ``max_requests`` requests are decoded at once, each by its own mode on its own tasks: their messages share
 the ring, each stage runs the queued forwards of different requests in one batched engine call (pipeline/worker.py),
@@ -23,7 +25,8 @@ arriving while there is no pipeline (planning, loading) wait ``ready_timeout_s``
 (HTTP 503 with Retry-After). A request whose pipeline breaks — a link down, no reply within ``step_timeout_s``, a
 re-plan (``set_pipeline``) — **resumes**: the leader waits up to ``resume_timeout_s`` for the next pipeline (the
 re-plan that a device leaving sets off) and continues from the tokens it already committed, prompt and committed
-tokens prefilled again. That is lossless: every mode decodes the target's distribution given the prefix, and a sampled
+tokens prefilled again (the attempt appends to the same ledger: its totals are sums over the attempts). That is
+lossless: every mode decodes the target's distribution given the prefix, and a sampled
 request gives the text it would have given undisturbed: the token at each absolute position comes from one uniform
 of (seed, position) (sampling.PositionalDraws; a request without a seed gets one). Without a
 new pipeline in time, or after ``resume_attempts`` resumptions, it ends with ``PeerGone``; a stage error ends it
@@ -47,32 +50,22 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone
+from ..ledger import Ledger, reply_stats
 from ..model.engine import Shard
-from ..model.generate import GenStats, check_context
+from ..model.generate import check_context
 from ..model.sampling import SamplingParams
 from ..pipeline.messages import Release
 from ..pipeline.transport import Frame, Inbox, LinkDown
 from ..speculative.drafter import Drafter
 from .admission import Admission
 from .ar import AR
-from .auto import ModeChooser
+from .auto import Choice, ModeChooser
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
 from .settings import LeaderSettings
-from .trace import RequestTrace
 
 log = logging.getLogger(__name__)
 
-TRACES_KEPT = 16  # recent requests' traces (RequestTrace) kept for the dashboard
-
-
-def _decode_window(stats: GenStats, busy: list[tuple[float, float]]) -> None:
-    """Stamp the decode window (the mode's ``decode_s`` ending now, as wall-clock time.time(), comparable with the
-    stages' timelines) and the leader's busy seconds within it into ``stats.extra``."""
-    end = time.time()
-    start = end - stats.decode_s
-    stats.extra["decode_started_at"] = start
-    stats.extra["decode_finished_at"] = end
-    stats.extra["leader_busy_s"] = round(sum(max(0.0, min(b, end) - max(a, start)) for a, b in busy), 4)
+LEDGERS_KEPT = 16  # recent requests' ledgers kept for the dashboard
 
 
 def _job_params(params: SamplingParams) -> SamplingParams:
@@ -83,35 +76,17 @@ def _job_params(params: SamplingParams) -> SamplingParams:
     return params.model_copy(update={"seed": secrets.randbits(63)})
 
 
-def _sum(a: GenStats, b: GenStats) -> GenStats:
-    return GenStats(mode=b.mode, new_tokens=a.new_tokens + b.new_tokens, steps=a.steps + b.steps,
-                    prefill_s=a.prefill_s + b.prefill_s, decode_s=a.decode_s + b.decode_s)
-
-
-def _fold(stats: GenStats, prior: GenStats, cur: GenStats, attempt: int) -> None:
-    """The caller's ``stats``: counts and times summed over the attempts so far, extras of the latest one (its
-    mode and prompt_tokens, set by ``generate``, stay)."""
-    total = _sum(prior, cur)
-    stats.new_tokens, stats.steps = total.new_tokens, total.steps
-    stats.prefill_s, stats.decode_s = total.prefill_s, total.decode_s
-    stats.extra = {**cur.extra, **({"resumed": attempt} if attempt else {})}
-
-
 @dataclass
 class _Job:
-    """One request across its attempts: what it asked for, what it committed, the stats of the attempts so far."""
+    """One request across its attempts: what it asked for, what it committed, its ledger."""
 
     spec: DecodingMode
     prompt: list[int]
     params: SamplingParams
     budget: int  # new tokens at most
     stops: frozenset[int]
-    stats: GenStats  # the caller's: summed over the attempts
-    timeline: list[tuple[float, float]] | None
-    trace: RequestTrace
+    ledger: Ledger  # the caller's: every attempt appends to it
     committed: list[int] = field(default_factory=list)
-    prior: GenStats = field(default_factory=lambda: GenStats(mode=""))  # the attempts before the current one
-    current: GenStats = field(default_factory=lambda: GenStats(mode=""))
 
     def complete(self) -> bool:
         """Every token was decided (the budget is used up, or a stop token came)."""
@@ -149,8 +124,7 @@ class Leader:
         self.idle.set()
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "busy": 0, "not_ready": 0,
                          "dropped": 0, "resumed": 0}
-        self.last_stats: dict | None = None
-        self.traces: deque[RequestTrace] = deque(maxlen=TRACES_KEPT)  # the request in flight is the last one
+        self.ledgers: deque[Ledger] = deque(maxlen=LEDGERS_KEPT)  # recent requests'; the one in flight is the last
 
     # ---------------------------------------------------------------------------------------- modes
 
@@ -170,10 +144,10 @@ class Leader:
         return avail[0]
 
     async def _run_auto(self, ctx: ModeContext) -> AsyncIterator[list[int]]:
-        """``auto``: the chooser's mode for this request; ``stats["auto"]`` says which and why."""
+        """``auto``: the chooser's mode for this request; the stats' ``auto`` says which and why."""
         avail = [m for m in self.available_modes() if m != "auto"]
         choice = self.chooser.choose(avail, ctx.pipeline.epoch, ctx.params.greedy, ctx.load)
-        ctx.stats.extra["auto"] = choice.as_dict()
+        ctx.ledger.note(choice)
         async with contextlib.aclosing(self.modes[choice.mode].run(ctx)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -259,28 +233,24 @@ class Leader:
         max_tokens: int,
         stop_ids: frozenset[int] | None = None,
         mode: str | None = None,
-        stats: GenStats | None = None,
-        timeline: list[tuple[float, float]] | None = None,
-        trace: RequestTrace | None = None,
+        stats: Ledger | None = None,
     ) -> AsyncIterator[list[int]]:
-        """Decode ``prompt`` through the pipeline: an async generator of committed-token chunks. ``stats`` is
-        filled as it goes (mode, tokens, steps, tau, prefill_s, decode_s; extras ``decode_started_at`` and
-        ``decode_finished_at``, the decode window in time.time(), and ``leader_busy_s``, the leader's compute within
-        it). ``timeline``: if given, receives the leader's compute intervals (time.time() start, end). Close it to
-        stop early. A broken pipeline is survived as the module docstring says (``resumed`` in the extras: how often;
-        counts and times are summed over the attempts, the other extras are the last attempt's). ``trace``: what
-        the request did as it happens (trace.py; a fresh one by default), kept in ``traces`` once its turn came."""
+        """Decode ``prompt`` through the pipeline: an async generator of committed-token chunks. ``stats``: the
+        request's ledger (ledger.py; a fresh one by default), which the mode, its ring view and the leader append
+        to as it goes: its ``reply_stats`` carry mode, tokens, steps, tau, prefill_s, decode_s and the decode window
+        ``decode_started_at``/``decode_finished_at`` (time.time()) with ``leader_busy_s``, the leader's compute
+        within it; its ``leader_busy`` the leader's compute intervals. Close it to stop early. A broken pipeline is
+        survived as the module docstring says (``resumed`` in the stats: how often; every attempt appends to the
+        same ledger, so counts and times are sums over them, the mode's figures the last attempt's). The ledger is
+        kept in ``ledgers`` once its turn came."""
         spec, budget = self.check(len(prompt), max_tokens, mode)
-        stats = stats if stats is not None else GenStats(mode=spec.name)
-        stats.mode = spec.name
-        stats.prompt_tokens = len(prompt)
+        ledger = stats if stats is not None else Ledger(mode=spec.name)
+        ledger.mode, ledger.prompt_tokens = spec.name, len(prompt)
         stop_ids = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer is not None else stop_ids
         self.counters["requests"] += 1
-        trace = trace if trace is not None else RequestTrace()
-        trace.mode, trace.prompt_tokens = spec.name, len(prompt)
-        job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), stats, timeline, trace)
-        await self._take_turn(trace)
-        self.traces.append(trace)
+        job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), ledger)
+        await self._take_turn(ledger)
+        self.ledgers.append(ledger)
         outcome = "failed"
         try:
             pipeline = await self._wait_ready()
@@ -297,23 +267,21 @@ class Leader:
                     log.warning("request: %s; resuming after %d token(s) on the next pipeline", broken,
                                 len(job.committed))
                     pipeline = await self._next_pipeline(pipeline, broken)
-                    job.prior = _sum(job.prior, job.current)
-                    trace.resumes += 1
+                    ledger.resumed()
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"
             raise
         finally:
-            trace.finish(outcome)
+            ledger.finish(outcome, time.time())
             self.admission.release()
 
     async def _attempt(self, job: _Job, pipeline: Pipeline, attempt: int) -> AsyncIterator[list[int]]:
         """One attempt of ``job`` on ``pipeline``, from the tokens it committed so far. Raises PeerGone when the
         pipeline broke before the reply was complete (the caller decides whether to resume)."""
-        job.current = cur = GenStats(mode=job.spec.name)
+        ledger = job.ledger
         rid = uuid.uuid4().hex[:16]
         ctx = ModeContext(self.parts, pipeline, rid, [*job.prompt, *job.committed],
-                          job.params, job.budget - len(job.committed), job.stops, cur,
-                          job.trace)
+                          job.params, job.budget - len(job.committed), job.stops, ledger)
         self._active[rid] = ctx
         ctx.load = len(self._active)  # requests in flight as it starts, itself included (auto's load key)
         self.idle.clear()
@@ -323,7 +291,8 @@ class Leader:
                 async with contextlib.aclosing(job.spec.run(ctx)) as chunks:
                     async for chunk in chunks:
                         job.committed += chunk
-                        job.trace.committed(chunk, ctx.pending_logprobs)
+                        ledger.committed(len(chunk), time.time(), ctx.pending_logprobs)
+                        ctx.pending_logprobs.clear()
                         yield chunk
             outcome = "completed"
         except PeerGone:
@@ -342,14 +311,11 @@ class Leader:
                 self.idle.set()
             if outcome is not None:
                 self.counters[outcome] += 1
+            ledger.attempt_ended(time.time())  # the decode window ends here
             if outcome == "completed":  # every mode's requests teach auto what it is worth on this pipeline
-                ran = cur.extra.get("auto", {}).get("chose", job.spec.name)
-                self.chooser.record(ran, pipeline.epoch, job.params.greedy, cur.new_tokens, cur.decode_s, ctx.load)
-            _decode_window(cur, ctx.busy)
-            _fold(job.stats, job.prior, cur, attempt)
-            if job.timeline is not None:
-                job.timeline.extend(ctx.busy)
-            self.last_stats = job.stats.as_dict()
+                choice = ledger.figure(Choice)
+                self.chooser.record(job.spec.name if choice is None else choice.mode, pipeline.epoch,
+                                    job.params.greedy, ledger.attempt_tokens, ledger.attempt.decode_s, ctx.load)
             if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
                 with contextlib.suppress(FlowSpecError):
                     await pipeline.sender.send(Release(request_id=rid, seq=ctx.seq))
@@ -367,9 +333,9 @@ class Leader:
         self.counters["resumed"] += 1
         return nxt
 
-    async def _take_turn(self, trace: RequestTrace) -> None:
+    async def _take_turn(self, ledger: Ledger) -> None:
         try:
-            trace.queued_s = await self.admission.acquire(self.settings.queue_timeout_s)
+            ledger.admitted(await self.admission.acquire(self.settings.queue_timeout_s))
         except Busy:
             self.counters["busy"] += 1
             raise
@@ -411,5 +377,6 @@ class Leader:
             "waiting": self.admission.waiting,
             "admission": self.admission.snapshot(),
             **self.counters,
-            "last_request": self.last_stats,
+            "last_request": next((reply_stats(led) for led in reversed(self.ledgers)
+                                  if led.attempt.ended_at is not None), None),
         }

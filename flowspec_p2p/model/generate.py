@@ -1,53 +1,28 @@
 """Single-device generation: the autoregressive decoder, and the text layer every decoder shares.
 
 A *decoder* knows nothing about text: given prompt ids it yields the committed token ids, in chunks (one token
-per chunk for autoregressive decoding, several for speculative modes), and fills a ``GenStats``. ``stream_text``
-turns any decoder's chunks into text deltas, applying stop strings; closing it stops the decoder.
-
-    steps   target forwards that produced committed tokens, the prefill included (so autoregressive τ = 1)
-    tau     new_tokens / steps
+per chunk for autoregressive decoding, several for speculative modes), and appends what it does to the request's
+``Ledger`` (ledger.py: prefill, steps, walks, timings; ``steps`` counts the prefill, so autoregressive τ = 1).
+``stream_text`` turns any decoder's chunks into text deltas, applying stop strings; closing it stops the decoder.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from ..errors import ContextOverflow
+from ..ledger import Ledger
 from .engine import Shard
 from .kv_cache import KVCache
 from .sampling import PositionalDraws, SamplingParams, choose
 from .tokenizer import Detokenizer, Tokenizer
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the [n, n] attention scores
-
-
-@dataclass
-class GenStats:
-    mode: str
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    steps: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def tau(self) -> float:
-        return self.new_tokens / self.steps if self.steps else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        extra = d.pop("extra")
-        d["tau"] = round(self.tau, 4)
-        d["prefill_s"] = round(self.prefill_s, 4)
-        d["decode_s"] = round(self.decode_s, 4)
-        d["decode_tokens_per_s"] = round((self.new_tokens - 1) / self.decode_s, 3) if self.decode_s > 0 else None
-        return {**d, **extra}
 
 
 class Decoder(Protocol):
@@ -57,7 +32,7 @@ class Decoder(Protocol):
         params: SamplingParams,
         max_new_tokens: int,
         stop_ids: frozenset[int],
-        stats: GenStats,
+        ledger: Ledger,
     ) -> Iterator[list[int]]: ...
 
 
@@ -90,9 +65,9 @@ class ARDecoder:
         self.max_context = max_context or model.max_position
 
     @torch.inference_mode()
-    def __call__(self, prompt, params, max_new_tokens, stop_ids, stats) -> Iterator[list[int]]:
+    def __call__(self, prompt, params, max_new_tokens, stop_ids, ledger: Ledger) -> Iterator[list[int]]:
         budget = check_context(len(prompt), max_new_tokens, self.max_context)
-        stats.prompt_tokens = len(prompt)
+        ledger.prompt_tokens = len(prompt)
         if budget == 0:
             return
         gen = None if params.greedy else PositionalDraws(params.seed)  # (seed, position) -> the token
@@ -100,19 +75,19 @@ class ARDecoder:
         t0 = time.perf_counter()
         feat = prefill_features(self.model, cache, prompt)[-1]
         token = choose(self.model.logits(feat), params, gen, len(prompt))
-        stats.prefill_s = time.perf_counter() - t0
-        stats.steps, stats.new_tokens = 1, 1
+        ledger.prefilled(len(prompt), time.perf_counter() - t0)
+        made = 1
         t1 = time.perf_counter()
         try:
             yield [token]
-            while stats.new_tokens < budget and token not in stop_ids:
+            while made < budget and token not in stop_ids:
                 feat = self.model(torch.tensor([[token]]), cache)[0, -1]
-                token = choose(self.model.logits(feat), params, gen, len(prompt) + stats.new_tokens)
-                stats.steps += 1
-                stats.new_tokens += 1
+                token = choose(self.model.logits(feat), params, gen, len(prompt) + made)
+                ledger.stepped(1)
+                made += 1
                 yield [token]
         finally:
-            stats.decode_s = time.perf_counter() - t1
+            ledger.decoded(time.perf_counter() - t1)
 
 
 @dataclass
@@ -150,10 +125,10 @@ def generate_ids(
     params: SamplingParams,
     max_new_tokens: int,
     stop_ids: frozenset[int] = frozenset(),
-) -> tuple[list[int], GenStats]:
-    """Run a decoder to the end; return all committed ids and the stats (tests, benchmarks)."""
-    stats = GenStats(mode=getattr(decoder, "mode", "?"))
+) -> tuple[list[int], Ledger]:
+    """Run a decoder to the end; return all committed ids and the request's ledger (tests, benchmarks)."""
+    ledger = Ledger(mode=getattr(decoder, "mode", "?"))
     out: list[int] = []
-    for chunk in decoder(prompt, params, max_new_tokens, stop_ids, stats):
+    for chunk in decoder(prompt, params, max_new_tokens, stop_ids, ledger):
         out.extend(chunk)
-    return out, stats
+    return out, ledger

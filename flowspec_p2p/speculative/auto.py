@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from pydantic import Field
 
+from ..ledger import Ledger
 from ..model.engine import Shard
-from ..model.generate import GenStats, check_context
+from ..model.generate import check_context
 from ..model.sampling import PositionalDraws, SamplingParams, choose
 from ..types import Settings
 from .decoder import prefill_and_feed, verify_step
@@ -73,6 +75,31 @@ class _Cost:
         self.tokens += tokens
 
 
+@dataclass
+class AutoFigures:
+    """AutoDecoder's own figures of a request: the drafter's prompt feed, each kind's running cost (kind 0: AR; k:
+    ``shapes[k - 1]``) and how often it switched; in the stats as ``draft_prefill_s`` and ``auto``."""
+
+    shapes: list[TreeShape]
+    costs: list[_Cost]
+    draft_prefill_s: float = 0.0
+    switches: int = 0
+
+    def stats(self, ledger: Ledger) -> dict:
+        costs, shapes = self.costs, self.shapes
+        ran = max(range(len(costs)), key=lambda k: costs[k].tokens)
+        return {"draft_prefill_s": round(self.draft_prefill_s, 4), "auto": {
+            "ar_steps": costs[0].steps, "ar_tokens": costs[0].tokens,
+            "spec_steps": sum(c.steps for c in costs[1:]), "spec_tokens": sum(c.tokens for c in costs[1:]),
+            "ms_per_token": {("ar" if k == 0 else f"spec {_label(shapes[k - 1])}"):
+                             None if c.per_token is None else round(1e3 * c.per_token, 3)
+                             for k, c in enumerate(costs)},
+            "switches": self.switches,
+            "chose": "ar" if ran == 0 else "spec",
+            "tree": None if ran == 0 else shapes[ran - 1].model_dump(),
+        }}
+
+
 class AutoDecoder:
     """A *decoder* as in generate.py: autoregressive or speculative steps (with one of ``tree_variants(shape)``),
     whichever this request measures cheapest per committed token."""
@@ -95,9 +122,9 @@ class AutoDecoder:
 
     @torch.inference_mode()
     def __call__(self, prompt, params: SamplingParams, max_new_tokens, stop_ids,
-                 stats: GenStats) -> Iterator[list[int]]:
+                 ledger: Ledger) -> Iterator[list[int]]:
         budget = check_context(len(prompt), max_new_tokens, self.max_context)
-        stats.prompt_tokens = len(prompt)
+        ledger.prompt_tokens = len(prompt)
         if budget == 0:
             return
         model, drafter, cfg, shapes = self.model, self.drafter, self.cfg, self.shapes
@@ -107,18 +134,18 @@ class AutoDecoder:
         costs = [_Cost(cfg.decay, cfg.recheck) for _ in range(1 + len(shapes))]  # kind 0: AR; k: shapes[k - 1]
         # the drafter reads the prompt with the prefill, as SpecDecoder's does: every speculative step needs it, and
         # charged to the first probe it would make speculation look slower than it runs
-        token = prefill_and_feed(model, cache, drafter, prompt, params, gen, stats)
+        token, fed_s = prefill_and_feed(model, cache, drafter, prompt, params, gen, ledger)
+        fig = AutoFigures(shapes, costs, draft_prefill_s=fed_s)
+        ledger.note(fig)
         # committed tokens the drafter has not seen yet, with their target features (fed before a spec step)
         behind_tokens: list[int] = []
         behind_feats: list[torch.Tensor] = []
         behind_ar = False  # whether they were committed by AR steps (a switch's catch-up), not by the last spec step
         kind, left = 0, cfg.probe_ar  # the first steps measure each kind in turn; then the cheapest runs
-        switches = 0
         t1 = time.perf_counter()
         try:
             yield [token]
-            while stats.new_tokens < budget and token not in stop_ids:
-                remaining = budget - stats.new_tokens
+            while (remaining := budget - ledger.attempt_tokens) > 0 and token not in stop_ids:
                 ts = time.perf_counter()
                 if kind == 0:
                     feat = model(torch.tensor([[token]]), cache)  # [1, 1, hidden]
@@ -127,6 +154,7 @@ class AutoDecoder:
                     behind_feats.append(feat[0])
                     behind_ar = True
                     out = [choose(model.logits(feat[0, -1]), params, gen, cache.committed)]  # the next position
+                    ledger.stepped(1)
                 else:
                     if behind_tokens:  # the drafter catches up on the tokens committed since the last spec step
                         drafter.feed(behind_tokens, torch.cat(behind_feats), token)
@@ -136,11 +164,11 @@ class AutoDecoder:
                     tree = drafter.draft(shapes[kind - 1].capped(remaining - 1))
                     verdict, f = verify_step(model, cache, tree, params, gen, stop_ids)
                     out = verdict.emitted(tree)[:remaining]
+                    ledger.drafted(len(tree) - 1)  # node 0 is the decided root
+                    ledger.walked(len(out), min(verdict.confirmed, len(out)))
                     acc = torch.tensor(verdict.accepted)
                     behind_tokens, behind_feats = tree.tokens[acc].tolist(), [f[acc]]
                 costs[kind].add(time.perf_counter() - ts, len(out))
-                stats.steps += 1
-                stats.new_tokens += len(out)
                 token = out[-1]
                 yield out
                 # what to run next: the rest of a probe, else a kind never measured, else a due probe, else
@@ -150,26 +178,13 @@ class AutoDecoder:
                 if left > 0 and not (kind != 0 and costs[kind].steps >= 2
                                      and costs[kind].per_token > cfg.hopeless * min(probed)):
                     continue
-                nxt = _next_kind(costs, kind, stats.new_tokens, cfg.max_recheck, cfg.margin, self.smaller,
+                nxt = _next_kind(costs, kind, ledger.attempt_tokens, cfg.max_recheck, cfg.margin, self.smaller,
                                  self.larger)
                 left = 1 if nxt == kind else (cfg.probe_ar if nxt == 0 else cfg.probe_spec)
-                switches += nxt != kind
+                fig.switches += nxt != kind
                 kind = nxt
         finally:
-            stats.decode_s = time.perf_counter() - t1
-            ran = max(range(len(costs)), key=lambda k: costs[k].tokens)
-            stats.extra.update(
-                auto={
-                    "ar_steps": costs[0].steps, "ar_tokens": costs[0].tokens,
-                    "spec_steps": sum(c.steps for c in costs[1:]), "spec_tokens": sum(c.tokens for c in costs[1:]),
-                    "ms_per_token": {("ar" if k == 0 else f"spec {_label(shapes[k - 1])}"):
-                                     None if c.per_token is None else round(1e3 * c.per_token, 3)
-                                     for k, c in enumerate(costs)},
-                    "switches": switches,
-                    "chose": "ar" if ran == 0 else "spec",
-                    "tree": None if ran == 0 else shapes[ran - 1].model_dump(),
-                },
-            )
+            ledger.decoded(time.perf_counter() - t1)
 
 
 def _label(s: TreeShape) -> str:

@@ -16,13 +16,15 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import env
+from ..ledger import Ledger
 from ..model.engine import Shard
-from ..model.generate import GenStats, check_context, prefill_features
+from ..model.generate import check_context, prefill_features
 from ..model.kv_cache import KVCache
 from ..model.sampling import PositionalDraws, SamplingParams, choose
 from .drafter import Drafter, HeadDrafter, TreeShape
@@ -143,20 +145,37 @@ def verify_step(model: Shard, cache: KVCache, tree: DraftTree, params: SamplingP
 
 
 def prefill_and_feed(model: Shard, cache: KVCache, drafter: Drafter, prompt: list[int], params: SamplingParams,
-                     gen: PositionalDraws | None, stats: GenStats) -> int:
+                     gen: PositionalDraws | None, ledger: Ledger) -> tuple[int, float]:
     """A speculative decoder's start: the prompt's prefill (committed to ``cache``), its first token, and the drafter
-    fed the prompt with the target's features (stats: prefill_s with the drafter's part, draft_prefill_s, one
-    step). -> the first new token"""
+    fed the prompt with the target's features (the ledger's prefill: its seconds include the drafter's part).
+    -> (the first new token, the drafter's seconds)"""
     t0 = time.perf_counter()
     feats = prefill_features(model, cache, prompt)  # [P, hidden]
     cache.commit(cache.pending)
     token = choose(model.logits(feats[-1]), params, gen, len(prompt))
     td = time.perf_counter()
     drafter.feed(prompt, feats, token)
-    stats.extra["draft_prefill_s"] = round(time.perf_counter() - td, 4)
-    stats.prefill_s = time.perf_counter() - t0
-    stats.steps, stats.new_tokens = 1, 1
-    return token
+    end = time.perf_counter()
+    ledger.prefilled(len(prompt), end - t0)
+    return token, end - td
+
+
+@dataclass
+class SpecFigures:
+    """SpecDecoder's own figures of a request: the drafter's seconds (feeding the prompt, then drafting and feeding
+    during the decode) and the tree shape. In the stats: ``draft_share`` of the decode time and ``tree_nodes`` per
+    step (the root included)."""
+
+    shape: TreeShape
+    draft_prefill_s: float = 0.0
+    draft_s: float = 0.0
+
+    def stats(self, ledger: Ledger) -> dict:
+        decode_s, steps = ledger.attempt.decode_s, ledger.attempt_walks
+        return dict(draft_prefill_s=round(self.draft_prefill_s, 4), draft_s=round(self.draft_s, 4),
+                    draft_share=round(self.draft_s / decode_s, 4) if decode_s > 0 else None,
+                    tree_nodes=round((ledger.attempt_drafted + steps) / steps, 2) if steps else 0.0,
+                    tree=self.shape.model_dump())
 
 
 class SpecDecoder:
@@ -174,10 +193,10 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def __call__(
-        self, prompt, params: SamplingParams, max_new_tokens, stop_ids, stats: GenStats
+        self, prompt, params: SamplingParams, max_new_tokens, stop_ids, ledger: Ledger
     ) -> Iterator[list[int]]:
         budget = check_context(len(prompt), max_new_tokens, self.max_context)
-        stats.prompt_tokens = len(prompt)
+        ledger.prompt_tokens = len(prompt)
         if budget == 0:
             return
         model, drafter = self.model, self.drafter
@@ -185,39 +204,30 @@ class SpecDecoder:
         capacity = len(prompt) + budget + self.shape.total_tokens
         cache = model.new_cache(capacity)
         drafter.reset(len(prompt) + budget + self.shape.draft_slots())
-        draft_s = 0.0
-        nodes = 0
-        token = prefill_and_feed(model, cache, drafter, prompt, params, gen, stats)
+        token, fed_s = prefill_and_feed(model, cache, drafter, prompt, params, gen, ledger)
+        fig = SpecFigures(self.shape, draft_prefill_s=fed_s)
+        ledger.note(fig)
         t1 = time.perf_counter()
         try:
             yield [token]
-            while stats.new_tokens < budget and token not in stop_ids:
-                remaining = budget - stats.new_tokens
+            while (remaining := budget - ledger.attempt_tokens) > 0 and token not in stop_ids:
                 # 1. draft (no deeper than the reply can still grow: at most remaining - 1 drafted + bonus)
                 td = time.perf_counter()
                 tree = drafter.draft(self.shape.capped(remaining - 1))
-                draft_s += time.perf_counter() - td
+                fig.draft_s += time.perf_counter() - td
                 # 2. one target forward over the whole tree; 3. verify, keep the accepted path's K/V
                 verdict, f = verify_step(model, cache, tree, params, gen, stop_ids)
                 out = verdict.emitted(tree)[:remaining]
-                stats.steps += 1
-                stats.new_tokens += len(out)
-                nodes += len(tree)
+                ledger.drafted(len(tree) - 1)  # node 0 is the decided root
+                ledger.walked(len(out), min(verdict.confirmed, len(out)))
                 token = out[-1]
                 yield out
                 # 4. the drafter learns the committed tokens with their real target features
-                if stats.new_tokens < budget and token not in stop_ids:
+                if ledger.attempt_tokens < budget and token not in stop_ids:
                     assert verdict.token is not None
                     td = time.perf_counter()
                     acc = torch.tensor(verdict.accepted)
                     drafter.feed(tree.tokens[acc].tolist(), f[acc], verdict.token)
-                    draft_s += time.perf_counter() - td
+                    fig.draft_s += time.perf_counter() - td
         finally:
-            stats.decode_s = time.perf_counter() - t1
-            decode_steps = stats.steps - 1
-            stats.extra.update(
-                draft_s=round(draft_s, 4),
-                draft_share=round(draft_s / stats.decode_s, 4) if stats.decode_s > 0 else None,
-                tree_nodes=round(nodes / decode_steps, 2) if decode_steps else 0.0,
-                tree=self.shape.model_dump(),
-            )
+            ledger.decoded(time.perf_counter() - t1)

@@ -118,6 +118,12 @@ class Verdict:
     def stopped(self) -> bool:
         return self.token is None
 
+    @property
+    def confirmed(self) -> int:
+        """Levels of the draft the target confirmed: the accepted path, one more when the bonus token is a drafted
+        child not verified yet (FlowSpec continues there: that draft was right)."""
+        return len(self.accepted) - 1 + (self.next_child is not None)
+
     def emitted(self, tree: DraftTree) -> list[int]:
         """The tokens this verification adds to the reply: accepted drafted tokens, then the bonus."""
         out = [tree.token_list[i] for i in self.accepted[1:]]

@@ -326,27 +326,25 @@ def test_bad_bench_options_fail_with_the_reason_before_any_agent_starts(tmp_path
 def _emulated_context(**kw):
     from flowspec_p2p.decoding.context import LeaderParts, ModeContext, ThreadCompute
     from flowspec_p2p.decoding.settings import LeaderSettings
-    from flowspec_p2p.model.generate import GenStats
+    from flowspec_p2p.ledger import Ledger
     from flowspec_p2p.model.sampling import SamplingParams
     from flowspec_p2p.pipeline.emulation import EmulatedCompute
 
     compute = EmulatedCompute(ThreadCompute(), **kw)
     parts = LeaderParts(head=None, drafter=None, settings=LeaderSettings(), compute=compute)
-    return ModeContext(parts, None, "r", [1], SamplingParams(), 4, frozenset(), GenStats("x")), compute
+    return ModeContext(parts, None, "r", [1], SamplingParams(), 4, frozenset(), Ledger("x")), compute
 
 
 async def test_leader_compute_is_slowed_down_like_a_stage():
-    from flowspec_p2p.decoding.leader import _decode_window
-
     ctx, compute = _emulated_context(slowdown=3.0, basis="measured")
     t0 = time.perf_counter()
     assert await ctx.compute(time.sleep, 0.05) is None
     assert time.perf_counter() - t0 >= 0.15 - 0.01  # 0.05 s of compute + 2 x 0.05 s emulated wait
     (a, b), = ctx.busy
     assert b - a >= 0.14
-    ctx.stats.decode_s = 0.1
-    _decode_window(ctx.stats, [(b - 0.2, b - 0.05)])
-    e = ctx.stats.extra
+    ctx.ledger.decoded(0.1)  # the decode window: 0.1 s, ending when the leader ends the attempt
+    ctx.ledger.attempt_ended(time.time())
+    e = ctx.ledger.extra
     assert e["decode_finished_at"] - e["decode_started_at"] == pytest.approx(0.1)
     assert 0.0 < e["leader_busy_s"] <= 0.1
     compute.close()

@@ -14,7 +14,8 @@ import urllib.request
 
 import pytest
 
-from flowspec_p2p.model.generate import ARDecoder, GenStats, stream_text
+from flowspec_p2p.ledger import Ledger
+from flowspec_p2p.model.generate import ARDecoder, stream_text
 from flowspec_p2p.model.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ def settled(api: str, members: int):
 
 def test_cluster_up_serves_replans_around_a_killed_member_and_stops_cleanly(default_model, tmp_path):
     tok = default_model.tokenizer
-    stats = GenStats(mode="ar")
+    stats = Ledger(mode="ar")
     chunks = ARDecoder(default_model.shard)(tok.chat([{"role": "user", "content": QUESTION}]), SamplingParams(), 24,
                                             tok.stop_ids, stats)
     expected = "".join(d.text for d in stream_text(chunks, tok))

@@ -26,7 +26,7 @@ from flowspec_p2p.decoding.flowspec import make_flowspec
 from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.settings import LeaderSettings
-from flowspec_p2p.model.generate import GenStats
+from flowspec_p2p.ledger import Ledger
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
@@ -113,8 +113,8 @@ async def test_a_stage_failing_at_an_event_point_never_hangs_loses_text_or_leaks
             return None
         return real(msg, *a, **k)
 
-    async def request() -> tuple[list[int], GenStats]:
-        stats, out = GenStats(mode="?"), []
+    async def request() -> tuple[list[int], Ledger]:
+        stats, out = Ledger(mode="?"), []
         async for chunk in leader.generate(PROMPT, params=params, max_tokens=N, stop_ids=frozenset(),
                                            mode="flowspec", stats=stats):
             out += chunk
@@ -146,7 +146,7 @@ async def test_a_stage_failing_at_an_event_point_never_hangs_loses_text_or_leaks
             async with asyncio.timeout(20):  # and it serves the next request
                 again = []
                 async for chunk in leader.generate(PROMPT, params=params, max_tokens=8, stop_ids=frozenset(),
-                                                   mode="flowspec", stats=GenStats(mode="?")):
+                                                   mode="flowspec", stats=Ledger(mode="?")):
                     again += chunk
             assert again == parts.reference(PROMPT, 8, params)
     finally:

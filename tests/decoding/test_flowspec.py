@@ -16,7 +16,7 @@ from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.pipedec import PipeDecConfig, make_pipedec
 from flowspec_p2p.decoding.settings import LeaderSettings
-from flowspec_p2p.model.generate import GenStats
+from flowspec_p2p.ledger import Ledger
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
@@ -70,7 +70,7 @@ def drafter_for(kind, parts):
 
 
 async def run(leader, prompt, n, params=GREEDY, stop_ids=frozenset()):
-    stats = GenStats(mode="?")
+    stats = Ledger(mode="?")
     out = []
     async for chunk in leader.generate(prompt, params=params, max_tokens=n, stop_ids=stop_ids, mode="flowspec",
                                        stats=stats):
@@ -249,7 +249,7 @@ async def test_greedy_pipedec_equals_single_device_autoregressive(parts, four_st
         await leader.set_pipeline(pipeline)
         for prompt in PROMPTS[:2]:
             out = []
-            stats = GenStats(mode="?")
+            stats = Ledger(mode="?")
             async for chunk in leader.generate(prompt, params=GREEDY, max_tokens=40, stop_ids=frozenset(),
                                                mode="pipedec", stats=stats):
                 out += chunk

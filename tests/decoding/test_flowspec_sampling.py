@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from flowspec_p2p.decoding.flowspec import FlowSpecConfig, make_flowspec
 from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.settings import LeaderSettings
-from flowspec_p2p.model.generate import GenStats
+from flowspec_p2p.ledger import Ledger
 from flowspec_p2p.model.sampling import SamplingParams, target_probs
 from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
@@ -69,7 +69,7 @@ async def test_flowspec_sampling_matches_the_target_distribution(toy):
         demux = tg.create_task(leader.run())
         await leader.set_pipeline(pipeline)
         for i in range(DRAWS):
-            out, stats = [], GenStats(mode="?")
+            out, stats = [], Ledger(mode="?")
             params = SamplingParams(temperature=1.0, seed=i)  # a fresh, reproducible draw per request
             async for chunk in leader.generate(PROMPT, params=params, max_tokens=3, stop_ids=frozenset(),
                                                mode="flowspec", stats=stats):

@@ -13,7 +13,7 @@ from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.settings import LeaderSettings
 from flowspec_p2p.errors import Busy, InvalidRequest, NotReady, PeerGone, StageFailed
-from flowspec_p2p.model.generate import GenStats
+from flowspec_p2p.ledger import Ledger
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.pipeline.transport import QueueSender
 from flowspec_p2p.speculative.drafter import HeadDrafter, OracleDrafter, TreeShape
@@ -44,7 +44,7 @@ def make_leader(parts, drafter=None, **settings):
 
 
 async def run(leader, prompt, n, mode=None, params=GREEDY, stop_ids=NO_STOP):
-    stats = GenStats(mode="?")
+    stats = Ledger(mode="?")
     out = []
     async for chunk in leader.generate(prompt, params=params, max_tokens=n, stop_ids=stop_ids, mode=mode,
                                        stats=stats):
@@ -249,7 +249,7 @@ async def test_a_request_whose_pipeline_is_replanned_resumes_on_the_next_one_los
         max_context=160, prefill_chunk=4, step_timeout_s=10.0, resume_timeout_s=5.0))
     n = 40
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
-        stats = GenStats(mode="?")
+        stats = Ledger(mode="?")
         gen = leader.generate(PROMPT, params=params, max_tokens=n, stop_ids=NO_STOP, mode=mode, stats=stats)
         out = list(await anext(gen))
         out += await anext(gen)
@@ -363,7 +363,7 @@ def test_a_request_that_gets_back_more_than_it_sent_fails_instead_of_growing_its
 
     leader = make_leader(parts)
     ctx = ModeContext(leader.parts, Pipeline(QueueSender(asyncio.Queue(), "s1"), epoch=0, stages=1), "r", [1, 2],
-                      GREEDY, 4, frozenset(), GenStats(mode="ar"))
+                      GREEDY, 4, frozenset(), Ledger(mode="ar"))
     for _ in range(RETURN_SLACK + 5):
         ctx.deliver(Frame(Rel(request_id="r", seq=0), {}, "last"))
     assert isinstance(ctx.error, StageFailed)

@@ -14,8 +14,9 @@ from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.loopback import LoopbackRing
 from flowspec_p2p.decoding.pipedec import make_pipedec
 from flowspec_p2p.decoding.settings import LeaderSettings
+from flowspec_p2p.ledger import Ledger
 from flowspec_p2p.model import native_shard
-from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids
+from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.load import get_engine
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.weights import open_source
@@ -50,7 +51,7 @@ def make_leader(parts, drafter):
 
 
 async def generate(leader, prompt, mode, params):
-    out, stats = [], GenStats(mode="?")
+    out, stats = [], Ledger(mode="?")
     async for chunk in leader.generate(prompt, params=params, max_tokens=TOKENS, stop_ids=frozenset(), mode=mode,
                                        stats=stats):
         out += chunk

@@ -14,8 +14,9 @@ import torch
 from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.registry import builtin_modes
 from flowspec_p2p.decoding.settings import LeaderSettings
+from flowspec_p2p.ledger import Ledger
 from flowspec_p2p.model import native_shard
-from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids
+from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.native_shard import NativeShard
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.weights import open_source
@@ -61,7 +62,7 @@ async def _decode(leader: Leader, stages, mode: str) -> tuple[dict, int]:
         demux = tg.create_task(leader.run())
         await leader.set_pipeline(pipeline)
         for p in PROMPTS:
-            got, stats = [], GenStats(mode)
+            got, stats = [], Ledger(mode)
             async for chunk in leader.generate(p, params=GREEDY, max_tokens=TOKENS, stop_ids=frozenset(), mode=mode,
                                                stats=stats):
                 got += chunk

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flowspec_p2p.errors import ContextOverflow
-from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids, stream_text
+from flowspec_p2p.ledger import Ledger
+from flowspec_p2p.model.generate import ARDecoder, generate_ids, stream_text
 from flowspec_p2p.model.sampling import SamplingParams, choose, target_probs
 from flowspec_p2p.model.tokenizer import Detokenizer
 from flowspec_p2p.model.torch_shard import TorchShard
@@ -256,7 +257,7 @@ def test_default_model_greedy_equals_transformers_and_stops_on_strings(default_m
     # the text layer on the real tokenizer: a stop string taken from the reply cuts it just before
     reply = tok.decode(ids)
     stop = reply.split()[2]
-    stats = GenStats(mode="ar")
+    stats = Ledger(mode="ar")
     streamed = "".join(d.text for d in stream_text(ours(prompt, GREEDY, 32, tok.stop_ids, stats), tok, [stop]))
     assert streamed == reply[: reply.index(stop)]
     assert stats.new_tokens < len(ids)

@@ -166,7 +166,8 @@ def test_a_bad_forward_in_a_batch_fails_only_its_own_request(shard):
     stale = chain("a", 0, 1)  # seq 0 again: out of sequence
     outs = c.handle_batch([(stale, hidden(1), (), 1), (chain("b", 0, 3), hidden(3), (), 1),
                            (chain("c", 0, 1), hidden(2), (), 1)])  # c: the wrong number of hidden rows
-    assert isinstance(outs[0][0], StageError) and "seq" in outs[0][0].message
+    assert isinstance(outs[0][0], StageError)
+    assert "seq" in outs[0][0].message
     assert not isinstance(outs[1][0], StageError)
     assert outs[1][1]["hidden"].shape == (3, shard.cfg.hidden_size)
     assert isinstance(outs[2][0], StageError)

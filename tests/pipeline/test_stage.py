@@ -185,13 +185,15 @@ def test_a_retained_request_s_kv_is_reused_by_the_next_turn_exactly_as_a_cold_pr
     warm = StageCore(shard, index=1, capacity=32, wire_dtype=F64)
     warm.handle(chain("t1", 0, 0, 8), {"tokens": ids[:8]})
     warm.handle(Release(request_id="t1", seq=1, retain=6), {})
-    assert "t1" in warm.retained and not warm.requests
+    assert "t1" in warm.retained
+    assert not warm.requests
     out, tensors = warm.handle(chain("t2", 0, 6, 12, reuse="t1"), {"tokens": ids[6:12]})
     assert not isinstance(out, StageError)
     cold = StageCore(shard, index=1, capacity=32, wire_dtype=F64)
     ref = cold.handle(chain("c", 0, 0, 12), {"tokens": ids[:12]})[1]
     assert torch.allclose(tensors["features"], ref["features"][6:], atol=1e-12)
-    assert warm.counters["reused"] == 1 and not warm.retained
+    assert warm.counters["reused"] == 1
+    assert not warm.retained
     # reusing what is not retained, or more than it committed, fails only that request
     assert isinstance(warm.handle(chain("t3", 0, 6, 8, reuse="t1"), {"tokens": ids[6:8]})[0], StageError)
     warm.handle(Release(request_id="t2", seq=1, retain=12), {})

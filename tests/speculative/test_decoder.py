@@ -140,9 +140,9 @@ def test_tuned_tree_is_read_only_for_the_matching_target(tmp_path):
 
 
 def _stats():
-    from flowspec_p2p.model.generate import GenStats
+    from flowspec_p2p.ledger import Ledger
 
-    return GenStats(mode="spec")
+    return Ledger(mode="spec")
 
 
 # -- sampling end to end on a toy vocabulary --------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 from flowspec_p2p.decoding.flowspec import FlowSpecConfig, make_flowspec
 from flowspec_p2p.decoding.leader import Leader
 from flowspec_p2p.decoding.settings import LeaderSettings
-from flowspec_p2p.model.generate import ARDecoder, GenStats, generate_ids
+from flowspec_p2p.ledger import Ledger
+from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.speculative.decoder import SpecDecoder
 from flowspec_p2p.speculative.drafter import HeadDrafter, TreeShape
@@ -127,7 +128,7 @@ async def test_flowspec_with_lookup_equals_single_device(tiny_llama):
     async with asyncio.TaskGroup() as tg:
         demux = tg.create_task(leader.run())
         await leader.set_pipeline(pipeline)
-        out, stats = [], GenStats(mode="?")
+        out, stats = [], Ledger(mode="?")
         async for chunk in leader.generate(REPETITIVE, params=SamplingParams(), max_tokens=40, stop_ids=frozenset(),
                                            mode="flowspec", stats=stats):
             out += chunk
