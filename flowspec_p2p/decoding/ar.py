@@ -22,7 +22,9 @@ async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
         while ctx.remaining > 0 and token not in ctx.stop_ids:
             await ctx.forward(parents=[-1], positions=[pos], tokens=[token], commit=True)
             _, tensors = await ctx.recv_forward()
-            token = await ctx.compute(ctx.next_token, ctx.features(tensors)[-1])
+            f = ctx.features(tensors)  # [1, hidden]
+            ctx.keep(f)
+            token = await ctx.compute(ctx.next_token, f[-1])
             pos += 1
             ledger.stepped(1)
             yield [token]

@@ -99,6 +99,7 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
             f = torch.cat([ctx.features((await ctx.recv_forward())[1]) for _ in bounds])  # [n, hidden]
             verdict: Verdict = await ctx.compute(_verify, ctx, tree, f, committed)
             await ctx.prune(len(verdict.accepted), verdict.accepted)
+            ctx.keep(f[torch.tensor(verdict.accepted)])
             committed += len(verdict.accepted)
             out = verdict.emitted(tree)[:remaining]
             ctx.walked(verdict, len(out))

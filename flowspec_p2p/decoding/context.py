@@ -49,6 +49,7 @@ from ..pipeline.messages import DataMessage, Forward, Prune, StageError
 from ..pipeline.transport import Frame, Sender
 from ..speculative.drafter import Drafter
 from ..speculative.verify import Rows, Verdict
+from .prompt_cache import Reuse
 from .settings import LeaderSettings
 
 T = TypeVar("T")
@@ -175,6 +176,9 @@ class ModeContext:
         self.returned = 0  # forward results queued here, not yet taken by recv()
         self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
         self.load = 1  # requests in flight when it started, itself included (the leader sets it)
+        self.reuse: Reuse | None = None  # the prompt cache's hit: the KV the stages keep for this prompt's prefix
+        self.stage_committed = 0  # positions every stage holds as committed prefix once our messages arrive
+        self.kept: list[torch.Tensor] = []  # target features [n, hidden] of those positions, in order
         self._busy_from = len(ledger.leader_busy)  # the ledger's compute intervals before this attempt
         self._base_tokens = ledger.new_tokens  # the ledger's tokens before this attempt
         self.pending_logprobs: list[TokenLogprob] = []  # for the next chunk the mode yields (the leader takes them)
@@ -213,7 +217,10 @@ class ModeContext:
             raise self.error
         msg = msg.model_copy(update={"request_id": self.request_id, "seq": self.seq})
         self.seq += 1
+        if isinstance(msg, Prune):
+            self.stage_committed += msg.accept
         if isinstance(msg, Forward):
+            self.stage_committed += len(msg.parents) if msg.commit else 0
             self.in_flight += 1
             self._sent_at.append(time.perf_counter())
             self._mark = self._mark or self._sent_at[-1]
@@ -226,11 +233,13 @@ class ModeContext:
         self.ledger.sent((counters.bytes - before) if counters is not None else 0)
 
     async def forward(self, *, first: int = 0, parents: Sequence[int], positions: Sequence[int],
-                      tokens: Sequence[int] | torch.Tensor, commit: bool = False, tag: int = 0) -> None:
-        """Send new nodes: token ids, embedded here when the first stage does not embed."""
+                      tokens: Sequence[int] | torch.Tensor, commit: bool = False, tag: int = 0,
+                      reuse: str | None = None) -> None:
+        """Send new nodes: token ids, embedded here when the first stage does not embed. ``reuse``: the request's
+        first forward starts from that retained request's KV (prefill does this on a prompt-cache hit)."""
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)  # [m]
         msg = Forward(request_id="", seq=0, first=first, parents=list(parents), positions=list(positions),
-                      commit=commit, tag=tag)
+                      commit=commit, tag=tag, reuse=reuse)
         if self.pipeline.takes == "tokens":
             await self.send(msg, {"tokens": ids})
         else:
@@ -287,6 +296,12 @@ class ModeContext:
             raise PeerGone("the first stage wants hidden states but the leader holds no embedding")
         with torch.inference_mode():
             return self.head.embed(ids).to(wire_dtype(self.settings.wire_dtype))
+
+    def keep(self, features: torch.Tensor) -> None:
+        """``features`` [n, hidden]: the target features of the n positions that just became committed prefix on
+        every stage (in order; the modes call it where they commit). The prompt cache keeps them, with the KV the
+        stages retain, for the drafter of a later request that shares the prefix."""
+        self.kept.append(features.detach())
 
     def features(self, tensors: Tensors) -> torch.Tensor:
         """Final-normed features of returned nodes -> [m, hidden] in the head's dtype."""
@@ -345,15 +360,21 @@ class ModeContext:
 
 
 async def prefill(ctx: ModeContext) -> torch.Tensor:
-    """Send the prompt in committing chunks (all at once: the stages work on them as a pipeline); return the
-    features of every prompt token. -> [prompt_len, hidden]"""
+    """Send the prompt in committing chunks (all at once: the stages work on them as a pipeline; the stages batch
+    them with other requests' steps, so a long prompt delays those by one chunk's forward at a time); return the
+    features of every prompt token. On a prompt-cache hit (``ctx.reuse``) the stages already hold the prefix's KV:
+    only the rest is sent, the prefix's features come from the cache. -> [prompt_len, hidden]"""
     prompt, step = ctx.prompt, ctx.settings.prefill_chunk
-    for a in range(0, len(prompt), step):
+    start = 0 if ctx.reuse is None else ctx.reuse.length
+    ctx.stage_committed = start
+    for a in range(start, len(prompt), step):
         ids = prompt[a : a + step]
         await ctx.forward(parents=list(range(-1, len(ids) - 1)), positions=range(a, a + len(ids)), tokens=ids,
-                          commit=True)
-    feats = []
-    for _ in range(0, len(prompt), step):
+                          commit=True, reuse=ctx.reuse.rid if ctx.reuse is not None and a == start else None)
+    feats = [] if ctx.reuse is None else [ctx.reuse.features.to(ctx.head.dtype)]
+    for _ in range(start, len(prompt), step):
         _, tensors = await ctx.recv_forward()
         feats.append(ctx.features(tensors))
-    return torch.cat(feats)
+    out = torch.cat(feats)
+    ctx.keep(out)
+    return out

@@ -252,6 +252,7 @@ class _TreeLoop:
             accept, keep, acc_tokens, acc_feats = state.apply(verdict)
             stats.applied(state.outcome)
             await ctx.prune(accept, keep)
+            ctx.keep(acc_feats)
             await self.fill()  # surviving unsent nodes go out before we spend time drafting
             td = time.perf_counter()
             await ctx.compute(ctx.drafter.feed, acc_tokens, acc_feats, verdict.token)
