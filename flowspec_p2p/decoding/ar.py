@@ -13,7 +13,7 @@ async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
     ledger = ctx.ledger
     t0 = time.perf_counter()
     feats = await prefill(ctx)
-    token = await ctx.compute(ctx.next_token, feats[-1])
+    token = await ctx.decide(feats[-1])
     ledger.prefilled(len(ctx.prompt), time.perf_counter() - t0)
     t1 = time.perf_counter()
     try:
@@ -24,7 +24,7 @@ async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
             _, tensors = await ctx.recv_forward()
             f = ctx.features(tensors)  # [1, hidden]
             ctx.keep(f)
-            token = await ctx.compute(ctx.next_token, f[-1])
+            token = await ctx.decide(f[-1])
             pos += 1
             ledger.stepped(1)
             yield [token]

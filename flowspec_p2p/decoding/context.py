@@ -10,7 +10,7 @@ Writing a mode (the built-in modes plug in the same way; ar.py is the simplest):
         await ctx.forward(parents=[-1, 0], positions=[0, 1], tokens=ctx.prompt[:2], commit=True)
         msg, tensors = await ctx.recv()                   # this request's next returned message, in order
         feats = ctx.features(tensors)                      # [m, hidden] final-normed, head dtype
-        token = await ctx.compute(ctx.next_token, feats[-1])  # heavy work on the leader's compute thread
+        token = await ctx.decide(feats[-1])                # the LM head on the leader's compute thread
         ctx.ledger.prefilled(2, time.perf_counter() - t0)  # what it did goes to the request's ledger (ledger.py)
         yield [token]                                      # committed tokens, streamed to the client at once
 
@@ -49,6 +49,7 @@ from ..pipeline.messages import DataMessage, Forward, Prune, StageError
 from ..pipeline.transport import Frame, Sender
 from ..speculative.drafter import Drafter
 from ..speculative.verify import Rows, Verdict
+from .batcher import NextTokens
 from .prompt_cache import Reuse
 from .settings import LeaderSettings
 
@@ -142,7 +143,7 @@ class LeaderParts:
     drafter: Drafter | None
     settings: LeaderSettings
     compute: Compute
-
+    batcher: NextTokens | None = None  # next tokens of several requests in one LM-head call
 
 @dataclass
 class _Failure:
@@ -176,6 +177,7 @@ class ModeContext:
         self.returned = 0  # forward results queued here, not yet taken by recv()
         self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
         self.load = 1  # requests in flight when it started, itself included (the leader sets it)
+        self.in_flight_now: Callable[[], int] = lambda: 1  # requests in flight now (the leader sets it)
         self.reuse: Reuse | None = None  # the prompt cache's hit: the KV the stages keep for this prompt's prefix
         self.stage_committed = 0  # positions every stage holds as committed prefix once our messages arrive
         self.kept: list[torch.Tensor] = []  # target features [n, hidden] of those positions, in order
@@ -326,7 +328,17 @@ class ModeContext:
     def next_token(self, features: torch.Tensor) -> int:
         """The token at ``next_position`` (then one further), for a token the mode commits: its logprobs are noted
         when the request asked. features: [hidden]"""
-        logits = self.logits(features)  # [vocab]
+        return self.choose_next(self.logits(features))
+
+    async def decide(self, features: torch.Tensor) -> int:
+        """``next_token`` on the compute thread, batched with other requests' (batcher.py) where the leader has a
+        batcher. features: [hidden]"""
+        if self.parts.batcher is None:
+            return await self.compute(self.next_token, features)
+        return await self.parts.batcher.decide(self, features)
+
+    def choose_next(self, logits: torch.Tensor) -> int:
+        """``next_token`` from the target's ``logits`` [vocab] at ``next_position``."""
         position, self.next_position = self.next_position, self.next_position + 1
         token = choose(logits, self.params, None) if self.gen is None else self.gen.sample(logits, self.params,
                                                                                            position)

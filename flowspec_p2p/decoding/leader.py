@@ -62,6 +62,7 @@ from ..speculative.drafter import Drafter
 from .admission import Admission
 from .ar import AR
 from .auto import Choice, ModeChooser
+from .batcher import NextTokens
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
 from .prompt_cache import MIN_REUSE, PromptCache
 from .settings import LeaderSettings
@@ -111,7 +112,8 @@ class Leader:
         self.drafter = drafter
         self.settings = settings or LeaderSettings()
         self.model_id = model_id
-        self.parts = LeaderParts(head, drafter, self.settings, compute or ThreadCompute())
+        compute = compute or ThreadCompute()
+        self.parts = LeaderParts(head, drafter, self.settings, compute, NextTokens(compute))
         self.modes: dict[str, DecodingMode] = {}
         for m in modes:
             self.register_mode(m)
@@ -214,6 +216,7 @@ class Leader:
 
     def close(self) -> None:
         """Stop the compute thread (after ``run`` ended)."""
+        self.parts.batcher.close()
         self.parts.compute.close()
 
     def _affects_pipeline(self, ev: LinkDown) -> bool:
@@ -296,6 +299,7 @@ class Leader:
             ledger.cached_tokens += 0 if ctx.reuse is None else ctx.reuse.length
         self._active[rid] = ctx
         ctx.load = len(self._active)  # requests in flight as it starts, itself included (auto's load key)
+        ctx.in_flight_now = lambda: len(self._active)
         self.idle.clear()
         outcome: str | None = "failed"
         try:

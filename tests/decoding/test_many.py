@@ -64,9 +64,11 @@ async def test_eight_requests_at_once_each_get_the_reply_they_get_alone(parts, d
     leader = make_leader(parts, drafter)
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
         alone = [await generate(leader, p, mode, greedy) for p in PROMPTS]
+        calls, rows = leader.parts.batcher.calls, leader.parts.batcher.rows
         together = await asyncio.gather(*(generate(leader, p, mode, greedy) for p in PROMPTS))
         batched = sum(w.snapshot().get("batched_forwards", 0) for w in ring.workers)
         assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
+        assert leader.parts.batcher.rows - rows > leader.parts.batcher.calls - calls  # LM-head calls held several
         async with asyncio.timeout(5):  # every request's state freed on every stage (the Releases go in band)
             while any(w.core.requests for w in ring.workers):  # noqa: ASYNC110 - polling the stages' state
                 await asyncio.sleep(0.01)
