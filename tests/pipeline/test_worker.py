@@ -239,3 +239,15 @@ async def test_a_forward_that_reuses_a_retained_request_waits_for_that_request_s
     assert [(m.request_id, m.kind) for m in got] == [("x", "forward"), ("a", "forward"), ("a", "release"),
                                                       ("b", "forward")]
     assert r.worker.core.counters["reused"] == 1
+
+
+async def test_forwards_of_other_micro_batches_are_not_batched_together(shard):
+    """Forward.group: the leader's micro-batches travel the ring apart (each at another stage), so a stage batches
+    only the forwards of one group."""
+    async with Running(shard) as r:
+        for rid, group in (("a", 0), ("b", 1), ("c", 0), ("d", 1)):
+            r.put(fwd(rid, 0, 2).model_copy(update={"group": group}), hidden(2))
+        got = [await r.get() for _ in range(4)]
+        timeline = r.worker.timeline()
+    assert [m.request_id for m in got] == ["a", "c", "b", "d"]
+    assert [(b["request_id"], b["requests"]) for b in timeline] == [("a", 2), ("b", 2)]
