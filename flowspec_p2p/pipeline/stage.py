@@ -95,6 +95,7 @@ class StageCore:
         self.wire_dtype = wire_dtype
         self.requests: dict[str, RequestState] = {}
         self.retained: dict[str, RequestState] = {}  # finished requests' committed KV, oldest first (the prompt cache)
+        self._free: list[KVCache] = []  # freed requests' caches, for the next requests
         self.counters = {"forwards": 0, "tokens": 0, "prunes": 0, "errors": 0, "retained": 0, "reused": 0}
 
     # ------------------------------------------------------------------------------------------ dispatch
@@ -114,7 +115,7 @@ class StageCore:
                         msg.request_id, link, held.link)
             return None
         if isinstance(msg, StageError):
-            self.requests.pop(msg.request_id, None)
+            self.drop(msg.request_id)
             return msg, {}
         try:
             state = self._state(msg, link)
@@ -136,7 +137,7 @@ class StageCore:
     def _failed(self, msg: DataMessage, e: Exception) -> tuple[StageError, Tensors]:
         """A request's message failed: that request ends here (its state freed), never the stage."""
         self.counters["errors"] += 1
-        self.requests.pop(msg.request_id, None)
+        self.drop(msg.request_id)
         if isinstance(e, FlowSpecError):
             log.warning("stage %d: request %s failed: %s", self.index, msg.request_id, e)
         else:
@@ -144,11 +145,27 @@ class StageCore:
         text = f"{type(e).__name__}: {e}" if not isinstance(e, FlowSpecError) else str(e)
         return StageError(request_id=msg.request_id, seq=msg.seq, stage=self.index, message=text[:MAX_ERROR_TEXT]), {}
 
+    def drop(self, rid: str, retained: bool = False) -> None:
+        """Forget a request's state (one in flight, or with ``retained`` a retained one); its KV cache goes back to
+        the pool the next request's comes from, so a stage under load reuses the same memory instead of growing."""
+        state = (self.retained if retained else self.requests).pop(rid, None)
+        if state is not None and state.cache is not None and len(self._free) < MAX_REQUESTS:
+            self._free.append(state.cache)
+
+    def _new_cache(self) -> KVCache:
+        """A request's KV cache: a freed one (emptied: slots beyond ``length`` are never read) or a new one."""
+        if self._free:
+            cache = self._free.pop()
+            cache.reset()
+            return cache
+        return self.shard.new_cache(self.capacity)
+
     def _release(self, msg: Release, state: RequestState) -> None:
         """Free the request's state, or keep its first ``retain`` committed positions for a later request."""
-        self.requests.pop(msg.request_id, None)
         if msg.retain is None or state.cache is None:
+            self.drop(msg.request_id)
             return
+        self.requests.pop(msg.request_id, None)
         if msg.retain > state.cache.committed:
             raise ProtocolError(f"request {msg.request_id} retains {msg.retain} positions; it committed "
                                 f"{state.cache.committed}")
@@ -160,7 +177,7 @@ class StageCore:
             dropped = next(iter(self.retained))
             log.warning("stage %d: dropping retained request %s (more than %d kept)", self.index, dropped,
                         MAX_RETAINED)
-            del self.retained[dropped]
+            self.drop(dropped, retained=True)
 
     def _reused(self, msg: Forward, link: int) -> RequestState:
         """A request's first forward that starts from a retained request's KV: its first ``positions[0]``
@@ -184,7 +201,7 @@ class StageCore:
                 if isinstance(msg, Release):  # releasing an unknown request is harmless; a retained one is freed
                     held = self.retained.get(msg.request_id)
                     if held is not None and held.link == link and msg.retain is None:
-                        del self.retained[msg.request_id]
+                        self.drop(msg.request_id, retained=True)
                     return RequestState(cache=None)  # type: ignore[arg-type]
                 raise ProtocolError(f"unknown request {msg.request_id} at seq {msg.seq}")
             self._check_opening(msg)
@@ -192,13 +209,13 @@ class StageCore:
             if len(mine) >= MAX_REQUESTS:
                 log.warning("stage %d: evicting request %s (link %d holds %d requests)", self.index, mine[0], link,
                             len(mine))
-                del self.requests[mine[0]]
+                self.drop(mine[0])
             elif len(self.requests) >= MAX_TOTAL_REQUESTS:
                 raise ProtocolError(f"this stage holds {len(self.requests)} requests; refusing a new one")
             if msg.reuse is not None:
                 state = self._reused(msg, link)
             else:
-                state = RequestState(cache=self.shard.new_cache(self.capacity), link=link)
+                state = RequestState(cache=self._new_cache(), link=link)
         else:
             if msg.seq != state.next_seq:
                 raise ProtocolError(f"request {msg.request_id}: expected seq {state.next_seq}, got {msg.seq}")

@@ -303,7 +303,7 @@ class StageWorker:
         if ev.direction != "in":
             return
         for rid in [rid for rid, st in self.core.retained.items() if st.link == ev.link]:
-            del self.core.retained[rid]  # their requests' leader cannot reach them through this link any more
+            self.core.drop(rid, retained=True)  # their requests' leader cannot reach them through this link any more
         lost = [(rid, st) for rid, st in self.core.requests.items() if st.link == ev.link]
         for rid, state in lost:
             text = f"stage {self.core.index} lost its link from {ev.peer}: {ev.reason}"
@@ -333,7 +333,7 @@ class StageWorker:
                 self.counters["dropped_out"] += 1
                 log.warning("%s: cannot send %s of request %s (%s); failing the request", self.name, msg.kind,
                             msg.request_id, e)
-                self.core.requests.pop(msg.request_id, None)
+                self.core.drop(msg.request_id)
                 if not isinstance(msg, StageError):
                     err = StageError(request_id=msg.request_id, seq=msg.seq, stage=self.core.index,
                                      message=f"stage {self.core.index} could not send its result: {e}"[:MAX_ERROR_TEXT])
