@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per reply (default 128)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (default 0,1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default 0)")
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: packaged SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="GGUF file, HF folder or model name (default: packaged SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     add_engine_argument(p)
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default ./bench-out)")

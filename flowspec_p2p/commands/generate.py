@@ -17,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Only the reply goes to stdout; logs and --stats go to stderr.",
     )
     p.add_argument("prompt", help="the user message")
-    p.add_argument("--model", default=None, help="GGUF file or HF checkpoint folder (default: packaged SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF checkpoint folder, or a model's name (`flowspec models list`; default: the "
+                   "packaged SmolLM2-135M)")
     p.add_argument("--max-tokens", type=int, default=256, help="maximum new tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
