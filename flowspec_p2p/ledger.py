@@ -109,6 +109,7 @@ class Ledger:
     leader_busy: list[tuple[float, float]] = field(default_factory=list)  # the leader's compute, time.time()
     logprobs: list[TokenLogprob] | None = None
     queued_s: float = 0.0  # waiting for its turn (decoding/admission.py)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache (decoding/prompt_cache.py)
     finished: float | None = None
     outcome: str = ""  # "completed", "cancelled" or "failed" once finished
 
@@ -284,6 +285,8 @@ def extra_stats(led: Ledger) -> dict:
         out["leader_busy_s"] = round(busy_within(led.leader_busy, start, a.ended_at), 4)
     if led.resumes:
         out["resumed"] = led.resumes
+    if led.cached_tokens:
+        out["cached_tokens"] = led.cached_tokens
     return out
 
 

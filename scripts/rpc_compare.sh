@@ -2,7 +2,8 @@
 # The whole product against llama.cpp's RPC pipeline on one host. A measurement, not part of the product; llama.cpp
 # is never a dependency (build its llama-server and ggml-rpc-server yourself and pass their folder).
 #
-#   bash scripts/rpc_compare.sh LLAMA_BIN [RUNS] [OUT]        # RUNS default 5, OUT default docs/figures/rpc
+#   bash scripts/rpc_compare.sh [--clients N] LLAMA_BIN [RUNS] [OUT]   # RUNS default 5, OUT default docs/figures/rpc
+#                                                                     # (docs/figures/rpc-clients with --clients)
 #
 # The same greedy chat (T=0, the same prompt, max_tokens 128; flowspec_p2p/bench/rpc_compare.py) goes, interleaved, to
 #   (a) scripts/run.sh's cluster: `flowspec cluster up -n 3` (3 agents on loopback), decoding ar, flowspec and auto (the default), and
@@ -11,12 +12,18 @@
 # both sides up at once, everything bound to 127.0.0.1. Decode tokens/s are each server's own figure (our
 # stats.decode_tokens_per_s, llama-server's timings.predicted_per_second), medians over RUNS; RSS is each side's
 # total over its processes after the runs. Writes OUT/results.json and OUT/results.md.
+# --clients N: many users instead: N clients at once (different prompts) against one, on our cluster (ar and the
+# default auto) and on llama-server started with -np N (N parallel slots, -c 2048 x N) over the same RPC servers;
+# aggregate tokens/s, each side's scaling and ours against llama.cpp's, within each run. Writes OUT/clients.json/.md.
 # FLOWSPEC_PYTHON=path/to/python uses that interpreter (with this package importable) instead of the .venv.
 set -euo pipefail
-LLAMA_BIN="$(cd "${1:?usage: rpc_compare.sh LLAMA_BIN [RUNS] [OUT]}" && pwd)"
+CLIENTS=1
+if [ "${1:-}" = "--clients" ]; then CLIENTS="${2:?--clients N}"; shift 2; fi
+LLAMA_BIN="$(cd "${1:?usage: rpc_compare.sh [--clients N] LLAMA_BIN [RUNS] [OUT]}" && pwd)"
 RUNS="${2:-5}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${3:-$ROOT/docs/figures/rpc}"
+if [ "$CLIENTS" -gt 1 ]; then DEFAULT_OUT="$ROOT/docs/figures/rpc-clients"; else DEFAULT_OUT="$ROOT/docs/figures/rpc"; fi
+OUT="${3:-$DEFAULT_OUT}"
 if [ -n "${FLOWSPEC_PYTHON:-}" ]; then PY="$FLOWSPEC_PYTHON"; else source "$ROOT/scripts/bootstrap.sh"; PY=python; fi
 cd "$ROOT"
 for exe in ggml-rpc-server llama-server; do
@@ -40,7 +47,7 @@ echo "rpc_compare: logs in $LOGS" >&2
 "$LLAMA_BIN/ggml-rpc-server" -H 127.0.0.1 -p "$RPC2" -t 1 >"$LOGS/rpc2.log" 2>&1 & PIDS+=($!); P_RPC2=$!
 sleep 1  # the rpc servers listen before llama-server connects
 "$LLAMA_BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$SERVER" -t 1 --rpc "127.0.0.1:$RPC1,127.0.0.1:$RPC2" \
-  -c 2048 -np 1 --no-webui >"$LOGS/llama-server.log" 2>&1 & PIDS+=($!); P_SERVER=$!
+  -c $((2048 * CLIENTS)) -np "$CLIENTS" --no-webui >"$LOGS/llama-server.log" 2>&1 & PIDS+=($!); P_SERVER=$!
 "$PY" -m flowspec_p2p cluster up -n 3 --api-port "$API" >"$LOGS/cluster.log" 2>&1 & PIDS+=($!); P_CLUSTER=$!
 
 SETUP="$("$PY" -c 'import json, os, sys; print(json.dumps({"llama_bin": sys.argv[1], "llama_version": sys.argv[2],
@@ -48,4 +55,5 @@ SETUP="$("$PY" -c 'import json, os, sys; print(json.dumps({"llama_bin": sys.argv
   "$LLAMA_BIN" "$("$LLAMA_BIN/llama-server" --version 2>&1 | head -1)" "$MODEL")"
 "$PY" -m flowspec_p2p.bench.rpc_compare --ours "http://127.0.0.1:$API" --ours-pid "$P_CLUSTER" \
   --llama "http://127.0.0.1:$SERVER" --llama-pids "$P_RPC1,$P_RPC2,$P_SERVER" --runs "$RUNS" --out "$OUT" \
-  --command "bash scripts/rpc_compare.sh $LLAMA_BIN $RUNS" --setup "$SETUP"
+  --command "bash scripts/rpc_compare.sh $([ "$CLIENTS" -gt 1 ] && echo "--clients $CLIENTS ")$LLAMA_BIN $RUNS" \
+  --setup "$SETUP" --clients "$CLIENTS"

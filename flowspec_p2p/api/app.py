@@ -129,7 +129,8 @@ class _Job:
             return out
 
         chunks = self.leader.generate(self.prompt, params=self.body.sampling(), max_tokens=self.budget,
-                                      stop_ids=stop_ids, mode=self.spec.name, stats=self.ledger)
+                                      stop_ids=stop_ids, mode=self.spec.name, stats=self.ledger,
+                                      cache_prompt=self.body.cache_prompt)
         async with contextlib.aclosing(chunks):
             async for ids in chunks:
                 self.token_ids += ids
@@ -150,7 +151,8 @@ class _Job:
 
     def usage(self) -> dict:
         n = self.ledger.new_tokens
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n,
+                "prompt_tokens_details": {"cached_tokens": self.ledger.cached_tokens}}
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         """OpenAI's ``logprobs`` object of a choice for ``entries`` (None when the request did not ask)."""

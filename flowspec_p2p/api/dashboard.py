@@ -47,6 +47,23 @@ def _brief(led: Ledger, now: float) -> dict:
     return {k: s[k] for k in ("id", "mode", "outcome", "tokens", "tokens_per_s", "tau", "elapsed_s", "started")}
 
 
+def _live(led: Ledger, now: float) -> dict:
+    s = request_summary(led, now)
+    return {k: s[k] for k in ("id", "mode", "tokens", "tokens_per_s", "tau", "ttft_s", "elapsed_s")} | {
+        "queued_s": round(led.queued_s, 3), "cached_tokens": led.cached_tokens}
+
+
+def _stage_rows(known: dict) -> list[dict]:
+    """Per stage of the plan: rows per engine call (requests batched and tree nodes) and forwards batched."""
+    out = []
+    for s in known.get("stages") or ():
+        c = s.get("counters") or {}
+        calls = c.get("engine_calls") or 0
+        out.append({"stage": s["stage"], "rows_per_forward": round(c.get("engine_rows", 0) / calls, 2) if calls
+                    else None, "batched_forwards": c.get("batched_forwards", 0)})
+    return out
+
+
 def _recent_busy(ledgers: list[Ledger], since: float, now: float) -> list[list[float]]:
     return [[round(a, 4), round(b, 4)] for led in ledgers if (led.finished or now) > since
             for a, b in led.leader_busy if b > since]
@@ -64,6 +81,9 @@ async def dashboard_state(leader: Leader, view: View | None, timelines: Timeline
         "cluster": known,
         "leader": leader.snapshot(),
         "request": request_summary(ledgers[-1], now) if ledgers else None,
+        # every request decoding now (several share the pipeline), with what its user feels
+        "in_flight": [_live(led, now) for led in ledgers if led.running],
+        "stage_rows": _stage_rows(known),
         "recent": [_brief(led, now) for led in reversed(ledgers[:-1])][:RECENT_REQUESTS],
         "timeline": {"stages": stages, "leader": _recent_busy(ledgers, since, now)},
     }

@@ -22,9 +22,13 @@ Recorded as requests end, a view of each request's ledger (ledger.py):
                                                        links only); "in": tensor payload of the results back
     flowspec_ring_round_trip_seconds                   histogram: a Forward's trip from the leader round the ring
     flowspec_errors_total{status,reason}               every 4xx/5xx reply by reason (OpenAI error code or type)
+    flowspec_queue_wait_seconds                        histogram: a request's wait for its turn (admission)
+    flowspec_prompt_cached_tokens_total                prompt tokens whose KV came from the prompt cache
 
-Read at scrape time: flowspec_queue_depth, flowspec_requests_in_flight, flowspec_pipeline_ready,
-flowspec_pipeline_stages, flowspec_cluster_members, flowspec_plan_epoch (gauges); flowspec_replans_total (plans
+Read at scrape time: flowspec_queue_depth, flowspec_requests_in_flight, flowspec_max_requests (the plan's requests
+in flight), flowspec_prompt_cache_entries, flowspec_pipeline_ready, flowspec_pipeline_stages,
+flowspec_pipeline_stage_rows_per_forward{stage} (each stage's rows per engine call: requests batched and tree
+nodes, from its counters), flowspec_cluster_members, flowspec_plan_epoch (gauges); flowspec_replans_total (plans
 put into service after the first), flowspec_resumes_total (requests continued on a new pipeline),
 flowspec_leader_requests_total{outcome} (the leader's own counts: completed, cancelled, failed, busy, not_ready).
 
@@ -47,6 +51,7 @@ from ..ledger import Ledger, itl_gaps
 METRICS_PATH = "/metrics"
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DURATION_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 WALK_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 TRIP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -94,6 +99,10 @@ class ApiMetrics:
                                buckets=TRIP_BUCKETS, registry=r)
         self.errors = Counter("flowspec_errors", "4xx and 5xx replies by status and reason", ["status", "reason"],
                               registry=r)
+        self.queue_wait = Histogram("flowspec_queue_wait_seconds", "A request's wait for its turn",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.cached_tokens = Counter("flowspec_prompt_cached_tokens", "Prompt tokens whose KV came from the prompt "
+                                     "cache", registry=r)
         self.state = _StateCollector(leader)
         r.register(self.state)
 
@@ -108,6 +117,8 @@ class ApiMetrics:
 
     def _request(self, t: Ledger) -> None:
         mode = t.mode
+        self.queue_wait.observe(t.queued_s)
+        self.cached_tokens.inc(t.cached_tokens)
         self.prompt_tokens.labels(mode).inc(t.prompt_tokens)
         self.generation_tokens.labels(mode).inc(t.new_tokens)
         self.duration.labels(mode).observe(t.finished - t.started)
@@ -150,12 +161,22 @@ class _StateCollector:
         for name, doc, value in (
             ("flowspec_queue_depth", "Requests waiting for their turn", snap["waiting"]),
             ("flowspec_requests_in_flight", "Requests being decoded", len(snap["in_flight"])),
+            ("flowspec_max_requests", "Requests decoded at once (the plan's)", snap["admission"]["max_requests"]),
+            ("flowspec_prompt_cache_entries", "Finished requests' KV kept for a later prompt",
+             snap["prompt_cache"]["entries"]),
             ("flowspec_pipeline_ready", "1 while a pipeline serves", int(snap["ready"])),
             ("flowspec_pipeline_stages", "Compute stages of the serving pipeline", p.get("stages", 0)),
             ("flowspec_cluster_members", "Agents the leader knows, itself included", len(known.get("members", ()))),
             ("flowspec_plan_epoch", "The serving plan's epoch", epoch),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        rows = GaugeMetricFamily("flowspec_pipeline_stage_rows_per_forward", "Rows per engine call of each stage "
+                                 "(several requests batched, tree nodes)", labels=["stage"])
+        for s in known.get("stages") or ():
+            c = s.get("counters") or {}
+            if c.get("engine_calls"):
+                rows.add_metric([str(s["stage"])], c["engine_rows"] / c["engine_calls"])
+        yield rows
         yield CounterMetricFamily("flowspec_replans", "Plans put into service after the first",
                                   value=max(0, epoch - 1))
         yield CounterMetricFamily("flowspec_resumes", "Requests continued on a new pipeline", value=snap["resumed"])

@@ -64,6 +64,9 @@ class Body(BaseModel):
     n: int = Field(1, ge=1, le=1)
     decoding: str | None = Field(None, min_length=1, max_length=32)
     return_token_ids: bool = False  # stats carry "token_ids": the generated ids (benchmarks compare modes by them)
+    # the prompt cache (llama-server's name): start from the KV an earlier request with the same prefix left on the
+    # stages, and leave this one's for the next; false: a cold prefill, nothing taken or kept
+    cache_prompt: bool = True
     return_leader_timeline: bool = False  # stats carry "leader_intervals": the leader's compute [start, end] pairs
     # accepted only at the values that change nothing (see unsupported()); the ranges are OpenAI's
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -76,6 +76,16 @@ class BenchConfig(Settings):
     request_timeout_s: float = Field(REQUEST_TIMEOUT_S, gt=0)
 
 
+def cluster_options(cfg: BenchConfig, slowdown: float):
+    """The emulated cluster of ``cfg``: N stages and a leader holding no layers (the paper's layout)."""
+    from ..cluster.local_cluster import ClusterOptions
+
+    return ClusterOptions(stages=cfg.stages, leader_layers="never", link_mbps=cfg.link_mbps,
+                          link_latency_ms=cfg.link_latency_ms or None, slowdown=slowdown, threads=cfg.threads,
+                          wire_dtype=cfg.wire_dtype, context=cfg.context, model=cfg.model, draft=cfg.draft,
+                          flowspec=cfg.flowspec, insecure=cfg.insecure, engine=cfg.engine)
+
+
 def default_slowdown(stages: int, cores: int | None = None) -> float:
     """See the module docstring: ceil(2 (stages + 1) / cores), at least 1."""
     cores = cores or os.cpu_count() or 1
@@ -197,7 +207,7 @@ def _stage_timelines(cluster, since: float) -> list[list[dict]]:
 
 def run(cfg: BenchConfig) -> dict:
     """Run the benchmark (see the module docstring) -> results (also written to ``cfg.out``)."""
-    from ..cluster.local_cluster import ClusterOptions, LocalCluster
+    from ..cluster.local_cluster import LocalCluster
 
     prompts = load_questions(cfg.data, cfg.datasets, cfg.start, cfg.per_dataset, cfg.turns)
     if not prompts:
@@ -215,10 +225,7 @@ def run(cfg: BenchConfig) -> dict:
     elif records_path.exists():
         log.warning("overwriting the records in %s (pass --resume to continue them)", records_path)
         records_path.unlink()
-    options = ClusterOptions(stages=cfg.stages, leader_layers="never", link_mbps=cfg.link_mbps,
-                             link_latency_ms=cfg.link_latency_ms or None, slowdown=slowdown, threads=cfg.threads,
-                             wire_dtype=cfg.wire_dtype, context=cfg.context, model=cfg.model, draft=cfg.draft,
-                             flowspec=cfg.flowspec, insecure=cfg.insecure, engine=cfg.engine)
+    options = cluster_options(cfg, slowdown)
     log.warning("starting an emulated cluster: %d stages + leader, %s Mbit/s, %g ms, slowdown %g ...", cfg.stages,
                 cfg.link_mbps, cfg.link_latency_ms, slowdown)
     cluster = LocalCluster(cfg.stages + 1, options)

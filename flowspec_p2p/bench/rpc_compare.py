@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .paths import portable_command, portable_path
@@ -49,6 +50,91 @@ def chat(side: str, urls: dict[str, str]) -> dict:
         tps = out["timings"]["predicted_per_second"]
     return {"decode_tokens_per_s": tps, "tokens": out["usage"]["completion_tokens"], "wall_s": wall,
             "text": out["choices"][0]["message"]["content"], "auto_chose": chose}
+
+
+CLIENT_PROMPTS = (PROMPT, "Explain how rainbows form.", "List five tips for a good night's sleep.",
+                  "Describe the water cycle in detail.", "Why do cats purr?", "How does a bicycle stay upright?",
+                  "What makes bread rise?", "Explain why the sea has tides.")
+CLIENT_SIDES = ("ours-ar", "ours-auto", "llama.cpp-rpc")
+
+
+def chat_many(side: str, urls: dict[str, str], clients: int, offset: int) -> dict:
+    """``clients`` requests at once, client i asking CLIENT_PROMPTS[(offset + i) % 8] -> the aggregate generated
+    tokens/s (all replies' tokens over the wall time until the last ended) and the texts."""
+    prompts = [CLIENT_PROMPTS[(offset + i) % len(CLIENT_PROMPTS)] for i in range(clients)]
+
+    def one(prompt: str) -> tuple[int, str]:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS, "temperature": 0}
+        if side.startswith("ours-"):
+            mode = side.removeprefix("ours-")
+            out, _ = post(urls["ours"] + "/v1/chat/completions",
+                          {**body, "cache_prompt": False, **({} if mode == "auto" else {"decoding": mode})})
+        else:
+            out, _ = post(urls["llama"] + "/v1/chat/completions", {**body, "seed": 0, "cache_prompt": False})
+        return out["usage"]["completion_tokens"], out["choices"][0]["message"]["content"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        got = list(pool.map(one, prompts))
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": sum(n for n, _ in got) / wall, "tokens": sum(n for n, _ in got), "wall_s": wall,
+            "texts": dict(zip(prompts, (t for _, t in got), strict=True))}
+
+
+def run_clients(urls: dict[str, str], clients: int, runs: int) -> dict:
+    """Interleaved runs of one client and of ``clients`` at once on every side -> medians, the scaling of each side
+    and ours against llama.cpp's, within each run."""
+    samples = []
+    for run in range(runs):
+        k = run % len(CLIENT_SIDES)
+        for side in CLIENT_SIDES[k:] + CLIENT_SIDES[:k]:
+            for c in (1, clients):
+                s = chat_many(side, urls, c, run)
+                samples.append({"run": run, "side": side, "clients": c, "load1": os.getloadavg()[0], **s})
+                sys.stderr.write(f"run {run + 1}/{runs} {side} x{c}: {s['tokens_per_s']:.1f} tok/s\n")
+
+    def med(side: str, c: int, key: str = "tokens_per_s") -> float:
+        return statistics.median(x[key] for x in samples if x["side"] == side and x["clients"] == c)
+
+    def paired(f) -> float:
+        return statistics.median(f(run) for run in range(runs))
+
+    def at(side: str, c: int, run: int) -> float:
+        return next(x["tokens_per_s"] for x in samples if x["side"] == side and x["clients"] == c and x["run"] == run)
+
+    same = {}
+    for side in ("ours-ar", "ours-auto"):
+        asked = {p for x in samples if x["side"] == side and x["clients"] == clients for p in x["texts"]}
+        alone = {p: chat_many(side, urls, 1, CLIENT_PROMPTS.index(p))["texts"][p] for p in asked}
+        same[side] = sum(t == alone[p] for x in samples if x["side"] == side and x["clients"] == clients
+                         for p, t in x["texts"].items())
+        same[side] = f"{same[side]}/{clients * runs}"
+    return {"clients": clients, "runs": runs, "prompts": list(CLIENT_PROMPTS[:clients]),
+            "tokens_per_s": {side: {"1": med(side, 1), str(clients): med(side, clients)} for side in CLIENT_SIDES},
+            "scaling": {side: paired(lambda r, s=side: at(s, clients, r) / at(s, 1, r)) for side in CLIENT_SIDES},
+            "vs_llama": {side: {str(c): paired(lambda r, s=side, c=c: at(s, c, r) / at("llama.cpp-rpc", c, r))
+                                for c in (1, clients)} for side in ("ours-ar", "ours-auto")},
+            "replies_equal_alone": same, "samples": samples}
+
+
+def clients_markdown(res: dict, command: str) -> str:
+    c = res["clients"]
+    loads = [x["load1"] for x in res["samples"]]
+    lines = [f"# {c} clients at once: the product against llama.cpp's RPC pipeline (`llama-server -np {c}`), one host",
+             "", f"`{command}`", "",
+             f"{c} different prompts at once (one client: the first), greedy, max_tokens {MAX_TOKENS}, prompt cache "
+             f"off on both sides; {res['runs']} interleaved runs, medians of the tokens/s and of the ratios within "
+             f"each run; 1-minute load average {min(loads):.1f}–{max(loads):.1f}.", "",
+             f"| side | 1 client tokens/s | {c} clients tokens/s (aggregate) | {c} ÷ 1 | ÷ llama.cpp at {c} |",
+             "|---|---:|---:|---:|---:|"]
+    for side in CLIENT_SIDES:
+        t = res["tokens_per_s"][side]
+        vs = res["vs_llama"].get(side, {}).get(str(c))
+        lines.append(f"| {side} | {t['1']:.1f} | {t[str(c)]:.1f} | {res['scaling'][side]:.2f}× | "
+                     f"{'–' if vs is None else f'{vs:.2f}×'} |")
+    lines += ["", f"Our replies among {c} equal the same prompt's reply alone: "
+              + ", ".join(f"{s} {v}" for s, v in res["replies_equal_alone"].items()) + "."]
+    return "\n".join(lines) + "\n"
 
 
 def wait_ready(url: str, timeout_s: float = 600.0) -> None:
@@ -195,10 +281,23 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--command", default="bash scripts/rpc_compare.sh LLAMA_BIN")
     p.add_argument("--setup", default="{}", help="JSON merged into the setup record")
+    p.add_argument("--clients", type=int, default=1, help="N > 1: N clients at once against one (clients.json/.md)")
     args = p.parse_args()
     urls = {"ours": args.ours, "llama": args.llama}
     for url in urls.values():
         wait_ready(url)
+    if args.clients > 1:
+        for side in CLIENT_SIDES:  # warm-up
+            chat_many(side, urls, args.clients, 0)
+        res = {"setup": setup_record(args.command, args.runs, json.loads(args.setup)),
+               **run_clients(urls, args.clients, args.runs),
+               "memory": {"ours": memory(descendants(args.ours_pid)),
+                          "llama": memory([int(x) for x in args.llama_pids.split(",")])}}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "clients.json").write_text(json.dumps(res, indent=2) + "\n")
+        (args.out / "clients.md").write_text(clients_markdown(res, res["setup"]["command"]))
+        sys.stdout.write(clients_markdown(res, res["setup"]["command"]))
+        return 0
     for side in SIDES:  # warm-up: first-request costs (pages, scratch buffers) on every side
         chat(side, urls)
     samples = []

@@ -60,7 +60,7 @@ LINK_CONNECT_TIMEOUT_S = 15.0  # the successor must accept the new epoch within 
 CLOSE_TIMEOUT_S = 1.0  # closing an inbound link does not wait longer for the peer's close frame
 # worker and core counters that totals() sums over every epoch the agent served (stage_metrics.py)
 SUMMED = ("compute_s", "busy_s", "frames_in", "frames_out", "dropped_out", "forwards", "tokens", "prunes", "errors",
-          "sent_bytes")
+          "sent_bytes", "engine_calls", "engine_rows", "batched_forwards", "reused")
 
 
 class TapQueue(Inbox):

@@ -7,6 +7,10 @@ stage host (cumulative over the plan epochs it served), names prefixed ``flowspe
     flowspec_stage_forwards_total, flowspec_stage_tokens_total, flowspec_stage_prunes_total,
     flowspec_stage_errors_total
     flowspec_stage_link_sent_bytes_total    frames sent to the successor (websocket links; 0 in process)
+    flowspec_stage_engine_calls_total, flowspec_stage_engine_rows_total   engine calls and the rows they computed:
+                                            their ratio is the batch rows per stage forward
+    flowspec_stage_batched_forwards_total   forwards run with other requests' in one engine call
+    flowspec_stage_reused_requests_total    requests started from retained KV (the prompt cache)
     flowspec_stage_cache_bytes              K/V cache held for open requests (gauge)
     flowspec_stage_open_requests, flowspec_stage_queue_depth, flowspec_stage_index (gauges; index 0: no stage)
     flowspec_agent_info{agent,name,role,cluster}  1
@@ -41,6 +45,14 @@ STAGE_COUNTERS = (
     ("flowspec_stage_prunes", "Prunes this stage applied", "prunes"),
     ("flowspec_stage_errors", "Requests that failed on this stage", "errors"),
     ("flowspec_stage_link_sent_bytes", "Bytes this stage sent to its successor", "sent_bytes"),
+    ("flowspec_stage_engine_calls", "Engine calls (one per forward, or per batch of several requests' forwards)",
+     "engine_calls"),
+    ("flowspec_stage_engine_rows", "Rows those calls computed (over engine calls: batch rows per stage forward)",
+     "engine_rows"),
+    ("flowspec_stage_batched_forwards", "Forwards that ran batched with other requests' in one engine call",
+     "batched_forwards"),
+    ("flowspec_stage_reused_requests", "Requests that started from a retained request's KV (the prompt cache)",
+     "reused"),
 )
 STAGE_GAUGES = (
     ("flowspec_stage_cache_bytes", "K/V cache bytes held for open requests", "cache_bytes"),

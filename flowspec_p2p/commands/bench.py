@@ -73,39 +73,55 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="link the agents over plain http/ws (the open mode) instead of TLS with a cluster key, e.g. "
                    "to measure what TLS costs (recorded in the setup)")
+    p.add_argument("--clients", default=None, metavar="C[,C...]",
+                   help="many users at once instead: for each mode (default ar, flowspec, auto) and client count, C "
+                   "clients send greedy requests of different prompts together (3 rounds); writes clients.json/.md "
+                   "with the aggregate tokens/s, its ratio to the fewest clients, TTFT and ITL percentiles, and "
+                   "whether every reply equals its prompt's reply alone")
     p.add_argument("--resume", action="store_true", help="continue the records in --out (skip finished requests)")
     p.add_argument("--report-only", action="store_true", help="rebuild the reports from --out's records; run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _config(args: argparse.Namespace):
+    """The bench's configuration from the flags (a ConfigError naming what is wrong)."""
     from pydantic import ValidationError
 
     from ..bench import edge as bench
     from ..config import json_object
     from ..errors import ConfigError
 
+    fields = {"stages": args.stages, "link_mbps": args.link_mbps, "link_latency_ms": args.link_latency_ms,
+              "slowdown": args.slowdown, "per_dataset": args.per_dataset, "start": args.start, "turns": args.turns,
+              "temperatures": _floats(args.temperature, (0.0, 1.0)), "max_tokens": args.max_tokens,
+              "modes": _names(args.modes), "wire_dtype": args.wire_dtype, "threads": args.threads,
+              "context": args.context, "model": args.model, "draft": args.draft, "out": args.out,
+              "resume": args.resume, "progress": not args.no_progress,
+              "flowspec": json_object(args.flowspec_config, "--flowspec-config"), "insecure": args.insecure,
+              "engine": args.engine}
+    if args.datasets:
+        fields["datasets"] = _names(args.datasets)
+    if args.data:
+        fields["data"] = args.data
+    try:
+        return bench.BenchConfig(**fields)
+    except ValidationError as e:
+        raise ConfigError(f"invalid bench options: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench import edge as bench
+
+    if args.clients:
+        from ..bench.clients import CLIENTS_MD, run_clients
+
+        run_clients(_config(args), [int(c) for c in args.clients.split(",") if c.strip()])
+        sys.stdout.write((args.out / CLIENTS_MD).read_text())
+        return 0
     if args.report_only:
         bench.report_only(args.out)
     else:
-        fields = {"stages": args.stages, "link_mbps": args.link_mbps, "link_latency_ms": args.link_latency_ms,
-                  "slowdown": args.slowdown, "per_dataset": args.per_dataset, "start": args.start,
-                  "turns": args.turns,
-                  "temperatures": _floats(args.temperature, (0.0, 1.0)), "max_tokens": args.max_tokens,
-                  "modes": _names(args.modes), "wire_dtype": args.wire_dtype, "threads": args.threads,
-                  "context": args.context, "model": args.model, "draft": args.draft, "out": args.out,
-                  "resume": args.resume, "progress": not args.no_progress,
-                  "flowspec": json_object(args.flowspec_config, "--flowspec-config"), "insecure": args.insecure,
-                  "engine": args.engine}
-        if args.datasets:
-            fields["datasets"] = _names(args.datasets)
-        if args.data:
-            fields["data"] = args.data
-        try:
-            cfg = bench.BenchConfig(**fields)
-        except ValidationError as e:
-            raise ConfigError(f"invalid bench options: {e}") from None
-        bench.run(cfg)
+        bench.run(_config(args))
     sys.stdout.write((args.out / "results.md").read_text())
     return 0

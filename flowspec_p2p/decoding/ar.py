@@ -13,7 +13,7 @@ async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
     ledger = ctx.ledger
     t0 = time.perf_counter()
     feats = await prefill(ctx)
-    token = await ctx.compute(ctx.next_token, feats[-1])
+    token = await ctx.decide(feats[-1])
     ledger.prefilled(len(ctx.prompt), time.perf_counter() - t0)
     t1 = time.perf_counter()
     try:
@@ -22,7 +22,9 @@ async def ar_mode(ctx: ModeContext) -> AsyncIterator[list[int]]:
         while ctx.remaining > 0 and token not in ctx.stop_ids:
             await ctx.forward(parents=[-1], positions=[pos], tokens=[token], commit=True)
             _, tensors = await ctx.recv_forward()
-            token = await ctx.compute(ctx.next_token, ctx.features(tensors)[-1])
+            f = ctx.features(tensors)  # [1, hidden]
+            ctx.keep(f)
+            token = await ctx.decide(f[-1])
             pos += 1
             ledger.stepped(1)
             yield [token]

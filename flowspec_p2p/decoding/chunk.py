@@ -73,7 +73,7 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
     segments = segments or ctx.pipeline.stages + 1
     t0 = time.perf_counter()
     feats = await prefill(ctx)  # [P, hidden]
-    token = await ctx.compute(ctx.next_token, feats[-1])
+    token = await ctx.decide(feats[-1])
     drafter.reset(len(ctx.prompt) + ctx.max_new_tokens + shape.draft_slots())
     await ctx.compute(drafter.feed, ctx.prompt, feats, token)
     ledger.prefilled(len(ctx.prompt), time.perf_counter() - t0)
@@ -99,6 +99,7 @@ async def chunk_mode(ctx: ModeContext, shape: TreeShape = CHUNK_TREE, segments: 
             f = torch.cat([ctx.features((await ctx.recv_forward())[1]) for _ in bounds])  # [n, hidden]
             verdict: Verdict = await ctx.compute(_verify, ctx, tree, f, committed)
             await ctx.prune(len(verdict.accepted), verdict.accepted)
+            ctx.keep(f[torch.tensor(verdict.accepted)])
             committed += len(verdict.accepted)
             out = verdict.emitted(tree)[:remaining]
             ctx.walked(verdict, len(out))

@@ -10,7 +10,7 @@ Writing a mode (the built-in modes plug in the same way; ar.py is the simplest):
         await ctx.forward(parents=[-1, 0], positions=[0, 1], tokens=ctx.prompt[:2], commit=True)
         msg, tensors = await ctx.recv()                   # this request's next returned message, in order
         feats = ctx.features(tensors)                      # [m, hidden] final-normed, head dtype
-        token = await ctx.compute(ctx.next_token, feats[-1])  # heavy work on the leader's compute thread
+        token = await ctx.decide(feats[-1])                # the LM head on the leader's compute thread
         ctx.ledger.prefilled(2, time.perf_counter() - t0)  # what it did goes to the request's ledger (ledger.py)
         yield [token]                                      # committed tokens, streamed to the client at once
 
@@ -49,6 +49,8 @@ from ..pipeline.messages import DataMessage, Forward, Prune, StageError
 from ..pipeline.transport import Frame, Sender
 from ..speculative.drafter import Drafter
 from ..speculative.verify import Rows, Verdict
+from .batcher import NextTokens
+from .prompt_cache import Reuse
 from .settings import LeaderSettings
 
 T = TypeVar("T")
@@ -141,7 +143,7 @@ class LeaderParts:
     drafter: Drafter | None
     settings: LeaderSettings
     compute: Compute
-
+    batcher: NextTokens | None = None  # next tokens of several requests in one LM-head call
 
 @dataclass
 class _Failure:
@@ -175,6 +177,10 @@ class ModeContext:
         self.returned = 0  # forward results queued here, not yet taken by recv()
         self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
         self.load = 1  # requests in flight when it started, itself included (the leader sets it)
+        self.in_flight_now: Callable[[], int] = lambda: 1  # requests in flight now (the leader sets it)
+        self.reuse: Reuse | None = None  # the prompt cache's hit: the KV the stages keep for this prompt's prefix
+        self.stage_committed = 0  # positions every stage holds as committed prefix once our messages arrive
+        self.kept: list[torch.Tensor] = []  # target features [n, hidden] of those positions, in order
         self._busy_from = len(ledger.leader_busy)  # the ledger's compute intervals before this attempt
         self._base_tokens = ledger.new_tokens  # the ledger's tokens before this attempt
         self.pending_logprobs: list[TokenLogprob] = []  # for the next chunk the mode yields (the leader takes them)
@@ -213,7 +219,10 @@ class ModeContext:
             raise self.error
         msg = msg.model_copy(update={"request_id": self.request_id, "seq": self.seq})
         self.seq += 1
+        if isinstance(msg, Prune):
+            self.stage_committed += msg.accept
         if isinstance(msg, Forward):
+            self.stage_committed += len(msg.parents) if msg.commit else 0
             self.in_flight += 1
             self._sent_at.append(time.perf_counter())
             self._mark = self._mark or self._sent_at[-1]
@@ -226,11 +235,13 @@ class ModeContext:
         self.ledger.sent((counters.bytes - before) if counters is not None else 0)
 
     async def forward(self, *, first: int = 0, parents: Sequence[int], positions: Sequence[int],
-                      tokens: Sequence[int] | torch.Tensor, commit: bool = False, tag: int = 0) -> None:
-        """Send new nodes: token ids, embedded here when the first stage does not embed."""
+                      tokens: Sequence[int] | torch.Tensor, commit: bool = False, tag: int = 0,
+                      reuse: str | None = None) -> None:
+        """Send new nodes: token ids, embedded here when the first stage does not embed. ``reuse``: the request's
+        first forward starts from that retained request's KV (prefill does this on a prompt-cache hit)."""
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)  # [m]
         msg = Forward(request_id="", seq=0, first=first, parents=list(parents), positions=list(positions),
-                      commit=commit, tag=tag)
+                      commit=commit, tag=tag, reuse=reuse)
         if self.pipeline.takes == "tokens":
             await self.send(msg, {"tokens": ids})
         else:
@@ -288,6 +299,12 @@ class ModeContext:
         with torch.inference_mode():
             return self.head.embed(ids).to(wire_dtype(self.settings.wire_dtype))
 
+    def keep(self, features: torch.Tensor) -> None:
+        """``features`` [n, hidden]: the target features of the n positions that just became committed prefix on
+        every stage (in order; the modes call it where they commit). The prompt cache keeps them, with the KV the
+        stages retain, for the drafter of a later request that shares the prefix."""
+        self.kept.append(features.detach())
+
     def features(self, tensors: Tensors) -> torch.Tensor:
         """Final-normed features of returned nodes -> [m, hidden] in the head's dtype."""
         with torch.inference_mode():
@@ -311,7 +328,17 @@ class ModeContext:
     def next_token(self, features: torch.Tensor) -> int:
         """The token at ``next_position`` (then one further), for a token the mode commits: its logprobs are noted
         when the request asked. features: [hidden]"""
-        logits = self.logits(features)  # [vocab]
+        return self.choose_next(self.logits(features))
+
+    async def decide(self, features: torch.Tensor) -> int:
+        """``next_token`` on the compute thread, batched with other requests' (batcher.py) where the leader has a
+        batcher. features: [hidden]"""
+        if self.parts.batcher is None:
+            return await self.compute(self.next_token, features)
+        return await self.parts.batcher.decide(self, features)
+
+    def choose_next(self, logits: torch.Tensor) -> int:
+        """``next_token`` from the target's ``logits`` [vocab] at ``next_position``."""
         position, self.next_position = self.next_position, self.next_position + 1
         token = choose(logits, self.params, None) if self.gen is None else self.gen.sample(logits, self.params,
                                                                                            position)
@@ -345,15 +372,21 @@ class ModeContext:
 
 
 async def prefill(ctx: ModeContext) -> torch.Tensor:
-    """Send the prompt in committing chunks (all at once: the stages work on them as a pipeline); return the
-    features of every prompt token. -> [prompt_len, hidden]"""
+    """Send the prompt in committing chunks (all at once: the stages work on them as a pipeline; the stages batch
+    them with other requests' steps, so a long prompt delays those by one chunk's forward at a time); return the
+    features of every prompt token. On a prompt-cache hit (``ctx.reuse``) the stages already hold the prefix's KV:
+    only the rest is sent, the prefix's features come from the cache. -> [prompt_len, hidden]"""
     prompt, step = ctx.prompt, ctx.settings.prefill_chunk
-    for a in range(0, len(prompt), step):
+    start = 0 if ctx.reuse is None else ctx.reuse.length
+    ctx.stage_committed = start
+    for a in range(start, len(prompt), step):
         ids = prompt[a : a + step]
         await ctx.forward(parents=list(range(-1, len(ids) - 1)), positions=range(a, a + len(ids)), tokens=ids,
-                          commit=True)
-    feats = []
-    for _ in range(0, len(prompt), step):
+                          commit=True, reuse=ctx.reuse.rid if ctx.reuse is not None and a == start else None)
+    feats = [] if ctx.reuse is None else [ctx.reuse.features.to(ctx.head.dtype)]
+    for _ in range(start, len(prompt), step):
         _, tensors = await ctx.recv_forward()
         feats.append(ctx.features(tensors))
-    return torch.cat(feats)
+    out = torch.cat(feats)
+    ctx.keep(out)
+    return out

@@ -201,10 +201,13 @@ class _TreeLoop:
         return self.ctx.remaining
 
     async def fill(self) -> None:
-        """Keep ``in_flight`` live segments in the ring while unsent nodes exist. Segments that a prune emptied do
+        """Keep ``in_flight`` live segments in the ring while unsent nodes exist, shared with the other requests in
+        flight: with k requests decoding, each keeps ceil(in_flight / k) (the ring is full of their segments anyway,
+        and a segment that dies in flight delays theirs too). Segments that a prune emptied do
         not count: the stages skip their dead rows (look-ahead), so a fresh root goes out at once."""
         state = self.state
-        while (live := sum(1 for seg in state.inflight if seg.nodes)) < self.in_flight:
+        share = max(1, -(-self.in_flight // max(1, self.ctx.in_flight_now())))
+        while (live := sum(1 for seg in state.inflight if seg.nodes)) < share:
             n = self.growth.segment(state, live)
             if n <= 0:
                 return
@@ -252,6 +255,7 @@ class _TreeLoop:
             accept, keep, acc_tokens, acc_feats = state.apply(verdict)
             stats.applied(state.outcome)
             await ctx.prune(accept, keep)
+            ctx.keep(acc_feats)
             await self.fill()  # surviving unsent nodes go out before we spend time drafting
             td = time.perf_counter()
             await ctx.compute(ctx.drafter.feed, acc_tokens, acc_feats, verdict.token)
@@ -271,7 +275,7 @@ async def tree_pipeline(ctx: ModeContext, growth: Growth, in_flight: int | None 
     in_flight = in_flight or ctx.pipeline.stages + 1
     t0 = time.perf_counter()
     feats = await prefill(ctx)  # [P, hidden]
-    token = await ctx.compute(ctx.next_token, feats[-1])
+    token = await ctx.decide(feats[-1])
     drafter.reset(len(ctx.prompt) + ctx.max_new_tokens + draft_slots)
     await ctx.compute(drafter.feed, ctx.prompt, feats, token)
     ledger.prefilled(len(ctx.prompt), time.perf_counter() - t0)

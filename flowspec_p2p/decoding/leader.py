@@ -49,6 +49,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone
 from ..ledger import Ledger, reply_stats
 from ..model.engine import Shard
@@ -60,7 +62,9 @@ from ..speculative.drafter import Drafter
 from .admission import Admission
 from .ar import AR
 from .auto import Choice, ModeChooser
+from .batcher import NextTokens
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
+from .prompt_cache import MIN_REUSE, PromptCache
 from .settings import LeaderSettings
 
 log = logging.getLogger(__name__)
@@ -86,6 +90,7 @@ class _Job:
     budget: int  # new tokens at most
     stops: frozenset[int]
     ledger: Ledger  # the caller's: every attempt appends to it
+    cache_prompt: bool = True  # may it take and leave KV in the prompt cache (prompt_cache.py)
     committed: list[int] = field(default_factory=list)
 
     def complete(self) -> bool:
@@ -107,7 +112,8 @@ class Leader:
         self.drafter = drafter
         self.settings = settings or LeaderSettings()
         self.model_id = model_id
-        self.parts = LeaderParts(head, drafter, self.settings, compute or ThreadCompute())
+        compute = compute or ThreadCompute()
+        self.parts = LeaderParts(head, drafter, self.settings, compute, NextTokens(compute))
         self.modes: dict[str, DecodingMode] = {}
         for m in modes:
             self.register_mode(m)
@@ -119,6 +125,7 @@ class Leader:
         self._ready = asyncio.Event()
         self._swapped = asyncio.Event()  # set whenever a new pipeline is installed
         self.admission = Admission(self.settings.max_requests, self.settings.max_waiting)
+        self.prompt_cache = PromptCache()  # finished requests' KV the current pipeline's stages retain
         self._active: dict[str, ModeContext] = {}
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
@@ -171,6 +178,8 @@ class Leader:
         """Swap the pipeline (after a re-plan; None while planning). Requests in flight on the old one fail
         with PeerGone; the old first-hop sender is closed. Requests that wait meanwhile get the new one."""
         old, self.pipeline = self.pipeline, pipeline
+        if pipeline is None or old is None or old.sender is not pipeline.sender:
+            self.prompt_cache.clear()  # what the old stages retained is gone with them
         if old is not None and (pipeline is None or old.sender is not pipeline.sender):
             self._fail_all(PeerGone("the cluster is re-planning; retry the request"))
             await old.sender.close()
@@ -207,6 +216,7 @@ class Leader:
 
     def close(self) -> None:
         """Stop the compute thread (after ``run`` ended)."""
+        self.parts.batcher.close()
         self.parts.compute.close()
 
     def _affects_pipeline(self, ev: LinkDown) -> bool:
@@ -234,6 +244,7 @@ class Leader:
         stop_ids: frozenset[int] | None = None,
         mode: str | None = None,
         stats: Ledger | None = None,
+        cache_prompt: bool = True,
     ) -> AsyncIterator[list[int]]:
         """Decode ``prompt`` through the pipeline: an async generator of committed-token chunks. ``stats``: the
         request's ledger (ledger.py; a fresh one by default), which the mode, its ring view and the leader append
@@ -248,7 +259,7 @@ class Leader:
         ledger.mode, ledger.prompt_tokens = spec.name, len(prompt)
         stop_ids = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer is not None else stop_ids
         self.counters["requests"] += 1
-        job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), ledger)
+        job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), ledger, cache_prompt)
         await self._take_turn(ledger)
         self.ledgers.append(ledger)
         outcome = "failed"
@@ -282,8 +293,13 @@ class Leader:
         rid = uuid.uuid4().hex[:16]
         ctx = ModeContext(self.parts, pipeline, rid, [*job.prompt, *job.committed],
                           job.params, job.budget - len(job.committed), job.stops, ledger)
+        if self.settings.prompt_cache and job.cache_prompt and pipeline is self.pipeline:
+            await self._within_budget(pipeline, in_flight=len(self._active) + 1)
+            ctx.reuse = self.prompt_cache.take(ctx.prompt)
+            ledger.cached_tokens += 0 if ctx.reuse is None else ctx.reuse.length
         self._active[rid] = ctx
         ctx.load = len(self._active)  # requests in flight as it starts, itself included (auto's load key)
+        ctx.in_flight_now = lambda: len(self._active)
         self.idle.clear()
         outcome: str | None = "failed"
         try:
@@ -316,9 +332,33 @@ class Leader:
                 choice = ledger.figure(Choice)
                 self.chooser.record(job.spec.name if choice is None else choice.mode, pipeline.epoch,
                                     job.params.greedy, ledger.attempt_tokens, ledger.attempt.decode_s, ctx.load)
-            if ctx.seq and not pipeline.sender.closed:  # free the request's state on every stage, in order
-                with contextlib.suppress(FlowSpecError):
-                    await pipeline.sender.send(Release(request_id=rid, seq=ctx.seq))
+            await self._release(ctx, pipeline, [*job.prompt, *job.committed],
+                                outcome == "completed" and job.cache_prompt)
+
+    async def _release(self, ctx: ModeContext, pipeline: Pipeline, sequence: list[int], done: bool) -> None:
+        """Free the request's state on every stage, in order; a completed request's committed positions (their KV
+        on the stages, their features here) stay for a later request that shares the prefix (prompt_cache.py),
+        within the memory budget."""
+        if pipeline.sender.closed:
+            return
+        retain = min(ctx.stage_committed, sum(len(f) for f in ctx.kept), len(sequence))
+        if not (done and self.settings.prompt_cache and pipeline is self.pipeline and retain >= MIN_REUSE):
+            retain = None
+        with contextlib.suppress(FlowSpecError):
+            if ctx.seq:
+                await pipeline.sender.send(Release(request_id=ctx.request_id, seq=ctx.seq, retain=retain))
+            elif ctx.reuse is not None:  # it took a retained entry but never sent its first forward
+                await pipeline.sender.send(Release(request_id=ctx.reuse.rid, seq=0))
+        if retain is not None and ctx.seq:
+            self.prompt_cache.add(ctx.request_id, sequence[:retain], torch.cat(ctx.kept)[:retain])
+            await self._within_budget(pipeline, in_flight=len(self._active))
+
+    async def _within_budget(self, pipeline: Pipeline, in_flight: int) -> None:
+        """Retained entries hold as much KV on every stage as a request: drop the least recently used ones beyond
+        what the requests in flight leave of the plan's budget."""
+        for old in self.prompt_cache.evict(self.admission.limit - in_flight):
+            with contextlib.suppress(FlowSpecError):
+                await pipeline.sender.send(Release(request_id=old, seq=0))
 
     async def _next_pipeline(self, old: Pipeline, broken: PeerGone) -> Pipeline:
         """The pipeline a broken request resumes on; re-raises ``broken`` when none comes in time."""
@@ -376,6 +416,7 @@ class Leader:
             "in_flight": list(self._active),
             "waiting": self.admission.waiting,
             "admission": self.admission.snapshot(),
+            "prompt_cache": self.prompt_cache.snapshot(),
             **self.counters,
             "last_request": next((reply_stats(led) for led in reversed(self.ledgers)
                                   if led.attempt.ended_at is not None), None),

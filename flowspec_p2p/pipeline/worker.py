@@ -107,8 +107,9 @@ class StageWorker:
         self.device = device or Device()
         self.name = name or f"stage{core.index}"
         self.timeline_buffer: deque[BusyInterval] = deque(maxlen=TIMELINE_LENGTH)
+        # engine_calls / engine_rows: forwards run (one per batch) and the rows they carried: rows per engine call
         self.counters = {"frames_in": 0, "frames_out": 0, "dropped_out": 0, "compute_s": 0.0, "busy_s": 0.0,
-                         "max_queue": 0}
+                         "max_queue": 0, "engine_calls": 0, "engine_rows": 0}
         self._out: asyncio.Queue = asyncio.Queue(OUTBOX_FRAMES)  # full: the compute loop waits (backpressure)
         self._forward_since: float | None = None  # time.perf_counter() when the forward computing now began
         self._recent_s: deque[float] = deque(maxlen=RECENT_FORWARDS)  # busy seconds of the last forwards
@@ -200,6 +201,7 @@ class StageWorker:
             outs = await loop.run_in_executor(executor, self.core.handle_batch, items)
             compute_s = time.perf_counter() - t0
             rows = sum(o[0].computed_rows for o in outs if o is not None and isinstance(o[0], Forward))
+            self._engine_call(rows)
             await self.device.finish(rows, compute_s, t0, len(self.core.shard.layers), False, _hold_until)
         finally:
             self._forward_since = None
@@ -238,6 +240,7 @@ class StageWorker:
             compute_s = time.perf_counter() - t0
             result = out[0] if isinstance(out[0], Forward) else None  # else a StageError: nothing ran
             rows = len(msg.parents) if result is None else result.computed_rows
+            self._engine_call(rows)
             await self.device.finish(rows, compute_s, t0, len(self.core.shard.layers), watch.discarded,
                                      lambda deadline: self._watch(None, deadline, watch))
         finally:
@@ -253,6 +256,11 @@ class StageWorker:
         if result is None:
             return out
         return result.model_copy(update={"stage_s": [*result.stage_s, round(end - start, 6)]}), out[1]
+
+    def _engine_call(self, rows: int) -> None:
+        if rows > 0:
+            self.counters["engine_calls"] += 1
+            self.counters["engine_rows"] += rows
 
     async def _watch(self, job: asyncio.Future | None, deadline: float | None, watch: _DiscardWatch) -> bool:
         """Wait until ``job`` is done (or time.perf_counter() reaches ``deadline``), moving arriving frames to the

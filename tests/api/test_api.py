@@ -230,3 +230,25 @@ async def test_a_client_leaving_mid_stream_frees_the_pipeline_for_the_next_reque
     assert leader.counters["requests"] == 2
     assert leader.counters["cancelled"] == 1
     assert leader.counters["completed"] == 1
+
+
+async def test_a_chats_second_turn_starts_from_the_first_turns_kv(served, parts):
+    """A multi-turn chat: turn 2 reports the prompt tokens it took from the prompt cache and says what a cold
+    prefill says; ``cache_prompt: false`` prefills cold and leaves nothing behind."""
+    client, _, ring = served
+    first = [{"role": "user", "content": "Tell me about the sea and the rivers that run into it."}]
+    r = await client.post("/v1/chat/completions", json={**CHAT, "messages": first, "decoding": "ar"})
+    turn1 = await r.json()
+    assert turn1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    second = [*first, turn1["choices"][0]["message"], {"role": "user", "content": "And the lakes?"}]
+    cold = await (await client.post("/v1/chat/completions", json={**CHAT, "messages": second, "decoding": "ar",
+                                                                  "cache_prompt": False})).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    warm = await (await client.post("/v1/chat/completions", json={**CHAT, "messages": second,
+                                                                  "decoding": "chunk"})).json()
+    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= len(TOK.chat(first))  # at least the first turn's prompt
+    assert warm["stats"]["cached_tokens"] == cached
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+    assert warm["choices"][0]["message"]["content"] == expected_text(parts, TOK.chat(second), 12)[0]
+    assert sum(w.core.counters["reused"] for w in ring.workers) == 3

@@ -112,3 +112,47 @@ async def test_metrics_count_requests_tokens_walks_and_errors_as_the_replies_say
     assert lines[0].endswith(" s")
     assert lines[4].startswith("POST /v1/chat/completions 400 ")
     assert lines[6].startswith("GET /metrics 200 ")
+
+
+async def test_requests_in_flight_their_wait_and_the_prompt_cache_are_on_metrics_and_the_dashboard(parts):
+    """Four requests at once: the dashboard lists those in flight with their time to first token and wait; /metrics
+    has the plan's requests in flight, the queue wait histogram, the stages' rows per forward (from their counters
+    in the cluster view) and the tokens a second turn took from the prompt cache."""
+    import asyncio
+
+    leader = Leader(parts.head, TOK, modes=builtin_modes(), model_id="tiny",
+                    settings=LeaderSettings(max_context=200, ready_timeout_s=0.05, max_requests=4))
+    view = {"members": [{"id": "a"}], "epoch": 1,
+            "stages": [{"stage": 1, "counters": {"engine_calls": 4, "engine_rows": 10, "batched_forwards": 3}}]}
+    app = create_app(leader, lambda: view, run_leader=False)
+    async with (LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64, capacity=456),
+                TestClient(TestServer(app)) as client):
+        seen = []
+
+        async def watch():
+            while not seen or len(seen[-1]) < 2:
+                seen.append((await (await client.get("/dashboard/state")).json())["in_flight"])
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.gather(*(one(client, "ar", False, 40) for _ in range(4)))
+        await asyncio.wait_for(watcher, 5)
+        first = [{"role": "user", "content": "Hello there, tell me a long story about the sea."}]
+        r = await client.post("/v1/chat/completions", json={"messages": first, "max_tokens": 8, "temperature": 0})
+        turn1 = await r.json()
+        second = [*first, turn1["choices"][0]["message"], {"role": "user", "content": "More!"}]
+        r = await client.post("/v1/chat/completions", json={"messages": second, "max_tokens": 8, "temperature": 0})
+        cached = (await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+        state = (await (await client.get("/dashboard/state")).json())
+        text = await (await client.get("/metrics")).text()
+    assert max(len(x) for x in seen) >= 2
+    assert {"id", "mode", "tokens", "ttft_s", "queued_s", "cached_tokens"} <= set(seen[-1][0])
+    assert state["stage_rows"] == [{"stage": 1, "rows_per_forward": 2.5, "batched_forwards": 3}]
+    samples = scrape_values(text)
+    assert value(samples, "flowspec_max_requests") == 4
+    assert value(samples, "flowspec_queue_wait_seconds_count") == 6
+    assert cached > 0
+    assert cached > turn1["usage"]["prompt_tokens_details"]["cached_tokens"]  # the whole first turn, this time
+    assert value(samples, "flowspec_prompt_cached_tokens_total") == cached + turn1["usage"]["prompt_tokens_details"][
+        "cached_tokens"]
+    assert value(samples, "flowspec_pipeline_stage_rows_per_forward", stage="1") == 2.5

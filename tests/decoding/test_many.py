@@ -64,9 +64,11 @@ async def test_eight_requests_at_once_each_get_the_reply_they_get_alone(parts, d
     leader = make_leader(parts, drafter)
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
         alone = [await generate(leader, p, mode, greedy) for p in PROMPTS]
+        calls, rows = leader.parts.batcher.calls, leader.parts.batcher.rows
         together = await asyncio.gather(*(generate(leader, p, mode, greedy) for p in PROMPTS))
         batched = sum(w.snapshot().get("batched_forwards", 0) for w in ring.workers)
         assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
+        assert leader.parts.batcher.rows - rows > leader.parts.batcher.calls - calls  # LM-head calls held several
         async with asyncio.timeout(5):  # every request's state freed on every stage (the Releases go in band)
             while any(w.core.requests for w in ring.workers):  # noqa: ASYNC110 - polling the stages' state
                 await asyncio.sleep(0.01)
@@ -111,3 +113,32 @@ async def test_on_the_native_engine_batched_requests_equal_autoregressive_decodi
     assert list(together) == [generate_ids(ARDecoder(whole), p, greedy, TOKENS)[0] for p in PROMPTS]
     assert batched > 0
     leader.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_second_turn_reuses_the_first_turns_kv_and_replies_as_a_cold_prefill(parts, drafter, mode):
+    """Turn 2's prompt is turn 1's prompt, its reply and a new message: every stage starts from the KV turn 1 left,
+    only the rest is prefilled, and the reply equals a cold prefill's (single-device decoding) token for token."""
+    greedy = SamplingParams()
+    first = [5, 17, 33, 8, 61, 9, 12, 40, 3, 77, 21, 30, 31, 32, 44, 45, 46, 47]
+    computed = {}
+    for cached in (True, False):
+        leader = make_leader(parts, drafter)
+        leader.settings = leader.settings.model_copy(update={"prompt_cache": cached})
+        async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
+            reply = await generate(leader, first, mode, greedy)
+            second = [*first, *reply, 50, 51, 52]
+            before = ring.workers[0].snapshot()["tokens"]
+            again = await generate(leader, second, mode, greedy)
+            computed[cached] = ring.workers[0].snapshot()["tokens"] - before  # rows stage 1 ran for turn 2
+            reused = [w.core.counters["reused"] for w in ring.workers]
+            cache = leader.snapshot()["prompt_cache"]
+        assert again == parts.reference(second, TOKENS)
+        assert reused == ([1, 1, 1] if cached else [0, 0, 0])
+        assert cache["hits"] == int(cached)
+        if cached:
+            shared = cache["reused_tokens"]
+            assert len(first) <= shared < len(second)
+    if mode == "ar":  # no drafts: the rows stage 1 ran are the prefill's and the steps' alone
+        assert computed[False] - computed[True] == shared  # the shared prefix was not prefilled again
+    assert computed[True] < computed[False]

@@ -237,7 +237,9 @@ function renderRequest(state) {
   fill($("#tiles"),
     tile("tokens/s", num(r && r.tokens_per_s, 1)), tile("τ (tokens per walk)", num(r && r.tau, 2)),
     tile("tokens", r ? r.tokens : "–"), tile("first token", r && r.ttft_s !== null ? `${num(r.ttft_s, 2)} s` : "–"),
-    tile("queue depth", L.waiting), tile("in flight", L.in_flight.length),
+    tile("queue depth", L.waiting), tile("in flight", `${L.in_flight.length} of ${L.admission.max_requests}`),
+    tile("queue wait (mean)", `${num(L.admission.mean_wait_s, 2)} s`),
+    tile("prompt cache", `${L.prompt_cache.entries} kept · ${L.prompt_cache.hits} hits`),
     tile("resumes", r ? `${r.resumes} (all: ${L.resumed})` : L.resumed),
     tile("ring trip", r && r.trip_ms !== null ? `${num(r.trip_ms, 1)} ms` : "–"));
   const depth = (r && r.acceptance_by_depth) || [];
@@ -246,6 +248,16 @@ function renderRequest(state) {
   const stages = (r && r.stages) || [];
   fill($("#stage-busy"), stages.length ? stages.map((s) => bar(`stage ${s.stage}`, s.busy,
     `${Math.round(100 * s.busy)}% · ${num(s.bubble_s, 2)} s idle`)) : h("span", { class: "dim" }, "–"));
+  const live = state.in_flight || [];
+  fill($("#in-flight"), live.length ? h("table", {},
+    h("tr", {}, ...["request", "mode", "tokens", "tokens/s", "first token", "queued", "cached"].map((c) => h("th", {}, c))),
+    ...live.map((x) => h("tr", {}, h("td", {}, x.id), h("td", {}, x.mode), h("td", {}, String(x.tokens)),
+      h("td", {}, num(x.tokens_per_s, 1)), h("td", {}, x.ttft_s === null ? "–" : `${num(x.ttft_s, 2)} s`),
+      h("td", {}, `${num(x.queued_s, 2)} s`), h("td", {}, String(x.cached_tokens)))))
+    : h("span", { class: "dim" }, "none"));
+  const rows = (state.stage_rows || []).filter((s) => s.rows_per_forward !== null);
+  fill($("#stage-rows"), rows.length ? rows.map((s) => `stage ${s.stage}: ${num(s.rows_per_forward, 1)} rows per ` +
+    `forward, ${s.batched_forwards} batched`).join(" · ") : "");
   fill($("#recent"), (state.recent || []).length ? "before: " : "", (state.recent || []).map((x) =>
     `${x.mode} ${x.tokens} tok ${num(x.tokens_per_s, 1)}/s${x.tau ? ` τ ${num(x.tau, 2)}` : ""}`).join(" · "));
 }
