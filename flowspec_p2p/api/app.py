@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions   messages -> chat template -> Leader.generate; ``stream: true`` = SSE, ``[DONE]``
     POST /v1/completions        prompt (text, or token ids) -> the same
-    GET  /v1/models             the one model this cluster serves
+    GET  /v1/models             the model this cluster serves, under each of its names (catalog.py)
+    /api/...                    the Ollama-compatible routes (ollama.py): chat, generate, tags, show, ps, version
     GET  /health                200 {"status": "ok"} when a pipeline is ready, else 503 {"status": "not_ready"}
     GET  /cluster               what the control plane knows (``cluster_view()``: members with id, role,
                                 address, pid, capabilities; the plan; per-stage counters) + the leader's state
@@ -55,9 +56,11 @@ from ..errors import (
 from ..ledger import TokenLogprob
 from .access import JOB, access_log
 from .auth import secure_api
+from .catalog import SERVED, ServedModel, default_served
 from .dashboard import Timelines, install_dashboard
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import install_metrics
+from .ollama import install_ollama
 from .schemas import (
     ERROR_STATUS,
     REASON,
@@ -68,14 +71,13 @@ from .schemas import (
     api_error,
     validation_error,
 )
-from .serving import Job, until_hangup
+from .serving import LEADER, Job, until_hangup
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 ClusterView = Callable[[], dict | Awaitable[dict]]
-LEADER = web.AppKey("leader", Leader)
 CLUSTER_VIEW = web.AppKey("cluster_view", object)
 
 
@@ -240,9 +242,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    leader = request.app[LEADER]
+    """The served model under each of its names (catalog.py), its id in replies first."""
+    served = request.app[SERVED]
     return web.json_response({"object": "list", "data": [
-        {"id": leader.model_id, "object": "model", "created": 0, "owned_by": "flowspec_p2p"}]})
+        {"id": name, "object": "model", "created": int(served.modified_at), "owned_by": "flowspec_p2p"}
+        for name in served.names]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -264,21 +268,24 @@ async def cluster(request: web.Request) -> web.Response:
 
 
 def create_app(leader: Leader, cluster_view: ClusterView | None = None, *, run_leader: bool = True,
-               api_key: str | None = None, cors: tuple[str, ...] = (), timelines: Timelines | None = None
-               ) -> web.Application:
+               api_key: str | None = None, cors: tuple[str, ...] = (), timelines: Timelines | None = None,
+               served: ServedModel | None = None) -> web.Application:
     """The API app. ``run_leader``: run ``leader.run()`` (the demultiplexer) for the app's lifetime
     (cleanup_ctx); pass False when the composition root already runs it in its own TaskGroup. ``api_key``: every
     route but /health needs it; ``cors``: browser origins allowed cross-origin. ``timelines``: the stages' busy
-    intervals for the dashboard (cluster/telemetry.py), when there is a cluster."""
+    intervals for the dashboard (cluster/telemetry.py), when there is a cluster. ``served``: what /v1/models and the
+    Ollama routes list (default: the leader's model id and config)."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[access_log])
     secure_api(app, api_key, cors)
     app[LEADER] = leader
     app[CLUSTER_VIEW] = cluster_view
+    app[SERVED] = served or default_served(leader)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/cluster", cluster)
+    install_ollama(app)  # Ollama's routes beside OpenAI's (ollama.py)
     install_metrics(app, leader, cluster_view)
     install_dashboard(app, leader, cluster_view, timelines)
     if run_leader:

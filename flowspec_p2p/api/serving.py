@@ -19,6 +19,7 @@ from .schemas import DEFAULT_MAX_TOKENS, REASON, ApiError, Body
 
 log = logging.getLogger(__name__)
 
+LEADER = web.AppKey("leader", Leader)  # the app's leader (create_app sets it)
 HANGUP_POLL_S = 0.2  # how often a request's connection is checked: a client that left is cancelled within this
 
 
