@@ -272,7 +272,7 @@ class Agent(Net):
         app = create_app(self.leader, self.coordinator.view, run_leader=False, api_key=cfg.api_key_text,
                          cors=cfg.api_cors, timelines=StageTimelines(self.coordinator, self.stage_host, self.session),
                          served=served_model(src, [model_id, *aliases(src.path)], context=cfg.planning.context,
-                                             digest=self.model_fp, template=tokenizer.template_source or ""))
+                                             digest=self.model_fp, tokenizer=tokenizer))
         api = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await api.setup()
         try:

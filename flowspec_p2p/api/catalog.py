@@ -75,15 +75,19 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def served_model(source, names: list[str], *, context: int, digest: str = "", template: str = "") -> ServedModel:
-    """The description of ``source`` (a weights.WeightSource) served under ``names``."""
+def _template(tokenizer) -> str:
+    return getattr(tokenizer, "template_source", None) or ""  # tokenizers without a chat template have none
+
+
+def served_model(source, names: list[str], *, context: int, digest: str = "", tokenizer=None) -> ServedModel:
+    """The description of ``source`` (a weights.WeightSource) served under ``names`` with ``tokenizer``."""
     cfg, path = source.config, Path(source.path)
     params = parameter_count(cfg)
     gguf = path.suffix == ".gguf"
     return ServedModel(names=tuple(dict.fromkeys(names)), family=cfg.arch, context_length=context,
                        format="gguf" if gguf else "safetensors", parameters=params,
                        quantization=_quantization(getattr(source, "metadata", {})) if gguf else "",
-                       size=_size(path), digest=digest, modified_at=path.stat().st_mtime, template=template,
+                       size=_size(path), digest=digest, modified_at=path.stat().st_mtime, template=_template(tokenizer),
                        info=_model_info(cfg, context, params))
 
 
@@ -92,7 +96,7 @@ def default_served(leader: Leader) -> ServedModel:
     cfg = leader.head.cfg
     params = parameter_count(cfg)
     return ServedModel(names=(leader.model_id,), family=cfg.arch, context_length=leader.settings.max_context,
-                       parameters=params, template=getattr(leader.tokenizer, "template_source", None) or "",
+                       parameters=params, template=_template(leader.tokenizer),
                        info=_model_info(cfg, leader.settings.max_context, params))
 
 
