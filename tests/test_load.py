@@ -5,7 +5,7 @@ with Retry-After. CI runs LOAD_S = 8 s; ``flowspec load --clients 16 --seconds 3
 is the by-hand run (docs/experiments.md)."""
 
 from flowspec_p2p.agent import Agent
-from flowspec_p2p.bench.load import drift, percentile, run_load
+from flowspec_p2p.bench.load import drift, percentile, run_load, second_turn
 
 from .agent_fixtures import make_fixture, parts_fixture, quick_timing_fixture, running, serving, until
 from .ring_fixtures import ByteTokenizer
@@ -49,3 +49,17 @@ def test_percentiles_and_drift():
     assert percentile([], 90) is None
     samples = [(float(t), {"a": 100 if t < 4 else 110}) for t in range(8)]
     assert drift(samples) == {"a": 0.1}
+
+
+async def test_a_second_turn_is_measured_against_a_cold_prefill(make):
+    leader = Agent(make("lead", leader=True, profile={"gflops": 1.0, "memory_mb": 2000.0},
+                        planning={"context": 512, "leader_layers": "always"}), tokenizer=ByteTokenizer())
+    member = Agent(make("m", profile={"gflops": 50.0, "memory_mb": 2000.0}))
+    async with running(leader, member):
+        await until(serving(leader, 1))
+        report = await second_turn(leader.api_url, article="The river runs to the sea. " * 2, rounds=2,
+                                   max_tokens=6)
+    assert report["replies_agree"]
+    assert report["cached_tokens"] >= report["prompt_tokens"] // 2  # the first turn's prompt and reply at least
+    assert report["ttft_cold_s"] > 0
+    assert report["ttft_second_turn_s"] > 0

@@ -35,9 +35,9 @@ def _reply(data: dict) -> str:
     return data["choices"][0]["message"]["content"]
 
 
-async def _streamed(r: aiohttp.ClientResponse, t0: float) -> tuple[str, int, list[float]]:
-    """An SSE reply -> (its text, completion tokens, time.monotonic() - t0 of every content delta)."""
-    text, tokens, times = [], 0, []
+async def _streamed(r: aiohttp.ClientResponse, t0: float, with_usage: bool = False):
+    """An SSE reply -> (its text, completion tokens, time.monotonic() - t0 of every content delta[, its usage])."""
+    text, tokens, times, usage = [], 0, [], {}
     async for raw in r.content:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -49,8 +49,9 @@ async def _streamed(r: aiohttp.ClientResponse, t0: float) -> tuple[str, int, lis
                 text.append(delta)
                 times.append(time.monotonic() - t0)
         if event.get("usage"):
-            tokens = int(event["usage"].get("completion_tokens") or 0)
-    return "".join(text), tokens, times
+            usage = event["usage"]
+            tokens = int(usage.get("completion_tokens") or 0)
+    return ("".join(text), tokens, times, usage) if with_usage else ("".join(text), tokens, times)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -183,3 +184,42 @@ def render(report: dict) -> str:
         lines.append(f"RSS {agent}: {first / 2**20:.1f} MiB -> {last / 2**20:.1f} MiB (quarter-to-quarter drift "
                      f"{d * 100:+.1f}%)")
     return "\n".join(lines)
+
+
+async def second_turn(url: str, *, article: str, rounds: int = 3, max_tokens: int = 64,
+                      api_key: str | None = None) -> dict:
+    """A chat's second turn, the prompt cache against a cold prefill: turn 1 asks about ``article`` (a long
+    text); turn 2 (turn 1, its reply and a question) is then sent ``rounds`` times each cold (``cache_prompt:
+    false``) and warm, interleaved, streamed. -> the medians of their client-side times to first token, the
+    ratio, the prompt tokens and how many of them the warm turn took from the cache; whether the replies agree."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=1800.0)
+    first = [{"role": "user", "content": f"Read this and summarise it in two sentences.\n\n{article}"}]
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+
+        async def ask(messages: list[dict], cache: bool) -> dict:
+            body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}, "cache_prompt": cache}
+            t = time.monotonic()
+            async with session.post(url + "/v1/chat/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+                text, _, times, usage = await _streamed(r, t, with_usage=True)
+            return {"text": text, "ttft": times[0] if times else None, "prompt_tokens": usage.get("prompt_tokens"),
+                    "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+        reply = (await ask(first, True))["text"]
+        second = [*first, {"role": "assistant", "content": reply},
+                  {"role": "user", "content": "Which detail of it matters most, and why?"}]
+        cold, warm = [await ask(second, False)], []
+        for k in range(rounds):
+            warm.append(await ask(second, True))
+            if k:
+                cold.append(await ask(second, False))
+    c = statistics.median(x["ttft"] for x in cold)
+    first_warm = warm[0]["ttft"]
+    return {"rounds": rounds, "prompt_tokens": warm[0]["prompt_tokens"], "cached_tokens": warm[0]["cached"],
+            "ttft_cold_s": round(c, 4), "ttft_second_turn_s": round(first_warm, 4),
+            "ttft_warm_median_s": round(statistics.median(x["ttft"] for x in warm), 4),
+            "speedup": round(c / first_warm, 2) if first_warm else None,
+            "replies_agree": len({x["text"] for x in cold + warm}) == 1}

@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=int, default=None, metavar="P",
                    help="P different prompts instead (Spec-Bench's first turns, round robin over its sets; client i "
                    "asks prompt i mod P)")
+    p.add_argument("--second-turn", action="store_true",
+                   help="instead: a chat's second turn after a long first one (a Spec-Bench article), its time to "
+                   "first token from the prompt cache against a cold prefill (medians of 3 interleaved rounds)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run)
 
@@ -39,6 +42,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not 1 <= args.clients <= 1024 or args.seconds <= 0 or args.max_tokens < 1:
         raise ConfigError("--clients takes 1 to 1024, --seconds a positive number, --max-tokens at least 1")
+    if args.second_turn:
+        from ..specbench import load_questions
+
+        article = load_questions(None, ["sum"], 30, 1)[0].text.removeprefix("Summarize: ")
+        report = run_async(load.second_turn(args.url.rstrip("/"), article=article, api_key=os.environ.get(API_KEY)))
+        sys.stdout.write(json.dumps(report) + "\n")
+        return 0 if report["replies_agree"] else 1
     if args.prompts is not None:
         from ..specbench import DATASETS, round_robin
 

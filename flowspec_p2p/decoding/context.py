@@ -178,6 +178,7 @@ class ModeContext:
         self.error: BaseException | None = None  # set when the leader fails this request (link down, re-plan)
         self.load = 1  # requests in flight when it started, itself included (the leader sets it)
         self.in_flight_now: Callable[[], int] = lambda: 1  # requests in flight now (the leader sets it)
+        self.group = 0  # its micro-batch (Forward.group; the leader sets it)
         self.reuse: Reuse | None = None  # the prompt cache's hit: the KV the stages keep for this prompt's prefix
         self.stage_committed = 0  # positions every stage holds as committed prefix once our messages arrive
         self.kept: list[torch.Tensor] = []  # target features [n, hidden] of those positions, in order
@@ -241,7 +242,7 @@ class ModeContext:
         first forward starts from that retained request's KV (prefill does this on a prompt-cache hit)."""
         ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)  # [m]
         msg = Forward(request_id="", seq=0, first=first, parents=list(parents), positions=list(positions),
-                      commit=commit, tag=tag, reuse=reuse)
+                      commit=commit, tag=tag, reuse=reuse, group=self.group)
         if self.pipeline.takes == "tokens":
             await self.send(msg, {"tokens": ids})
         else:

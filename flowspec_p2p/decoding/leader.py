@@ -297,6 +297,7 @@ class Leader:
             await self._within_budget(pipeline, in_flight=len(self._active) + 1)
             ctx.reuse = self.prompt_cache.take(ctx.prompt)
             ledger.cached_tokens += 0 if ctx.reuse is None else ctx.reuse.length
+        ctx.group = self._group(pipeline)
         self._active[rid] = ctx
         ctx.load = len(self._active)  # requests in flight as it starts, itself included (auto's load key)
         ctx.in_flight_now = lambda: len(self._active)
@@ -334,6 +335,16 @@ class Leader:
                                     job.params.greedy, ledger.attempt_tokens, ledger.attempt.decode_s, ctx.load)
             await self._release(ctx, pipeline, [*job.prompt, *job.committed],
                                 outcome == "completed" and job.cache_prompt)
+
+    def _group(self, pipeline: Pipeline) -> int:
+        """A new request's micro-batch: the least full of ``micro_batches`` groups (default: one per compute station
+        of the ring, stages and leader, but no more than half the requests in flight, so each still batches two)."""
+        n = self.settings.micro_batches or min(pipeline.stages + 1, max(1, self.admission.limit // 2))
+        count = [0] * n
+        for c in self._active.values():
+            if c.group < n:
+                count[c.group] += 1
+        return count.index(min(count))
 
     async def _release(self, ctx: ModeContext, pipeline: Pipeline, sequence: list[int], done: bool) -> None:
         """Free the request's state on every stage, in order; a completed request's committed positions (their KV

@@ -18,6 +18,9 @@ class LeaderSettings(Settings):
     max_requests: int = Field(4, ge=1, le=16)
     max_waiting: int = Field(64, ge=0)  # requests queued behind those in flight; more get Busy (503)
     prompt_cache: bool = True  # a chat's next turn reuses the KV its earlier turns left on the stages
+    # micro-batches the requests in flight are spread over (leader._group); None: one per compute station of the
+    # ring, at most half the requests in flight
+    micro_batches: int | None = Field(None, ge=1, le=255)
     queue_timeout_s: float = Field(300.0, gt=0)  # waiting for the turn longer than this: Busy (503)
     ready_timeout_s: float = Field(10.0, ge=0)  # waiting for a pipeline longer than this: NotReady (503)
     step_timeout_s: float = Field(60.0, gt=0)  # no reply from the pipeline for this long: PeerGone

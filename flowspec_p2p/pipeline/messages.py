@@ -36,6 +36,7 @@ MAX_NODES = 4096  # nodes one Forward carries, and entries of a Prune's keep (a 
 MAX_POSITION = 1 << 20  # absolute positions (every stage also checks them against its KV capacity)
 MAX_SEQ = 1 << 40  # sequence numbers and tags
 MAX_ERROR_TEXT = 1000  # characters of a StageError's message
+MAX_GROUP = 255  # micro-batch labels
 WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int64", "int32")
 TENSOR_NAMES = ("tokens", "hidden", "features")
 
@@ -74,6 +75,9 @@ class Forward(FrozenModel):
     # the prompt cache: a request's first forward may start from the KV that a finished request of the same link
     # left retained (Release.retain), its first ``positions[0]`` committed positions (the shared token prefix)
     reuse: RequestId | None = None
+    # the request's micro-batch: a stage runs forwards of one group together, so the leader's groups travel the ring
+    # as separate micro-batches, each at another stage (pipeline parallelism across requests)
+    group: Annotated[int, Field(ge=0, le=MAX_GROUP)] = 0
 
     @property
     def computed_rows(self) -> int:

@@ -170,8 +170,11 @@ class StageWorker:
     @staticmethod
     def _gather(ev: Frame, backlog: deque) -> list[Frame]:
         """``ev`` (a Forward) and the queued Forwards of other requests that can run with it in one engine call:
-        each the first queued message of its request (so every request's messages still apply in order), at most
-        MAX_BATCH_REQUESTS of them and MAX_BATCH_ROWS rows. They leave the backlog; the rest keep their order."""
+        of ``ev``'s micro-batch (Forward.group), each the first queued message of its request (so every request's
+        messages still apply in order) and, for one
+        that reuses a retained request's KV, behind no message of that request (its Release must come first), at
+        most MAX_BATCH_REQUESTS of them and MAX_BATCH_ROWS rows. They leave the backlog; the rest keep their
+        order."""
         group, rows = [ev], len(ev.msg.parents)
         taken = {ev.msg.request_id}  # requests in the group, or with an earlier message still queued
         for e in list(backlog):
@@ -180,7 +183,8 @@ class StageWorker:
             if not isinstance(e, Frame):  # a link event: what follows it waits for it
                 break
             rid = e.msg.request_id
-            if isinstance(e.msg, Forward) and rid not in taken and rows + len(e.msg.parents) <= MAX_BATCH_ROWS:
+            if isinstance(e.msg, Forward) and rid not in taken and e.msg.reuse not in taken \
+                    and e.msg.group == ev.msg.group and rows + len(e.msg.parents) <= MAX_BATCH_ROWS:
                 group.append(e)
                 rows += len(e.msg.parents)
                 backlog.remove(e)

@@ -18,7 +18,7 @@ if os.environ.get("FLOWSPEC_HEAD_DISCOUNT") or os.environ.get("FLOWSPEC_DRAFT_DI
 
     import flowspec_p2p.decoding.context as _context
     import flowspec_p2p.model.native_shard as _native
-    import flowspec_p2p.model.shard as _shard
+    import flowspec_p2p.model.torch_shard as _shard
     import flowspec_p2p.speculative.drafter as _drafter
 
     _spent = threading.local()
@@ -41,7 +41,7 @@ if os.environ.get("FLOWSPEC_HEAD_DISCOUNT") or os.environ.get("FLOWSPEC_DRAFT_DI
 
     if os.environ.get("FLOWSPEC_HEAD_DISCOUNT"):
         _wrap(_native.NativeShard, "logits")
-        _wrap(_shard.Shard, "logits")
+        _wrap(_shard.TorchShard, "logits")
     if os.environ.get("FLOWSPEC_DRAFT_DISCOUNT"):
         for part in ("feed", "_root_logprobs", "_expand"):
             _wrap(_drafter.HeadDrafter, part)

@@ -224,3 +224,30 @@ async def test_queued_forwards_of_different_requests_run_as_one_batch_each_in_it
     by_request = [batched[0], batched[1], batched[4], batched[2], batched[3]]  # a, b0, b1, c, d
     for x, y in zip(by_request, ref, strict=True):
         assert torch.equal(x, y)
+
+
+async def test_a_forward_that_reuses_a_retained_request_waits_for_that_request_s_release(shard):
+    """b's first forward reuses a's retained KV: queued behind a's Release it is not batched ahead of it (a's forward
+    runs, then the Release retains, then b takes the KV over)."""
+    async with Running(shard) as r:
+        r.put(fwd("x", 0, 2), hidden(2))  # something the others can batch with
+        r.put(fwd("a", 0, 4), hidden(4))
+        r.put(Release(request_id="a", seq=1, retain=4))
+        reuse = Forward(request_id="b", seq=0, first=0, parents=[-1], positions=[4], commit=True, reuse="a")
+        r.put(reuse, hidden(1))
+        got = [await r.get() for _ in range(4)]
+    assert [(m.request_id, m.kind) for m in got] == [("x", "forward"), ("a", "forward"), ("a", "release"),
+                                                      ("b", "forward")]
+    assert r.worker.core.counters["reused"] == 1
+
+
+async def test_forwards_of_other_micro_batches_are_not_batched_together(shard):
+    """Forward.group: the leader's micro-batches travel the ring apart (each at another stage), so a stage batches
+    only the forwards of one group."""
+    async with Running(shard) as r:
+        for rid, group in (("a", 0), ("b", 1), ("c", 0), ("d", 1)):
+            r.put(fwd(rid, 0, 2).model_copy(update={"group": group}), hidden(2))
+        got = [await r.get() for _ in range(4)]
+        timeline = r.worker.timeline()
+    assert [m.request_id for m in got] == ["a", "c", "b", "d"]
+    assert [(b["request_id"], b["requests"]) for b in timeline] == [("a", 2), ("b", 2)]
