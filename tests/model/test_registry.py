@@ -88,8 +88,10 @@ def test_models_cli_lists_pulls_and_removes(cache, tiny_llama, capsys, caplog):
     assert cli.main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "tiny" in out
-    assert "smollm2-135m" in out and "(default)" in out  # the installed package, usable by name
-    assert "gemma3-270m" in out and "flowspec models pull NAME" in out  # known, not pulled
+    assert "smollm2-135m" in out  # the installed package, usable by name
+    assert "(default)" in out
+    assert "gemma3-270m" in out  # known, not pulled
+    assert "flowspec models pull NAME" in out
     assert cli.main(["models", "list", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert {m["name"] for m in listed["models"]} == {"tiny", "smollm2-135m"}
