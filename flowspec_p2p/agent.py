@@ -36,6 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from .api.app import create_app
+from .api.catalog import served_model
 from .cluster.control import (
     CONTROL_PATH,
     INFO_PATH,
@@ -70,6 +71,7 @@ from .errors import ConfigError, FlowSpecError, ProtocolError
 from .model.dtypes import TORCH_DTYPES
 from .model.engine import Shard
 from .model.load import get_engine, load_shard, set_threads
+from .model.registry import aliases, display_name
 from .model.tokenizer import Tokenizer
 from .model.weights import model_fingerprint, open_source
 from .pipeline.codec import wire_dtype
@@ -254,8 +256,9 @@ class Agent(Net):
             return head.engine.load(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True)
 
         drafter = await asyncio.to_thread(_drafter, self.model_fp, head, cfg.draft, probe, whole_model)
+        model_id = display_name(cfg.model, src.path)  # the name it was started by, else the file's stem
         self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(cfg.flowspec),
-                             model_id=src.path.stem, compute=compute)
+                             model_id=model_id, compute=compute)
         self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
         self.ring.inbox = self.leader.inbox
         self.stage_host.leader_inbox = self.leader.inbox
@@ -267,7 +270,9 @@ class Agent(Net):
                                        stage_host=self.stage_host, ring=self.ring, session=self.session,
                                        model=model, model_config=src.config, wire_dtype=wire_dtype)
         app = create_app(self.leader, self.coordinator.view, run_leader=False, api_key=cfg.api_key_text,
-                         cors=cfg.api_cors, timelines=StageTimelines(self.coordinator, self.stage_host, self.session))
+                         cors=cfg.api_cors, timelines=StageTimelines(self.coordinator, self.stage_host, self.session),
+                         served=served_model(src, [model_id, *aliases(src.path)], context=cfg.planning.context,
+                                             digest=self.model_fp, tokenizer=tokenizer))
         api = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await api.setup()
         try:

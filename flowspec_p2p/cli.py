@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "flowspec_p2p.commands.bench_engine",
     "flowspec_p2p.commands.fuzz",
     "flowspec_p2p.commands.load",
+    "flowspec_p2p.commands.models",
 ]
 
 

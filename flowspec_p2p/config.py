@@ -23,6 +23,7 @@ from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_va
 from .decoding.settings import FlowSpecConfig
 from .env import API_KEY, CLUSTER_KEY, DEFAULT_API_PORT, DEFAULT_STATE_DIR, ENGINE, SECRET, STATE_DIR, environ
 from .errors import ConfigError
+from .model.registry import is_model_name
 from .types import Settings
 
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
@@ -204,8 +205,9 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
             data = tomllib.loads(p.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read agent profile {p}: {e}") from e
-        if isinstance(data.get("model"), str) and not Path(data["model"]).is_absolute():
-            data["model"] = str(p.parent / data["model"])
+        model = data.get("model")
+        if isinstance(model, str) and not Path(model).is_absolute() and not is_model_name(model):
+            data["model"] = str(p.parent / model)  # a path beside the profile (a model's name stays a name)
     data = _merge(data, overrides or {})
     keyed = any(data.get(k) is not None for k in ("cluster_key", "cluster_key_file", "secret"))
     if not keyed and not data.get("insecure"):

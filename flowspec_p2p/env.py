@@ -10,6 +10,10 @@
                              package, bench/data/spec-bench, with its NOTICE.md)
     FLOWSPEC_ENGINE          the model engine when no --engine is given: auto (default: native where it runs, else
                              torch), native, torch
+    HF_ENDPOINT              the Hugging Face hub `flowspec models pull hf:...` downloads from (default
+                             https://huggingface.co; a mirror's address works)
+    HF_TOKEN                 a Hugging Face access token, sent to the hub (never to the CDN it redirects to) for gated
+                             or private repositories
     CC                       the C compiler the native kernels are built with (default ``cc``)
 
 Everything else gets these values from here, or as arguments.
@@ -32,6 +36,9 @@ KEY_FILE = "cluster.key"  # the cluster key's file in an agent's state folder (c
 DEFAULT_API_PORT = 8000  # the leader's API
 ENGINE = "FLOWSPEC_ENGINE"
 ENGINES = ("auto", "native", "torch")
+HF_ENDPOINT = "HF_ENDPOINT"
+HF_TOKEN = "HF_TOKEN"
+DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 
 
 def environ() -> Mapping[str, str]:
@@ -63,6 +70,16 @@ def spec_bench_dir() -> Path:
 def api_key() -> str | None:
     """FLOWSPEC_API_KEY: the key a client of the leader's API sends (None when unset or empty)."""
     return os.environ.get(API_KEY) or None
+
+
+def hf_endpoint() -> str:
+    """$HF_ENDPOINT (the hub's address, no trailing slash), else https://huggingface.co."""
+    return (os.environ.get(HF_ENDPOINT) or DEFAULT_HF_ENDPOINT).rstrip("/")
+
+
+def hf_token() -> str | None:
+    """$HF_TOKEN, None when unset or empty."""
+    return os.environ.get(HF_TOKEN) or None
 
 
 def engine() -> str:

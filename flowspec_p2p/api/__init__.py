@@ -1,4 +1,5 @@
 """The leader's HTTP API: OpenAI-compatible completions over the cluster, health and cluster views (app), the
+Ollama-compatible routes (ollama), what both share (serving: a request's generation; catalog: the served model), the
 request bodies and errors (schemas), logprobs in OpenAI's shapes (logprobs), Prometheus metrics (metrics), the access
 log (access) and the dashboard (dashboard, with its page in static/).
 

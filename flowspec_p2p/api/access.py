@@ -21,7 +21,7 @@ from .schemas import ERROR_STATUS, REASON
 log = logging.getLogger(__name__)
 
 JOB = web.RequestKey("job", object)  # the completion request's app._Job, set by its handler
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/api/chat", "/api/generate")  # OpenAI, Ollama
 CLIENT_CLOSED = 499  # nginx's code for a client that left before the reply was complete
 
 

@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions   messages -> chat template -> Leader.generate; ``stream: true`` = SSE, ``[DONE]``
     POST /v1/completions        prompt (text, or token ids) -> the same
-    GET  /v1/models             the one model this cluster serves
+    GET  /v1/models             the model this cluster serves, under each of its names (catalog.py)
+    /api/...                    the Ollama-compatible routes (ollama.py): chat, generate, tags, show, ps, version
     GET  /health                200 {"status": "ok"} when a pipeline is ready, else 503 {"status": "not_ready"}
     GET  /cluster               what the control plane knows (``cluster_view()``: members with id, role,
                                 address, pid, capabilities; the plan; per-stage counters) + the leader's state
@@ -52,15 +53,15 @@ from ..decoding.leader import Leader
 from ..errors import (
     FlowSpecError,
 )
-from ..ledger import Ledger, TokenLogprob, reply_stats
-from ..model.tokenizer import Detokenizer
+from ..ledger import TokenLogprob
 from .access import JOB, access_log
 from .auth import secure_api
+from .catalog import SERVED, ServedModel, default_served
 from .dashboard import Timelines, install_dashboard
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import install_metrics
+from .ollama import install_ollama
 from .schemas import (
-    DEFAULT_MAX_TOKENS,
     ERROR_STATUS,
     REASON,
     ApiError,
@@ -70,84 +71,27 @@ from .schemas import (
     api_error,
     validation_error,
 )
+from .serving import LEADER, Job, until_hangup
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-HANGUP_POLL_S = 0.2  # how often a request's connection is checked: a client that left is cancelled within this
 
 ClusterView = Callable[[], dict | Awaitable[dict]]
-LEADER = web.AppKey("leader", Leader)
 CLUSTER_VIEW = web.AppKey("cluster_view", object)
 
 
 # ------------------------------------------------------------------------------------------------ serving
 
 
-class _Job:
-    """One validated request: prompt ids, generation arguments, and the text layer over the leader's chunks."""
+class _Job(Job):
+    """A Job whose replies take OpenAI's shapes (chat.completion / text_completion, their chunks, usage, logprobs)."""
 
     def __init__(self, leader: Leader, body: Body, prompt: list[int], kind: str):
-        self.leader, self.body, self.prompt, self.kind = leader, body, prompt, kind
-        settings = leader.settings
-        max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, settings.max_context)
-        if max_tokens > settings.max_context:
-            which = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-            raise ApiError(400, f"{which} must be at most {settings.max_context}", "invalid_request_error", which)
-        mode = body.decoding or _mode_named(leader, body.model)
-        self.spec, self.budget = leader.check(len(prompt), max_tokens, mode)
-        self.ledger = Ledger(mode=self.spec.name, prompt_tokens=len(prompt), top_logprobs=body.top_logprobs_wanted())
+        super().__init__(leader, body, prompt, kind)
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.finish_reason = "length"
-        self.token_ids: list[int] = []
         self.text_offset = 0  # characters of the reply whose logprobs went out (completions' text_offset)
-
-    def stats_dict(self) -> dict:
-        """The reply's ``stats``: the ledger's view, with the token ids and the leader's compute intervals when
-        asked for."""
-        d = reply_stats(self.ledger)
-        if self.body.return_token_ids:
-            d["token_ids"] = list(self.token_ids)
-        if self.body.return_leader_timeline:
-            d["leader_intervals"] = [[round(a, 6), round(b, 6)] for a, b in self.ledger.leader_busy]
-        return d
-
-    async def deltas(self) -> AsyncIterator[tuple[str, list[TokenLogprob]]]:
-        """Text deltas, each with the logprobs of the tokens behind it when the request asked for them (else
-        none); sets ``finish_reason``. Closing it stops the generation (and releases the stages)."""
-        tok = self.leader.tokenizer
-        detok = Detokenizer(tok, self.body.stop_strings())
-        stop_ids = tok.stop_ids
-        noted = self.ledger.logprobs
-        taken = 0
-
-        def new_logprobs() -> list[TokenLogprob]:
-            nonlocal taken
-            out = noted[taken:] if noted is not None else []
-            taken += len(out)
-            return out
-
-        chunks = self.leader.generate(self.prompt, params=self.body.sampling(), max_tokens=self.budget,
-                                      stop_ids=stop_ids, mode=self.spec.name, stats=self.ledger,
-                                      cache_prompt=self.body.cache_prompt)
-        async with contextlib.aclosing(chunks):
-            async for ids in chunks:
-                self.token_ids += ids
-                text = detok.push(ids)
-                if ids and ids[-1] in stop_ids:
-                    self.finish_reason = "stop"
-                if detok.finished:
-                    self.finish_reason = "stop"
-                    rest = new_logprobs()
-                    if text or rest:
-                        yield text, rest
-                    return
-                if text:
-                    yield text, new_logprobs()
-        tail, rest = detok.flush(), new_logprobs()
-        if tail or rest:
-            yield tail, rest
 
     def usage(self) -> dict:
         n = self.ledger.new_tokens
@@ -199,12 +143,6 @@ async def _parse(request: web.Request, model: type[Body]) -> Body:
         raise validation_error(e) from None
 
 
-def _mode_named(leader: Leader, model: str | None) -> str | None:
-    """``model`` when it names a decoding mode (for clients that set only ``model``); any other name is not checked:
-    the cluster serves one model."""
-    return model if model in leader.modes else None
-
-
 def _prompt_ids(leader: Leader, body: Body) -> tuple[list[int], str]:
     tok = leader.tokenizer
     if isinstance(body, ChatRequest):
@@ -218,34 +156,6 @@ def _prompt_ids(leader: Leader, body: Body) -> tuple[list[int], str]:
     if any(not 0 <= t < vocab for t in body.prompt):
         raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", "invalid_request_error", "prompt")
     return list(body.prompt), "text"
-
-
-def _hung_up(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
-async def _until_hangup(request: web.Request, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
-    """Run ``work`` (a request's whole generation) and cancel it as soon as the client hangs up (looked at every
-    HANGUP_POLL_S): the leader's turn and every stage's cache for the request are freed then, not when the reply
-    would have ended. -> its response (a 499-like 400 nobody reads when the client left)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=HANGUP_POLL_S)
-            if done:
-                return task.result()
-            if _hung_up(request):
-                log.info("client %s hung up; cancelling its request", request.remote)
-                task.cancel()
-                await asyncio.wait({task})
-                resp = web.Response(status=400, text="client closed the connection")
-                resp[REASON] = "client_gone"
-                return resp
-    finally:
-        if not task.done():  # the handler itself was cancelled (the server stops)
-            task.cancel()
-            await asyncio.wait({task})
 
 
 async def _complete(request: web.Request, model: type[Body]) -> web.StreamResponse:
@@ -264,8 +174,8 @@ async def _complete(request: web.Request, model: type[Body]) -> web.StreamRespon
         return api_error(e, retry, param).response()
     request[JOB] = job
     if body.stream:
-        return await _until_hangup(request, _stream(request, job, retry, param))
-    return await _until_hangup(request, _whole(job, retry, param))
+        return await until_hangup(request, _stream(request, job, retry, param))
+    return await until_hangup(request, _whole(job, retry, param))
 
 
 async def _whole(job: _Job, retry: int, param: str) -> web.Response:
@@ -332,9 +242,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    leader = request.app[LEADER]
+    """The served model under each of its names (catalog.py), its id in replies first."""
+    served = request.app[SERVED]
     return web.json_response({"object": "list", "data": [
-        {"id": leader.model_id, "object": "model", "created": 0, "owned_by": "flowspec_p2p"}]})
+        {"id": name, "object": "model", "created": int(served.modified_at), "owned_by": "flowspec_p2p"}
+        for name in served.names]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -356,21 +268,24 @@ async def cluster(request: web.Request) -> web.Response:
 
 
 def create_app(leader: Leader, cluster_view: ClusterView | None = None, *, run_leader: bool = True,
-               api_key: str | None = None, cors: tuple[str, ...] = (), timelines: Timelines | None = None
-               ) -> web.Application:
+               api_key: str | None = None, cors: tuple[str, ...] = (), timelines: Timelines | None = None,
+               served: ServedModel | None = None) -> web.Application:
     """The API app. ``run_leader``: run ``leader.run()`` (the demultiplexer) for the app's lifetime
     (cleanup_ctx); pass False when the composition root already runs it in its own TaskGroup. ``api_key``: every
     route but /health needs it; ``cors``: browser origins allowed cross-origin. ``timelines``: the stages' busy
-    intervals for the dashboard (cluster/telemetry.py), when there is a cluster."""
+    intervals for the dashboard (cluster/telemetry.py), when there is a cluster. ``served``: what /v1/models and the
+    Ollama routes list (default: the leader's model id and config)."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[access_log])
     secure_api(app, api_key, cors)
     app[LEADER] = leader
     app[CLUSTER_VIEW] = cluster_view
+    app[SERVED] = served or default_served(leader)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/cluster", cluster)
+    install_ollama(app)  # Ollama's routes beside OpenAI's (ollama.py)
     install_metrics(app, leader, cluster_view)
     install_dashboard(app, leader, cluster_view, timelines)
     if run_leader:

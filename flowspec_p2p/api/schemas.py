@@ -99,6 +99,12 @@ class Body(BaseModel):
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed)
 
+    def budget(self) -> tuple[str, int | None]:
+        """(the field that bounds the new tokens, its value; None: the server's default)."""
+        if self.max_completion_tokens:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 

@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="a label for this device (default: host name)")
     p.add_argument("--leader", action="store_true", default=None, help="plan, serve weights and the API")
     p.add_argument("--model", type=Path, default=None,
-                   help="this device's own model copy (GGUF file or HF folder); members without one fetch their "
-                   "layers from the leader; the leader defaults to the packaged SmolLM2-135M")
+                   help="this device's own model copy (GGUF file, HF folder or model name); members without one "
+                   "fetch their layers from the leader; the leader defaults to the packaged SmolLM2-135M")
     p.add_argument("--draft", type=Path, default=None,
                    help="(leader) draft head bundle (stem, .json or .safetensors; default: the one installed for "
                    "the model, if any)")

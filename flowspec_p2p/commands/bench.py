@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_argument(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads per emulated device (default 1)")
     p.add_argument("--context", type=int, default=2048, help="KV tokens per request on every stage (default 2048)")
-    p.add_argument("--model", type=Path, default=None, help="the model (default: the packaged SmolLM2-135M)")
+    p.add_argument("--model", type=Path, default=None, help="the model, a path or a name (default: SmolLM2-135M)")
     p.add_argument("--draft", type=Path, default=None,
                    help="the leader's draft head bundle (default: the one installed for the model)")
     p.add_argument("--flowspec-config", default=None, metavar="JSON",

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speed-prompts", type=int, default=4, help="speed: prompts (default 4)")
     p.add_argument("--speed-tokens", type=int, default=64, help="speed: new tokens per call (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="speed and load: repeats per prompt (default 3)")
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: packaged SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="GGUF file, HF folder or model name (default: packaged SmolLM2-135M)")
     add_engine_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch threads, both sides (default: torch's choice)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default ./bench-out)")

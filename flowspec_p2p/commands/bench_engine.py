@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(see flowspec_p2p/bench/engine.py).",
     )
     p.add_argument("parts", nargs="*", metavar="PART", help=f"what to measure: {', '.join(PARTS)} (default: all)")
-    p.add_argument("--model", type=Path, default=None, help="GGUF file (default: packaged SmolLM2-135M Q4_1)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="GGUF file or a model's name (`flowspec models list`; default: packaged SmolLM2-135M Q4_1)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     p.add_argument("--llama-bench", default=None, metavar="PATH",
                    help="llama.cpp's llama-bench binary (default: llama-bench on PATH, else ours alone); "
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.engine import EngineBenchConfig, Ours, measure, setup_record
     from ..bench.engine_report import summarize, write_outputs
     from ..model.load import load_model, set_threads
-    from ..model.weights import default_model_path
+    from ..model.registry import resolve_model
     from ..speculative.decoder import load_drafter
 
     parts = list(dict.fromkeys(args.parts or PARTS))
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     exe = llamacpp.find_llama_bench(args.llama_bench)
     if exe is None:
         log.warning("bench-engine: no llama-bench (--llama-bench PATH or on PATH): measuring ours alone")
-    model = args.model or default_model_path()
+    model = resolve_model(args.model)  # a path, or a model's name
     if not model.is_file():
         raise ConfigError(f"--model {model}: not a file (bench-engine runs a GGUF file)")
     prompt, label = _prompt(args)

@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--slowdown", type=float, default=1.0, help="emulated compute slowdown per stage (default 1)")
     r.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stages share the cores)")
     r.add_argument("--no-single", action="store_true", help="skip the single-device reference row")
-    r.add_argument("--model", default=None, help="model path (default: the packaged SmolLM2-135M)")
+    r.add_argument("--model", default=None, help="model path or name (default: the packaged SmolLM2-135M)")
     r.add_argument("--out", type=Path, default=Path("bench/ring"), help="output folder (default bench/ring)")
     r.set_defaults(func=run_ring)
 

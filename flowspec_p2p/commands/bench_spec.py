@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per reply (default 128)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (default 0,1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (default 0)")
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: packaged SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="GGUF file, HF folder or model name (default: packaged SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     add_engine_argument(p)
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default ./bench-out)")
@@ -45,19 +45,19 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.single_device import bench, markdown, write_outputs
     from ..model.load import load_model
     from ..specbench import load_questions
-    from ..speculative.decoder import load_drafter
+    from ..speculative.decoder import load_spec
 
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, engine=args.engine)
     fingerprint = lm.fingerprint()
-    drafter, meta = load_drafter(lm.shard, fingerprint, args.draft)
+    target, drafter, meta = load_spec(lm.shard, lm.source, fingerprint, args.draft)  # an EAGLE-3 head cuts the target
     shape = tree_shape(args, fingerprint)
     prompts = load_questions(args.data, args.datasets.split(","), args.start, args.per_dataset)
     temps = [float(t) for t in args.temperatures.split(",")]
     log.info("bench-spec: %d prompts, tree %s, temperatures %s", len(prompts), shape, temps)
     result = bench(
-        lm.shard,
+        target,
         drafter,
         shape,
         lm.tokenizer,
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     result["config"]["draft"] = {
-        **{k: meta.get(k) for k in ("target_fingerprint", "draft_vocab_size", "heldout_top1")},
+        **{k: meta.get(k) for k in ("target_fingerprint", "draft_vocab_size", "heldout_top1", "format", "source")},
         "steps": meta.get("training", {}).get("steps"),  # export writes these under "training" and "data"
         "data_tokens": meta.get("data", {}).get("answer_tokens"),
     }

@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=3, help="number of agents (default 3)")
-    p.add_argument("--model", type=Path, default=None, help="the leader's model (default: packaged SmolLM2-135M)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="the leader's model: a path or a name (`flowspec models list`; default: packaged SmolLM2-135M)")
     p.add_argument("--members-have-model", action="store_true",
                    help="give members their own model copy (default: they fetch their layers from the leader)")
     p.add_argument("--threads", type=int, default=None, help="compute threads per agent (default: physical cores / N)")

@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--run", default="default", help="run name (folder under ~/.cache/flowspec_p2p/train)")
     common.add_argument("--run-dir", default=None, help="explicit run folder (overrides --run)")
-    common.add_argument("--model", default=None, help="target GGUF file or HF folder (default: packaged SmolLM2)")
+    common.add_argument("--model", default=None, help="target GGUF file, HF folder or name (default: SmolLM2)")
     common.add_argument("--threads", type=int, default=1, help="torch threads (default 1: shared machines)")
     common.add_argument("--no-progress", action="store_true", help="no progress bars")
 

@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--batch", type=int, default=100, help="inputs per target per round (default 100)")
     p.add_argument("--seed", type=int, default=0, help="the first batch's hypothesis seed (default 0)")
-    p.add_argument("--model", default=None, help="model path (default: the packaged SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="model path or name (default: the packaged SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=1, help="compute threads per agent (default 1)")
     p.add_argument("--json", action="store_true", help="print the counts as one JSON object instead")
     p.set_defaults(func=run)

@@ -17,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Only the reply goes to stdout; logs and --stats go to stderr.",
     )
     p.add_argument("prompt", help="the user message")
-    p.add_argument("--model", default=None, help="GGUF file or HF checkpoint folder (default: packaged SmolLM2-135M)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, HF checkpoint folder, or a model's name (`flowspec models list`; default: the "
+                   "packaged SmolLM2-135M)")
     p.add_argument("--max-tokens", type=int, default=256, help="maximum new tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
@@ -49,7 +51,8 @@ def add_spec_arguments(p: argparse.ArgumentParser, *, mode: bool = True) -> None
             "mode gives the same output",
         )
     p.add_argument(
-        "--draft", default=None, help="draft head (stem, .json or .safetensors; default: the one shipped for --model)"
+        "--draft", default=None, help="draft head: a bundle (stem, .json or .safetensors) or a public EAGLE-1/2/3 "
+        "checkpoint folder (config.json + weights); default: the one installed for --model"
     )
     p.add_argument("--tree-tokens", type=int, default=None, help="tree budget in nodes, root included (default: tuned)")
     p.add_argument("--tree-depth", type=int, default=None, help="deepest drafted token (default: tuned)")
@@ -77,12 +80,13 @@ def make_decoder(args: argparse.Namespace, lm):
     if args.mode == "ar":
         return ARDecoder(lm.shard)
     from ..speculative.auto import AutoDecoder
-    from ..speculative.decoder import PROBE_TEXT, SpecDecoder, load_drafter
+    from ..speculative.decoder import PROBE_TEXT, SpecDecoder, load_spec
 
     fingerprint = lm.fingerprint()
-    drafter, _ = load_drafter(lm.shard, fingerprint, args.draft, lm.tokenizer.encode(PROBE_TEXT))
+    # an EAGLE-3 head decodes on the target cut at the layers it taps (speculative/eagle3.py)
+    target, drafter, _ = load_spec(lm.shard, lm.source, fingerprint, args.draft, lm.tokenizer.encode(PROBE_TEXT))
     decoder = AutoDecoder if args.mode == "auto" else SpecDecoder
-    return decoder(lm.shard, drafter, tree_shape(args, fingerprint))
+    return decoder(target, drafter, tree_shape(args, fingerprint))
 
 
 def run(args: argparse.Namespace) -> int:

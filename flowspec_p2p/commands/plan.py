@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "[profile] table are measured on this host. --out writes the plan as JSON (a golden plan).",
     )
     p.add_argument("profiles", nargs="+", type=Path, help="agent profile TOML files")
-    p.add_argument("--model", default=None, help="GGUF file or HF checkpoint folder (default: packaged SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="GGUF file, HF folder or model name (default: SmolLM2-135M)")
     p.add_argument("--context", type=int, default=2048, help="KV cache tokens per request (default 2048)")
     p.add_argument("--tokens-per-step", type=int, default=16, help="segment size (default 16; 1 = autoregressive)")
     p.add_argument("--stages", type=int, default=None, help="force exactly N layer-holding stages")

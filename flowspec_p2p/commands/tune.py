@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "the shape with the highest estimated tokens/s and saves it where `flowspec generate --mode spec` reads "
         "it (~/.cache/flowspec_p2p/tree_tuning.json).",
     )
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: packaged SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="GGUF file, HF folder or model name (default: packaged SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
     p.add_argument(
         "--data",

