@@ -88,14 +88,17 @@ def is_chain(parents: list[int], first: int) -> bool:
 class StageCore:
     """Applies data-plane messages to one shard. ``handle`` returns the message (and tensors) to pass on."""
 
-    def __init__(self, shard: Shard, *, index: int, capacity: int, wire_dtype: torch.dtype = torch.float16):
+    def __init__(self, shard: Shard, *, index: int, capacity: int, wire_dtype: torch.dtype = torch.float16,
+                 caches: int = 0):
+        """``caches``: KV caches made now, one per request the plan holds in flight, so the stage's memory is what
+        the planner counted from the first request on (and stays so under load) instead of growing with it."""
         self.shard = shard
         self.index = index
         self.capacity = capacity
         self.wire_dtype = wire_dtype
         self.requests: dict[str, RequestState] = {}
         self.retained: dict[str, RequestState] = {}  # finished requests' committed KV, oldest first (the prompt cache)
-        self._free: list[KVCache] = []  # freed requests' caches, for the next requests
+        self._free: list[KVCache] = [self._touched(shard.new_cache(capacity)) for _ in range(caches)]
         self.counters = {"forwards": 0, "tokens": 0, "prunes": 0, "errors": 0, "retained": 0, "reused": 0}
 
     # ------------------------------------------------------------------------------------------ dispatch
@@ -151,6 +154,12 @@ class StageCore:
         state = (self.retained if retained else self.requests).pop(rid, None)
         if state is not None and state.cache is not None and len(self._free) < MAX_REQUESTS:
             self._free.append(state.cache)
+
+    @staticmethod
+    def _touched(cache: KVCache) -> KVCache:
+        for t in (cache.k, cache.v):
+            t.zero_()  # resident now, not at the first requests
+        return cache
 
     def _new_cache(self) -> KVCache:
         """A request's KV cache: a freed one (emptied: slots beyond ``length`` are never read) or a new one."""
