@@ -39,6 +39,7 @@ class _Mode:
     samples: int = 0
     since: int = 0  # requests of this key since this mode last ran
     wait: int = 0  # requests to wait before trying it again while it loses
+    trying: int = 0  # requests running it untried: the others that start meanwhile measure another mode
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,14 @@ class ModeChooser:
         if len(cands) == 1:
             return self._ran(key, Choice(cands[0], "only", rates))
         untried = [m for m in cands if key[m].rate is None]
-        if untried:
-            return self._ran(key, Choice(untried[0], "untried", rates))
-        best = max(cands, key=lambda m: rates[m])
-        due = [m for m in cands if m != best and key[m].since >= key[m].wait]
+        free = [m for m in untried if not key[m].trying]
+        measured = [m for m in cands if key[m].rate is not None]
+        if free or (untried and not measured):  # requests starting together try different modes
+            mode = free[0] if free else min(untried, key=lambda m: key[m].trying)
+            key[mode].trying += 1
+            return self._ran(key, Choice(mode, "untried", rates))
+        best = max(measured, key=lambda m: rates[m])
+        due = [m for m in measured if m != best and key[m].since >= key[m].wait]
         if due:
             return self._ran(key, Choice(max(due, key=lambda m: key[m].since), "recheck", rates))
         return self._ran(key, Choice(best, "fastest", rates))
@@ -101,6 +106,12 @@ class ModeChooser:
         for name, m in key.items():
             m.since = 0 if name == choice.mode else m.since + 1
         return choice
+
+    def ended(self, choice: Choice, epoch: int, greedy: bool, load: int = 1) -> None:
+        """A request that ran ``choice`` ended (completed or not): an untried mode's trial is over."""
+        if choice.reason == "untried" and choice.mode in self.settings.candidates:
+            m = self._key(epoch, greedy, load)[choice.mode]
+            m.trying = max(0, m.trying - 1)
 
     def record(self, mode: str, epoch: int, greedy: bool, new_tokens: int, decode_s: float, load: int = 1) -> None:
         """A request of ``mode`` that started with ``load`` requests in flight completed with ``new_tokens`` in

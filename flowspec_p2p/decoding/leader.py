@@ -329,8 +329,10 @@ class Leader:
             if outcome is not None:
                 self.counters[outcome] += 1
             ledger.attempt_ended(time.time())  # the decode window ends here
+            choice = ledger.figure(Choice)
+            if choice is not None:
+                self.chooser.ended(choice, pipeline.epoch, job.params.greedy, ctx.load)
             if outcome == "completed":  # every mode's requests teach auto what it is worth on this pipeline
-                choice = ledger.figure(Choice)
                 self.chooser.record(job.spec.name if choice is None else choice.mode, pipeline.epoch,
                                     job.params.greedy, ledger.attempt_tokens, ledger.attempt.decode_s, ctx.load)
             await self._release(ctx, pipeline, [*job.prompt, *job.committed],

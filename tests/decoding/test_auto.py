@@ -74,3 +74,20 @@ def test_rates_are_kept_per_load_so_speculation_can_win_alone_and_lose_under_loa
     assert chooser.choose(MODES, 1, True, 2).reason == "untried"
     assert [load_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 40)] == [1, 2, 4, 4, 8, 8, 9, 9]
     assert "epoch 1 greedy load 3-4" in chooser.snapshot()
+
+
+def test_requests_that_start_together_try_different_untried_modes():
+    chooser = ModeChooser()
+    first, second = chooser.choose(MODES, 1, True, 2), chooser.choose(MODES, 1, True, 2)
+    assert {first.mode, second.mode} == set(AutoSettings().candidates)  # not both on one untried mode
+    assert first.reason == second.reason == "untried"
+    third = chooser.choose(MODES, 1, True, 2)  # both on trial: it shares the least tried
+    assert third.reason == "untried"
+    for c in (first, second, third):
+        chooser.ended(c, 1, True, 2)
+    chooser.record(first.mode, 1, True, 64, 1.0, 2)
+    nxt = chooser.choose(MODES, 1, True, 2)
+    assert (nxt.mode, nxt.reason) == (second.mode, "untried")  # its trial ended without a measurement
+    chooser.ended(nxt, 1, True, 2)
+    chooser.record(second.mode, 1, True, 64, 2.0, 2)
+    assert chooser.choose(MODES, 1, True, 2).mode == first.mode  # the faster
