@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from flowspec_p2p import env
 from flowspec_p2p.agent import Agent
 from flowspec_p2p.cluster.keys import ClusterKey
 from flowspec_p2p.config import load
@@ -36,6 +37,8 @@ async def test_three_agents_find_each_other_fetch_their_layers_and_serve(make, p
         assert data["stats"]["new_tokens"] == 12
         # no --max-requests: the plan holds KV for as many requests as memory allows, and admits that many
         assert leader.coordinator.update.max_requests == leader.leader.admission.limit == 8
+        # three stations on one host can work at once only as far as its cores go (the micro-batches follow)
+        assert leader.leader.pipeline.parallel == min(3, env.physical_cores())
         # every stage's KV capacity covers the context and a draft tree's pending nodes beyond it
         settings = leader.leader.settings
         assert leader.coordinator.update.context == settings.max_context + settings.tree_margin

@@ -84,6 +84,7 @@ class Pipeline:
     stages: int = 1  # compute stages in the ring (the first hop included)
     info: dict = field(default_factory=dict)  # free-form, shown on /cluster
     max_requests: int | None = None  # requests whose KV the plan holds on every stage (None: the settings')
+    parallel: int | None = None  # compute stations that can work at once (None: every stage and the leader)
 
 
 @dataclass(frozen=True)

@@ -340,8 +340,10 @@ class Leader:
 
     def _group(self, pipeline: Pipeline) -> int:
         """A new request's micro-batch: the least full of ``micro_batches`` groups (default: one per compute station
-        of the ring, stages and leader, but no more than half the requests in flight, so each still batches two)."""
-        n = self.settings.micro_batches or min(pipeline.stages + 1, max(1, self.admission.limit // 2))
+        of the ring that can work at once -- stages and leader, fewer where they share a host's cores -- but no more
+        than half the requests in flight, so each still batches two)."""
+        stations = pipeline.parallel or pipeline.stages + 1
+        n = self.settings.micro_batches or max(1, min(stations, self.admission.limit // 2))
         count = [0] * n
         for c in self._active.values():
             if c.group < n:
