@@ -129,6 +129,10 @@ class PartFile:
         self._h.update(chunk)
         self.have += len(chunk)
 
+    def write_all(self, chunks: list[bytes]) -> None:
+        for c in chunks:
+            self.write(c)
+
     def finish(self) -> Path:
         """Verify the whole tensor, make it durable, rename it into place. A digest mismatch deletes the part and
         raises WeightsError."""

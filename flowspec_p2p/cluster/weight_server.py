@@ -353,11 +353,12 @@ async def _download(session: aiohttp.ClientSession, url: str, entry: TensorEntry
             del _FETCHING[part.path]
 
 
-async def _flush(part: PartFile, buf: bytearray, arrived: Callable[[int], None]) -> int:
-    if buf:
-        await _blocking(part.write, buf)
-        arrived(len(buf))
-    return len(buf)
+async def _flush(part: PartFile, chunks: list[bytes], arrived: Callable[[int], None]) -> int:
+    n = sum(len(c) for c in chunks)
+    if n:
+        await _blocking(part.write_all, chunks)
+        arrived(n)
+    return n
 
 
 async def _stream_into(session: aiohttp.ClientSession, url: str, entry: TensorEntry, part: PartFile,
@@ -378,19 +379,21 @@ async def _stream_into(session: aiohttp.ClientSession, url: str, entry: TensorEn
                     raise WeightsError(f"{url}: asked for {want}, got {r.headers.get('Content-Range')!r}")
             elif r.status != 200:
                 raise WeightsError(f"{url}: {r.status} {await r.text()}")
-            buf = bytearray()  # what arrived since the last write: at most READ_BYTES and a socket read
+            pending: list[bytes] = []  # what arrived since the last write: about READ_BYTES, never copied
+            size = 0
             try:
-                while part.have + len(buf) < entry.nbytes:
+                while part.have + size < entry.nbytes:
                     chunk = await r.content.readany()
                     if not chunk:
                         raise PeerGone(f"fetching {entry.name} from {url}: the connection closed after "
-                                       f"{part.have + len(buf)} of {entry.nbytes} bytes")
-                    buf += chunk
-                    if len(buf) >= READ_BYTES:
-                        got += await _flush(part, buf, arrived)
-                        buf = bytearray()
+                                       f"{part.have + size} of {entry.nbytes} bytes")
+                    pending.append(chunk)
+                    size += len(chunk)
+                    if size >= READ_BYTES:
+                        got += await _flush(part, pending, arrived)
+                        pending, size = [], 0
             finally:  # keep what came, for the next try to resume from
-                got += await _flush(part, buf, arrived)
+                got += await _flush(part, pending, arrived)
             if await r.content.read(1):
                 raise WeightsError(f"tensor {entry.name}: more than the {entry.nbytes} bytes announced")
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
