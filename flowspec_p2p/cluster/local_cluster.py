@@ -13,8 +13,9 @@ Agent 0 is the leader (it loads the model and serves the API); the others hold n
 from it. Every agent gets ``max(1, physical cores // n)`` compute threads unless told otherwise, the same compute score
 (measured once here: agents on one host share its cores, so separate micro-benchmarks would only measure who ran
 first), its own state folder, and a fresh cluster key (``FLOWSPEC_CLUSTER_KEY``: strangers cannot join; every
-link is TLS), unless ``insecure``. Children run in their own session, so Ctrl-C reaches only this process, which
-stops them in order; on Linux they also die with it.
+link is TLS), unless ``insecure``. With ``netns`` every agent runs on a host of its own: a network namespace on a
+private bridge (netns.py), reached over that LAN only. Children run in their own session, so Ctrl-C reaches only
+this process, which stops them in order; on Linux they also die with it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from ..types import Settings
 from .control import TIMELINE_PATH
 from .identity import Identity
 from .keys import ClusterKey
+from .netns import Netns
 from .pinning import AuthClient
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,9 @@ class ClusterOptions(Settings):
     verbose: int = 1  # agents' -v count (their logs go to <state_root>/agent<i>.log)
     ready_timeout_s: float = 600.0
     extra_args: tuple[str, ...] = ()
+    # each agent on a host of its own: a network namespace on a private bridge (netns.py; needs root), the leader's
+    # API on its LAN address (open: the bridge is this machine's own), instead of every agent on loopback
+    netns: bool = False
 
 
 @dataclass
@@ -145,6 +150,7 @@ class LocalCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.threads = o.threads or max(1, env.physical_cores() // n)
         self.gflops = o.gflops
+        self.net = Netns(n) if o.netns else None
         self.agents = [self._agent(i) for i in range(n)]
         self.api_url: str | None = None
 
@@ -153,13 +159,17 @@ class LocalCluster:
     def _agent(self, i: int) -> AgentProcess:
         o = self.options
         state = self.root / f"agent{i}"
+        address = "127.0.0.1" if self.net is None else self.net.address(i)
         args = [sys.executable, "-m", "flowspec_p2p", *(["-" + "v" * o.verbose] if o.verbose else []), "agent",
-                "--cluster", self.name, "--name", f"agent{i}", "--interface", "127.0.0.1",
+                "--cluster", self.name, "--name", f"agent{i}", "--interface", address,
                 "--state-dir", str(state), "--threads", str(self.threads)]
         flags = {"--link-mbps": o.link_mbps, "--link-latency-ms": o.link_latency_ms, "--slowdown": o.slowdown,
                  "--engine": o.engine}
         if i == 0:
-            args += ["--leader", "--api-host", o.api_host, "--api-port", str(o.api_port)]
+            api_host = o.api_host if self.net is None else address
+            args += ["--leader", "--api-host", api_host, "--api-port", str(o.api_port)]
+            if self.net is not None:
+                args.append("--api-insecure")  # on this machine's own private bridge
             if o.model is not None:
                 args += ["--model", str(o.model)]
             if o.draft is not None:
@@ -191,6 +201,8 @@ class LocalCluster:
         env = self.agent_environment()
         with contextlib.suppress(OSError):
             (a.state_dir / "agent.json").unlink()
+        if self.net is not None:
+            args = self.net.command(a.index, args)
         with open(a.log_path, "ab") as logf:
             a.popen = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=logf, stdin=subprocess.DEVNULL,
                                        env=env, start_new_session=True, preexec_fn=_die_with_parent)
@@ -202,6 +214,8 @@ class LocalCluster:
             self.gflops = _measure_gflops(self.threads)
             log.info("compute score for every agent: %.3g GFLOP/s (%d thread(s) each)", self.gflops, self.threads)
         try:
+            if self.net is not None:
+                self.net.up()
             for a in self.agents:
                 self._launch(a)
             self.wait_ready()
@@ -288,6 +302,16 @@ class LocalCluster:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     a.popen.wait(STOP_TIMEOUT_S)
 
+    def unplug(self, index: int) -> None:
+        """(--netns) Agent ``index``'s host vanishes: its link is cut, then it is killed with its namespace."""
+        if self.net is None:
+            raise FlowSpecError("only a cluster of separate hosts (netns) can unplug one")
+        self.net.unplug(index)
+        a = self.agents[index]
+        if a.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                a.popen.wait(STOP_TIMEOUT_S)
+
     def wait_exit(self, index: int, timeout_s: float = STOP_TIMEOUT_S) -> None:
         a = self.agents[index]
         if a.popen is not None:
@@ -317,6 +341,8 @@ class LocalCluster:
                     time.sleep(0.5)
                 a.popen.kill()
                 a.popen.wait()
+        if self.net is not None:
+            self.net.down()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
