@@ -190,13 +190,26 @@ class WeightServer:
         resp = web.StreamResponse(status=206 if asked is not None else 200, headers=headers)
         resp.content_length = total - start
         await resp.prepare(request)
+
+        def read(a: int) -> bytes:  # one chunk paged in and copied, its pages dropped at once (off the event loop:
+            b = min(total, a + CHUNK_BYTES)  # a slow disk must not hold up heartbeats)
+            chunk = bytes(data[a:b])
+            self._drop(name, a, b)
+            return chunk
+
+        offsets = range(start, total, CHUNK_BYTES)
+        ahead = None
         try:
-            for a in range(start, total, CHUNK_BYTES):
-                b = min(total, a + CHUNK_BYTES)
-                await resp.write(bytes(data[a:b]))  # one chunk paged in and copied; its pages dropped at once
-                self._drop(name, a, b)
-                self.served_bytes += b - a
+            ahead = asyncio.ensure_future(asyncio.to_thread(read, offsets[0])) if offsets else None
+            for i in range(len(offsets)):
+                chunk = await ahead
+                ahead = asyncio.ensure_future(asyncio.to_thread(read, offsets[i + 1])) if i + 1 < len(offsets) \
+                    else None
+                await resp.write(chunk)  # while the next chunk is read
+                self.served_bytes += len(chunk)
         finally:
+            if ahead is not None:  # a read in flight ends before the view goes (a client gone mid-tensor)
+                await asyncio.gather(ahead, return_exceptions=True)
             data.release()
         await resp.write_eof()
         return resp
