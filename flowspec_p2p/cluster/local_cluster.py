@@ -208,8 +208,8 @@ class LocalCluster:
                                        env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.info("started agent%d (pid %d)%s", a.index, a.popen.pid, " as leader" if a.leader else "")
 
-    def start(self) -> LocalCluster:
-        """Start every agent and wait until the leader serves a plan that knows all of them."""
+    def start(self, wait: bool = True) -> LocalCluster:
+        """Start every agent and (``wait``) wait until the leader serves a plan that knows all of them."""
         if self.gflops is None:
             self.gflops = _measure_gflops(self.threads)
             log.info("compute score for every agent: %.3g GFLOP/s (%d thread(s) each)", self.gflops, self.threads)
@@ -218,7 +218,8 @@ class LocalCluster:
                 self.net.up()
             for a in self.agents:
                 self._launch(a)
-            self.wait_ready()
+            if wait:
+                self.wait_ready()
         except BaseException:
             self.stop()
             raise
