@@ -31,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -347,8 +348,7 @@ def no_plan(o: ScaleOptions, root: Path) -> dict:
 
 
 def run(o: ScaleOptions, command: str) -> dict:
-    root = o.out / "state"
-    shutil.rmtree(root, ignore_errors=True)
+    root = Path(tempfile.mkdtemp(prefix="flowspec-scale-"))  # the agents' state: GBs of fetched layers, removed after
     result: dict = {"setup": {"command": portable_command(command), "agents": o.agents, "memory_mb": o.memory_mb,
                               "context": o.context, "max_tokens": o.max_tokens, "runs": o.runs, "prompt": o.prompt,
                               "cpus": os.cpu_count(), "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
