@@ -252,19 +252,43 @@ def run_decode(o: ScaleOptions, c: LocalCluster, result: dict) -> None:
     finally:
         if llama is not None:
             llama.stop()
-    med = {s: statistics.median(x["decode_tokens_per_s"] for x in samples if x["side"] == s) for s in sides}
-    ratios = {}
-    if llama is not None:
-        for s in ("ours-ar", "ours-auto"):
-            ratios[s] = statistics.median(
-                a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a in samples if a["side"] == s
-                for b in samples if b["side"] == "llama.cpp-rpc" and b["run"] == a["run"])
     ref = result.get("reference", {}).get("text")
     texts = {x["text"] for x in samples if x["side"].startswith("ours")}
-    result["decode"] = {"sides": sides, "together": llama is not None, "decode_tokens_per_s": med,
-                        "vs_llama": ratios, "memory": mem, "samples": samples,
+    result["decode"] = {"sides": sides, "together": llama is not None, "memory": mem, "samples": samples,
                         "equals_reference": None if ref is None else texts == {ref},
-                        "llama": None if llama is None else llama.describe()}
+                        "llama": None if llama is None else llama.describe(),
+                        "llama_after": o.llama_bin is not None and llama is None}
+    summarize_decode(result["decode"])
+
+
+def llama_after(o: ScaleOptions, result: dict) -> None:
+    """llama.cpp's side alone, once our cluster has stopped (the host had no room for both at once)."""
+    d = result["decode"]
+    llama = LlamaRpc(o.llama_bin, o.model, o.context).start()
+    try:
+        LlamaRpc.chat(llama.url, o.prompt, o.max_tokens)  # warm-up
+        for run in range(o.runs):
+            d["samples"].append({"run": run, "side": "llama.cpp-rpc",
+                                 **LlamaRpc.chat(llama.url, o.prompt, o.max_tokens), "load1": os.getloadavg()[0]})
+        d["memory"]["llama"] = memory(llama.pids)
+        d["llama"] = llama.describe()
+    finally:
+        llama.stop()
+    d["sides"].append("llama.cpp-rpc")
+    summarize_decode(d)
+
+
+def summarize_decode(d: dict) -> None:
+    """Medians per side; ours against llama.cpp's: the median of the ratios within each run."""
+    samples = d["samples"]
+    d["decode_tokens_per_s"] = {s: statistics.median(x["decode_tokens_per_s"] for x in samples if x["side"] == s)
+                                for s in d["sides"]}
+    d["vs_llama"] = {}
+    if "llama.cpp-rpc" in d["sides"]:
+        for s in ("ours-ar", "ours-auto"):
+            d["vs_llama"][s] = statistics.median(
+                a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a in samples if a["side"] == s
+                for b in samples if b["side"] == "llama.cpp-rpc" and b["run"] == a["run"])
 
 
 def _one(side: str, urls: dict, o: ScaleOptions) -> dict:
@@ -361,6 +385,8 @@ def run(o: ScaleOptions, command: str) -> dict:
                         result["reference"]["peak_rss_mb"])
         if "cluster" in o.parts:
             run_cluster(o, result, root)
+            if result.get("decode", {}).get("llama_after"):
+                llama_after(o, result)
         if "noplan" in o.parts:
             result["no_plan"] = no_plan(o, root)
     finally:

@@ -64,8 +64,9 @@ def markdown(r: dict) -> str:
                   + ".", ""]
     d = r.get("decode")
     if d:
+        apart = "" if d["together"] else " (no room for both: llama.cpp's side ran after ours had stopped)"
         lines += ["## Decode against llama.cpp's RPC pipeline", "",
-                  f"Both sides up at once: {_ok(d['together'])}. Decode tokens/s (each server's own timing), "
+                  f"Both sides up at once: {_ok(d['together'])}{apart}. Decode tokens/s (each server's own timing), "
                   "medians; ratios within each run.", "", "| side | decode tokens/s | ÷ llama.cpp RPC |",
                   "|---|---:|---:|"]
         for side in d["sides"]:
