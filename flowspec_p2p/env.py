@@ -2,6 +2,7 @@
 
     FLOWSPEC_CACHE_DIR       caches: built kernels, tokenizers, trained draft heads, the tree tuning, training runs
                              (default $XDG_CACHE_HOME/flowspec_p2p, else ~/.cache/flowspec_p2p)
+    FLOWSPEC_MODELS_DIR      where `flowspec models pull` keeps models and their registry (default <cache>/models)
     FLOWSPEC_STATE_DIR       an agent's state folder (its id, fetched weights), when the profile and flags set none
     FLOWSPEC_CLUSTER_KEY     the cluster key (fsk1-...; preferred over flags, which other users see in ``ps``)
     FLOWSPEC_SECRET          a passphrase the cluster key is derived from (the older way; preferred over --secret)
@@ -27,6 +28,7 @@ from pathlib import Path
 
 CACHE_DIR = "FLOWSPEC_CACHE_DIR"
 STATE_DIR = "FLOWSPEC_STATE_DIR"
+MODELS_DIR = "FLOWSPEC_MODELS_DIR"
 SECRET = "FLOWSPEC_SECRET"
 CLUSTER_KEY = "FLOWSPEC_CLUSTER_KEY"
 API_KEY = "FLOWSPEC_API_KEY"
@@ -57,6 +59,12 @@ def cache_dir() -> Path:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "flowspec_p2p"
+
+
+def models_dir() -> Path:
+    """Where pulled models and their registry live: $FLOWSPEC_MODELS_DIR, else cache_dir() / models."""
+    explicit = os.environ.get(MODELS_DIR)
+    return Path(explicit).expanduser() if explicit else cache_dir() / "models"
 
 
 def spec_bench_dir() -> Path:
