@@ -16,6 +16,9 @@
     HF_TOKEN                 a Hugging Face access token, sent to the hub (never to the CDN it redirects to) for gated
                              or private repositories
     CC                       the C compiler the native kernels are built with (default ``cc``)
+    XDG_CONFIG_HOME          where `flowspec service install --user` writes an agent's profile (default ~/.config)
+    XDG_STATE_HOME           where a user service keeps an agent's state (default ~/.local/state)
+    SUDO_USER                whom `sudo flowspec service install` runs a system service as
 
 Everything else gets these values from here, or as arguments.
 """
@@ -99,6 +102,22 @@ def engine() -> str:
 def compiler() -> str:
     """The C compiler for the native kernels: $CC, else ``cc``."""
     return os.environ.get("CC") or "cc"
+
+
+def config_home() -> Path:
+    """$XDG_CONFIG_HOME, else ~/.config."""
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+
+
+def state_home() -> Path:
+    """$XDG_STATE_HOME, else ~/.local/state."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+
+
+def sudo_user() -> str | None:
+    """$SUDO_USER: who ran this command through sudo (None when unset, empty or root)."""
+    user = os.environ.get("SUDO_USER")
+    return user if user and user != "root" else None
 
 
 def physical_cores() -> int:
