@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone
+from ..errors import Busy, DeadlineReached, FlowSpecError, InvalidRequest, NotReady, PeerGone
 from ..ledger import Ledger, reply_stats
 from ..model.engine import Shard
 from ..model.generate import check_context
@@ -91,6 +91,7 @@ class _Job:
     stops: frozenset[int]
     ledger: Ledger  # the caller's: every attempt appends to it
     cache_prompt: bool = True  # may it take and leave KV in the prompt cache (prompt_cache.py)
+    deadline: float | None = None  # time.monotonic() by which it ends, whatever it has decided by then
     committed: list[int] = field(default_factory=list)
 
     def complete(self) -> bool:
@@ -245,6 +246,7 @@ class Leader:
         mode: str | None = None,
         stats: Ledger | None = None,
         cache_prompt: bool = True,
+        deadline: float | None = None,
     ) -> AsyncIterator[list[int]]:
         """Decode ``prompt`` through the pipeline: an async generator of committed-token chunks. ``stats``: the
         request's ledger (ledger.py; a fresh one by default), which the mode, its ring view and the leader append
@@ -253,14 +255,17 @@ class Leader:
         within it; its ``leader_busy`` the leader's compute intervals. Close it to stop early. A broken pipeline is
         survived as the module docstring says (``resumed`` in the stats: how often; every attempt appends to the
         same ledger, so counts and times are sums over them, the mode's figures the last attempt's). The ledger is
-        kept in ``ledgers`` once its turn came."""
+        kept in ``ledgers`` once its turn came. ``deadline`` (time.monotonic()): the request's own; a turn that does
+        not come by then is Busy, and a reply still decoding then ends with the tokens decided so far (the ledger's
+        ``deadline_reached``), its stages released as for any ending."""
         spec, budget = self.check(len(prompt), max_tokens, mode)
         ledger = stats if stats is not None else Ledger(mode=spec.name)
         ledger.mode, ledger.prompt_tokens = spec.name, len(prompt)
         stop_ids = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer is not None else stop_ids
         self.counters["requests"] += 1
-        job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), ledger, cache_prompt)
-        await self._take_turn(ledger)
+        job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), ledger, cache_prompt,
+                   deadline)
+        await self._take_turn(ledger, deadline)
         self.ledgers.append(ledger)
         outcome = "failed"
         try:
@@ -303,6 +308,10 @@ class Leader:
         ctx.in_flight_now = lambda: len(self._active)
         self.idle.clear()
         outcome: str | None = "failed"
+        timer = None
+        if job.deadline is not None:
+            left = max(0.0, job.deadline - time.monotonic())
+            timer = asyncio.get_running_loop().call_later(left, ctx.fail, DeadlineReached("the request's deadline"))
         try:
             if ctx.max_new_tokens > 0:
                 async with contextlib.aclosing(job.spec.run(ctx)) as chunks:
@@ -312,6 +321,10 @@ class Leader:
                         ctx.pending_logprobs.clear()
                         yield chunk
             outcome = "completed"
+        except DeadlineReached:
+            ledger.deadline_reached = True
+            outcome = "completed"  # what it decided in time is its reply
+            return
         except PeerGone:
             if job.complete():
                 outcome = "completed"  # every token was decided before the break
@@ -323,6 +336,8 @@ class Leader:
             outcome = "cancelled"  # the caller closed the stream early (client gone, stop string)
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             del self._active[rid]
             if not self._active:
                 self.idle.set()
@@ -388,9 +403,12 @@ class Leader:
         self.counters["resumed"] += 1
         return nxt
 
-    async def _take_turn(self, ledger: Ledger) -> None:
+    async def _take_turn(self, ledger: Ledger, deadline: float | None) -> None:
+        wait = self.settings.queue_timeout_s
+        if deadline is not None:
+            wait = max(0.0, min(wait, deadline - time.monotonic()))
         try:
-            ledger.admitted(await self.admission.acquire(self.settings.queue_timeout_s))
+            ledger.admitted(await self.admission.acquire(wait))
         except Busy:
             self.counters["busy"] += 1
             raise
