@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -77,8 +78,9 @@ def main() -> None:
     pids = agent_pids(args.state_dir)
     prompts = [q.turns[0] for q in load_questions(None, ["mt_bench", "alpaca", "humaneval", "gsm8k"], 30, 4)]
     for c in (int(x) for x in args.clients.split(",")):
-        print(json.dumps(asyncio.run(measure(args.url, pids, prompts, c, args.mode, args.max_tokens, args.seconds))),
-              flush=True)
+        report = asyncio.run(measure(args.url, pids, prompts, c, args.mode, args.max_tokens, args.seconds))
+        sys.stdout.write(json.dumps(report) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
