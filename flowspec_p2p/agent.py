@@ -13,7 +13,7 @@
 
 Roles. The leader (``--leader``) plans (coordinator.py), serves weights and the API; every other agent is a
 member (member.py) that joins the oldest leader of its cluster, heartbeats to it and hosts whatever stage the plan
-gives it. A second leader of the same cluster stops at start with a clear message (the older one wins).
+gives it. Another leader's claim never stops a leader: members follow their leader by identity (member.py).
 
 Stopping (``stop()``, SIGINT/SIGTERM in ``flowspec agent``): say Bye (a member to its leader, the leader to every
 member), then cancel everything; the mDNS record is withdrawn, links and servers close.
@@ -50,7 +50,6 @@ from .cluster.control import (
 from .cluster.coordinator import Coordinator
 from .cluster.device import DeviceProfile
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
-from .cluster.identity import agent_id as _agent_id
 from .cluster.identity import state_lock as _locked
 from .cluster.member import MemberControl
 from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind
@@ -129,13 +128,13 @@ class Agent(Net):
         state = cfg.state_path
         state.mkdir(parents=True, exist_ok=True)
         with _locked(state):
-            self.id = _agent_id(state)
+            self.security = await asyncio.to_thread(Security.load, cfg)
+            self.id = self.security.agent_id
             set_threads(cfg.threads)
             addresses = resolve_interfaces(cfg.interfaces) if cfg.interfaces else default_addresses()
             bad = [a for a in addresses if not bindable(a)]
             if bad:
                 raise ConfigError(f"cannot bind {', '.join(bad)}: pass --interface with an address of this host")
-            self.security = await asyncio.to_thread(Security.load, cfg, self.id)
             if cfg.model is not None or cfg.leader:
                 self.source = await asyncio.to_thread(open_source, cfg.model)
             profile = self._profile or await asyncio.to_thread(self._measure)
@@ -158,7 +157,7 @@ class Agent(Net):
         sec = self.security
         app = web.Application(middlewares=sec.middlewares(), client_max_size=MAX_CONTROL_BYTES)
         sec.install(app)
-        self.ring = RingServer(self.id, self.cfg.cluster, authenticated=sec.sender_id if sec.secure else None)
+        self.ring = RingServer(self.id, self.cfg.cluster, authenticated=self._ring_sender if sec.secure else None)
         self.ring.install(app)
         app.router.add_get(INFO_PATH, self._http_info)
         app.router.add_get(TIMELINE_PATH, self._http_timeline)
@@ -193,7 +192,8 @@ class Agent(Net):
             if cfg.leader:
                 api_runner = await self._start_leader()
             else:
-                self.member = MemberControl(self.info, net=self, stage_host=self.stage_host)
+                self.member = MemberControl(self.info, net=self, stage_host=self.stage_host,
+                                            trusted=(cfg.leader_identity or "",))
             discovery = Discovery(
                 self.info, self._events, addresses=addresses, interfaces=addresses,
                 seal=self.security.seal, confirm=self._confirm if self.security.secure else None, mdns=cfg.mdns,
@@ -321,6 +321,23 @@ class Agent(Net):
 
     # ============================================================================================== HTTP
 
+    def _ring_sender(self, request: web.Request) -> str | None:
+        """Who opened a ring link, for the ring server: the agent id it authenticated as, provided its identity is
+        the one the plan this agent prepared gives that agent (a predecessor is checked by identity, not by id)."""
+        peer = self.security.sender(request)
+        if peer is None:
+            return None
+        prepared = self.stage_host.prepared if self.stage_host is not None else None
+        if prepared is not None:
+            u = prepared.update
+            planned = {n.agent_id: n.identity for n in u.ring} | {u.leader.id: u.leader.identity}
+            expected = planned.get(peer.agent_id, "")
+            if expected and expected != peer.identity:
+                log.warning("ring: a link from %s with identity %s, not the %s the plan gives it", peer.agent_id,
+                            peer.identity[:12], expected[:12])
+                return f"{peer.agent_id} (another identity)"
+        return peer.agent_id
+
     async def _http_info(self, request: web.Request) -> web.Response:
         return web.Response(text=self.info.model_dump_json(), content_type="application/json")
 
@@ -349,7 +366,7 @@ class Agent(Net):
         try:
             self.security.check_control(request, msg)
             if self.member is not None:
-                reply = await self.member.handle(msg, sender=self.security.sender_id(request))
+                reply = await self.member.handle(msg, sender=self.security.sender(request))
             else:
                 reply = await self.coordinator.handle(msg)
         except ProtocolError as e:
@@ -380,7 +397,7 @@ class Agent(Net):
             ev = await self._events.get()
             if isinstance(ev, PeerSeen):
                 if self.coordinator is not None:
-                    self.coordinator.peer_seen(ev.info, ev.via)  # raises on an older leader
+                    self.coordinator.peer_seen(ev.info, ev.via)
                 else:
                     self.member.peer_seen(ev.info)
             elif isinstance(ev, PeerLost):

@@ -26,7 +26,7 @@ from functools import partial
 
 from .. import env
 from ..config import AgentConfig
-from ..errors import ConfigError, FlowSpecError, PeerGone, PlanInfeasible, ProtocolError
+from ..errors import FlowSpecError, PeerGone, PlanInfeasible, ProtocolError
 from ..model.arch import ModelConfig
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer
@@ -126,6 +126,7 @@ class Coordinator:
         self.counters: dict[str, dict] = {}
         self.recoveries: list[dict] = []
         self.serving = asyncio.Event()
+        self._rivals: set[str] = set()  # other leaders' claims seen (each logged once)
 
     # ------------------------------------------------------------------------------------------- events
 
@@ -203,14 +204,15 @@ class Coordinator:
             self._break(f"{beat.agent_id} stalled")
 
     def peer_seen(self, info: PeerInfo, via: str) -> None:
-        """Discovery found ``info``. An older leader of this cluster ends this one (raises ConfigError)."""
+        """Discovery found ``info``. Another leader's claim, older or not, never ends this one (a holder of the key
+        could make any claim): it is logged once, and members that follow this leader keep doing so."""
         if info.role == "leader":
-            if (info.started, info.id) < (self.info.started, self.info.id):
-                raise ConfigError(
-                    f"cluster {self.cfg.cluster!r} already has a leader: agent {info.id} ({info.name}) at "
-                    f"{info.url}, pid {info.pid}. Start this agent without --leader to join it, or stop that one.")
-            log.warning("a second leader %s (%s) appeared in cluster %r; it will be refused", info.id, info.url,
-                        self.cfg.cluster)
+            if info.id not in self._rivals:
+                self._rivals.add(info.id)
+                older = (info.started, info.id) < (self.info.started, self.info.id)
+                log.warning("another leader of cluster %r claims to lead: agent %s (%s) at %s, identity %s%s; this "
+                            "leader keeps serving (its members follow it by identity)", self.cfg.cluster, info.id,
+                            info.name, info.url, info.identity[:12], ", started earlier" if older else "")
         elif via == "static" and info.id not in self.membership.members:
             self.net.spawn(self.net.post(info.url, Hello(peer=self.info)), name="invite")  # tell it where we are
 
@@ -245,7 +247,7 @@ class Coordinator:
     # ------------------------------------------------------------------------------------------ planning
 
     async def run(self) -> None:
-        await asyncio.sleep(LEADER_PROBE_S)  # an older leader found meanwhile ends this agent (peer_seen)
+        await asyncio.sleep(LEADER_PROBE_S)  # members of an agent that restarts find it meanwhile
         first_plan_at = time.monotonic() + max(0.0, INITIAL_PLAN_DELAY_S - LEADER_PROBE_S)
         infeasible = None
         while True:

@@ -38,6 +38,7 @@ from ..errors import ConfigError, ProtocolError
 from .control import CONTROL_VERSION, PeerInfo
 from .device import DeviceProfile
 from .handshake import AdvertSeal
+from .identity import id_of
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +331,9 @@ class Discovery:
                 self.seal.check(props, info.port, time.time())
             except ProtocolError as e:
                 self._ignore(name, f"an unproven advert ({e})")
+                return
+            if peer.id != id_of(peer.identity):
+                self._ignore(name, f"agent id {peer.id} is not the one its identity {peer.identity[:12]} proves")
                 return
             if peer.role == "leader" and self.confirm is not None and await self.confirm(peer) is None:
                 self._ignore(name, f"agent {peer.id} did not confirm its leadership claim at {peer.host}:{peer.port}")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import AgentConfig
-from ..env import CLUSTER_KEY, KEY_FILE
+from ..env import CLUSTER_KEY, KEY_FILE, LEADER_IDENTITY
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -109,14 +109,16 @@ def read_key(path: Path) -> ClusterKey:
     return ClusterKey.parse(text, str(path))
 
 
-def member_line(key: ClusterKey) -> str:
-    """What a member needs: the environment line that gives it the key."""
-    return f"export {CLUSTER_KEY}={key.text}"
+def member_line(key: ClusterKey, leader_identity: str = "") -> str:
+    """What a member needs: the environment line that gives it the key (and, from a leader, the identity of the
+    leader it may join: cluster/member.py)."""
+    pin = f" {LEADER_IDENTITY}={leader_identity}" if leader_identity else ""
+    return f"export {CLUSTER_KEY}={key.text}{pin}"
 
 
-def resolve(cfg: AgentConfig) -> ClusterKey | None:
+def resolve(cfg: AgentConfig, leader_identity: str = "") -> ClusterKey | None:
     """The agent's cluster key (see the module docstring), or None with ``--insecure``. Raises ConfigError when a
-    member has none."""
+    member has none. ``leader_identity``: a leader's fingerprint, printed in the line its members need."""
     if cfg.insecure:
         return None
     if cfg.cluster_key_file is not None:
@@ -139,5 +141,5 @@ def resolve(cfg: AgentConfig) -> ClusterKey | None:
     write_key(stored, key)
     log.warning("made cluster key %s in %s (owner-only). On every other device of cluster %r, before "
                 "`flowspec agent --cluster %s`:\n\n    %s\n", key.key_id, stored, cfg.cluster, cfg.cluster,
-                member_line(key))
+                member_line(key, leader_identity))
     return key

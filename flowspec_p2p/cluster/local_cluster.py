@@ -255,10 +255,8 @@ class LocalCluster:
 
     async def _timelines(self, since: float | None) -> list[dict]:
         query = "" if since is None else f"?since={since!r}"
-        if self.key is None:
-            session = aiohttp.ClientSession()
-        else:  # the agents serve it to holders of the key only
-            session = AuthClient(self.key, self._identity, f"controller-{os.getpid()}").open()
+        # the agents serve it to holders of the key only
+        session = aiohttp.ClientSession() if self.key is None else AuthClient(self.key, self._identity).open()
         out = []
         async with session:
             for a in self.agents:

@@ -6,7 +6,13 @@
 
 The leader is lost when it says Bye, its mDNS record goes, or it has not answered for HEARTBEAT_TIMEOUT_S; the
 member then releases its stage and waits for a leader again. A leader that restarted and no longer knows the
-member (``Ack.known`` false) gets a fresh Hello.
+member (``Ack.known`` false) gets a fresh Hello. Nothing a peer does ends the member: a report its leader does not
+take is logged, and the member carries on.
+
+Trust. A member joins only leaders whose identity it trusts (``trusted``): the one it was told
+(``--leader-identity`` / $FLOWSPEC_LEADER_IDENTITY, printed next to the key by the leader), else the first leader
+it joins (then pinned). Plans, activations and goodbyes count only from the identity of the leader it joined: a
+holder of the cluster key cannot hand it a plan, weights or ring links in the leader's name.
 """
 
 from __future__ import annotations
@@ -16,11 +22,25 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterable
 
 from ..errors import PeerGone, ProtocolError
 from ..pipeline.transport import LinkDown
 from . import membership as membership_mod
-from .control import Ack, Activate, Bye, ControlMessage, Heartbeat, Hello, PeerInfo, PlanUpdate, Refused, StageStatus
+from .control import (
+    Ack,
+    Activate,
+    Bye,
+    ControlMessage,
+    Heartbeat,
+    Hello,
+    PeerInfo,
+    PlanUpdate,
+    Refused,
+    StageStatus,
+    Welcome,
+)
+from .guard import Peer
 from .net import Net
 from .stage_host import StageHost
 
@@ -31,23 +51,33 @@ SEARCH_WAKE_S = 1.0  # without a leader, look at the candidates at least this of
 
 
 class MemberControl:
-    def __init__(self, info: PeerInfo, *, net: Net, stage_host: StageHost):
+    def __init__(self, info: PeerInfo, *, net: Net, stage_host: StageHost, trusted: Iterable[str] = ()):
+        """``trusted``: identities of leaders this member may join (empty: the first it joins, then that one)."""
         self.info = info
         self.id = info.id
         self.net = net
         self.stage_host = stage_host
+        self.trusted: set[str] = {t for t in trusted if t}
         self.candidates: dict[str, PeerInfo] = {}  # leaders of this cluster we know of
         self.leader: PeerInfo | None = None  # the one we joined
         self.latest_update: PlanUpdate | None = None
         self.suspects: set[str] = set()
+        self._distrusted: set[str] = set()  # leaders ignored (logged once each)
         self._wake = asyncio.Event()
 
     # ------------------------------------------------------------------------------------------- events
 
     def peer_seen(self, info: PeerInfo) -> None:
-        if info.role == "leader" and self.candidates.get(info.id) != info:
-            self.candidates[info.id] = info
-            self._wake.set()
+        if info.role != "leader" or self.candidates.get(info.id) == info:
+            return
+        if self.trusted and info.identity not in self.trusted:
+            if info.id not in self._distrusted:
+                self._distrusted.add(info.id)
+                log.warning("ignoring leader %s (%s) at %s: its identity %s is not the leader's this member may join",
+                            info.id, info.name, info.url, info.identity[:12])
+            return
+        self.candidates[info.id] = info
+        self._wake.set()
 
     def peer_lost(self, agent_id: str) -> None:
         self.candidates.pop(agent_id, None)
@@ -60,30 +90,39 @@ class MemberControl:
             self.suspects.add(ev.peer)  # told to the leader with the next heartbeat, sent at once
             self._wake.set()
 
-    async def handle(self, msg: ControlMessage, sender: str | None = None) -> ControlMessage:
+    def _from_leader(self, msg: ControlMessage, sender: Peer | None) -> PeerInfo:
+        """This member's leader, when ``msg`` comes from it (by id and, with a key, by the identity it proved);
+        else ProtocolError (logged by the caller)."""
+        leader = self.leader
+        if leader is None:
+            raise ProtocolError(f"a {msg.kind} message, and this member has no leader")
+        if sender is not None and (sender.agent_id, sender.identity) != (leader.id, leader.identity):
+            raise ProtocolError(f"a {msg.kind} message from agent {sender.agent_id} (identity {sender.identity[:12]}), "
+                                f"not from this member's leader {leader.id} (identity {leader.identity[:12]})")
+        return leader
+
+    async def handle(self, msg: ControlMessage, sender: Peer | None = None) -> ControlMessage:
         """A control message to this member -> the reply. ``sender``: the agent that authenticated (None in the
-        open mode); plans, activations and goodbyes count only from this member's leader."""
+        open mode); plans, activations and goodbyes count only from this member's leader's identity."""
         if isinstance(msg, Hello):  # a leader that learned of us through a static peer
             if msg.peer.role == "leader" and msg.peer.cluster == self.info.cluster:
                 self.peer_seen(msg.peer)
             return Ack()
-        leader = self.leader
         if isinstance(msg, PlanUpdate):
-            if leader is None or msg.leader.id != leader.id:
-                raise ProtocolError("plan update from an agent that is not this member's leader")
+            leader = self._from_leader(msg, sender)
+            if (msg.leader.id, msg.leader.identity) != (leader.id, leader.identity):
+                raise ProtocolError(f"a plan naming leader {msg.leader.id}, not this member's leader {leader.id}")
             if self.latest_update is None or msg.epoch > self.latest_update.epoch:
                 self.latest_update = msg
                 self.stage_host.prepare(msg, self._report)
             return Ack(epoch=msg.epoch)
         if isinstance(msg, Activate):
-            if leader is None:
-                raise ProtocolError("activate without a leader")
-            if sender is not None and sender != leader.id:
-                raise ProtocolError("activate from an agent that is not this member's leader")
+            self._from_leader(msg, sender)
             self.net.spawn(self._activate(msg.epoch), name="activate")
             return Ack(epoch=msg.epoch)
         if isinstance(msg, Bye):
-            if leader is not None and msg.agent_id == leader.id:
+            leader = self._from_leader(msg, sender)
+            if msg.agent_id == leader.id:
                 log.warning("the leader %s stopped: %s", leader.id, msg.reason)
                 self.peer_lost(leader.id)
             return Ack()
@@ -101,8 +140,15 @@ class MemberControl:
         await self._report(status)
 
     async def _report(self, status: StageStatus) -> None:
-        if self.leader is not None:
-            await self.net.post(self.leader.url, status)
+        """Tell the leader how this stage stands; a leader that does not take it is the heartbeats' business (they
+        find it gone), never a reason for this agent to stop."""
+        leader = self.leader
+        if leader is None:
+            return
+        try:
+            await self.net.post(leader.url, status)
+        except (PeerGone, ProtocolError) as e:
+            log.warning("could not report epoch %d %s to leader %s: %s", status.epoch, status.state, leader.id, e)
 
     async def goodbye(self) -> None:
         if self.leader is not None:
@@ -121,13 +167,15 @@ class MemberControl:
             except (PeerGone, ProtocolError) as e:
                 reply, why = None, str(e)
             else:
-                why = reply.reason if isinstance(reply, Refused) else ""
-            if reply is None or isinstance(reply, Refused):
+                why = reply.reason if isinstance(reply, Refused) else f"it answered {reply.kind}, not welcome"
+            if not isinstance(reply, Welcome):
                 log.warning("cannot join leader %s: %s", leader.id, why)
                 self.candidates.pop(leader.id, None)
                 await asyncio.sleep(membership_mod.HEARTBEAT_INTERVAL_S)
                 continue
             self.leader = leader
+            if leader.identity and not self.trusted:
+                self.trusted.add(leader.identity)  # the first leader joined is the one this member follows
             log.info("joined cluster %r: leader %s (%s) at %s", self.info.cluster, leader.id, leader.name, leader.url)
             try:
                 await self._heartbeats(leader)

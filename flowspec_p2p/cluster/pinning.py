@@ -124,13 +124,14 @@ class Session:
 
 class AuthClient:
     """Authenticates agent ``agent_id`` (``identity``, holding ``key``) to the agents it talks to. ``open()`` makes
-    the ClientSession every request of the agent goes through."""
+    the ClientSession every request of the agent goes through. The id is the identity's own (identity.id_of) unless
+    given: servers refuse any other, so only a test passes one."""
 
-    def __init__(self, key: ClusterKey, identity: Identity, agent_id: str, pins: Pins | None = None, *,
+    def __init__(self, key: ClusterKey, identity: Identity, agent_id: str | None = None, pins: Pins | None = None, *,
                  clock: Callable[[], float] = time.monotonic):
         self.key = key
         self.identity = identity
-        self.agent_id = agent_id
+        self.agent_id = agent_id or identity.agent_id
         self.pins = pins or Pins()
         self.clock = clock
         self.sessions: dict[Address, Session] = {}
