@@ -50,6 +50,7 @@ from .cluster.control import (
 from .cluster.coordinator import Coordinator
 from .cluster.device import DeviceProfile
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
+from .cluster.gate import KEEPALIVE_TIMEOUT_S, Gate, raise_fd_limit
 from .cluster.identity import state_lock as _locked
 from .cluster.member import MemberControl
 from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind
@@ -128,6 +129,8 @@ class Agent(Net):
         state = cfg.state_path
         state.mkdir(parents=True, exist_ok=True)
         with _locked(state):
+            limit = raise_fd_limit()  # a stranger's idle connections are capped (gate.py); peers need the rest
+            log.debug("open-files limit %d", limit)
             self.security = await asyncio.to_thread(Security.load, cfg)
             self.id = self.security.agent_id
             set_threads(cfg.threads)
@@ -171,12 +174,12 @@ class Agent(Net):
     async def _serve(self, addresses: list[str], profile: DeviceProfile) -> None:
         cfg = self.cfg
         runner = web.AppRunner(self._agent_app(), handle_signals=False, access_log=None,
-                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                               shutdown_timeout=SHUTDOWN_TIMEOUT_S, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
         await runner.setup()
         api_runner = None
         try:
             port = await bind(runner, addresses if cfg.interfaces else ["0.0.0.0"], cfg.port,
-                              self.security.server_ssl())
+                              self.security.server_ssl(), gate=self.security.gate)
             if self.source is not None:
                 self.model_fp = await asyncio.to_thread(model_fingerprint, self.source)
             self.info = PeerInfo(id=self.id, name=cfg.name or socket.gethostname(), cluster=cfg.cluster,
@@ -273,10 +276,13 @@ class Agent(Net):
                          cors=cfg.api_cors, timelines=StageTimelines(self.coordinator, self.stage_host, self.session),
                          served=served_model(src, [model_id, *aliases(src.path)], context=cfg.planning.context,
                                              digest=self.model_fp, tokenizer=tokenizer))
-        api = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        gate = Gate("API")
+        app.middlewares.insert(0, gate.vouch_all)  # a connection that carries a request is vouched for (gate.py)
+        api = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                            keepalive_timeout=KEEPALIVE_TIMEOUT_S)
         await api.setup()
         try:
-            port = await bind(api, [cfg.api_host], cfg.api_port)
+            port = await bind(api, [cfg.api_host], cfg.api_port, gate=gate)
         except ConfigError:
             await api.cleanup()
             raise
@@ -395,13 +401,19 @@ class Agent(Net):
     async def _discovery_events(self) -> None:
         while True:
             ev = await self._events.get()
-            if isinstance(ev, PeerSeen):
-                if self.coordinator is not None:
-                    self.coordinator.peer_seen(ev.info, ev.via)
-                else:
-                    self.member.peer_seen(ev.info)
-            elif isinstance(ev, PeerLost):
-                (self.coordinator or self.member).peer_lost(ev.agent_id)
+            try:
+                self._discovered(ev)
+            except Exception:  # a peer's odd advert must not end the agent
+                log.exception("discovery event %s failed", ev)
+
+    def _discovered(self, ev) -> None:
+        if isinstance(ev, PeerSeen):
+            if self.coordinator is not None:
+                self.coordinator.peer_seen(ev.info, ev.via)
+            else:
+                self.member.peer_seen(ev.info)
+        elif isinstance(ev, PeerLost):
+            (self.coordinator or self.member).peer_lost(ev.agent_id)
 
     def _on_link_down(self, ev: LinkDown) -> None:
         """A ring link of this agent closed. Outside a switch of epochs that means a peer may be gone."""

@@ -86,8 +86,10 @@ class Guard:
     adds the /auth routes; ``middleware`` goes first in the app's middlewares."""
 
     def __init__(self, key: ClusterKey, identity: Identity, agent_id: str, *,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, vouch: Callable[[web.Request], None] | None = None):
+        """``vouch(request)``: told of every request that carries a valid session (gate.Gate.vouch)."""
         self.key = key
+        self.vouch = vouch
         self.identity = identity
         self.agent_id = agent_id
         self.clock = clock
@@ -127,6 +129,8 @@ class Guard:
         if s is None or s.expires < self.clock():
             raise self._refuse(request, "no session" if not token else "unknown or expired session")
         request[PEER] = s.peer
+        if self.vouch is not None:
+            self.vouch(request)
         return await handler(request)
 
     def peer_of(self, request: web.Request) -> Peer | None:

@@ -28,6 +28,7 @@ from ..env import LEADER_IDENTITY
 from ..errors import ProtocolError
 from . import keys
 from .control import ControlMessage, Hello, PeerInfo, PlanUpdate, claimed_sender
+from .gate import Gate
 from .guard import Guard, Peer
 from .handshake import AdvertSeal
 from .identity import Identity, agent_id
@@ -46,7 +47,8 @@ class Security:
         self.agent_id = agent_id
         self.key = key
         self.identity = identity
-        self.guard = Guard(key, identity, agent_id) if key is not None else None
+        self.gate = Gate("agent server")  # connection limits of the agent server (gate.py)
+        self.guard = Guard(key, identity, agent_id, vouch=self.gate.vouch) if key is not None else None
         self.auth = AuthClient(key, identity, agent_id) if key is not None else None
         self.seal = AdvertSeal(key) if key is not None else None
 
@@ -79,7 +81,7 @@ class Security:
         return self.identity.server_context() if self.identity is not None else None
 
     def middlewares(self) -> list:
-        return [self.guard.middleware] if self.guard is not None else []
+        return [self.guard.middleware] if self.guard is not None else [self.gate.vouch_all]
 
     def install(self, app: web.Application) -> None:
         if self.guard is not None:

@@ -188,9 +188,12 @@ class StageHost:
             log.error("epoch %d: cannot load layers %s: %s: %s", update.epoch, node and node.layers,
                       type(e).__name__, e)
             status = StageStatus(agent_id=self.agent_id, epoch=update.epoch, state="failed", detail=str(e))
-        result = report(status)
-        if asyncio.iscoroutine(result):
-            await result
+        try:  # the report goes to the leader: its fault (gone, refusing) is logged, never this agent's end
+            result = report(status)
+            if asyncio.iscoroutine(result):
+                await result
+        except (PeerGone, ProtocolError) as e:
+            log.warning("epoch %d: could not report %s: %s", update.epoch, status.state, e)
 
     async def _load(self, update: PlanUpdate, node: RingNode | None) -> Prepared:
         if node is None:
