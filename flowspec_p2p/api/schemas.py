@@ -68,6 +68,10 @@ class Body(BaseModel):
     # stages, and leave this one's for the next; false: a cold prefill, nothing taken or kept
     cache_prompt: bool = True
     return_leader_timeline: bool = False  # stats carry "leader_intervals": the leader's compute [start, end] pairs
+    # for an agent relaying the request (proxy.py): each streamed chunk carries "token_ids", the ids behind its
+    # text; and "resume_ids": the reply's ids already sent, which this reply continues after (failover)
+    relay_ids: bool = False
+    resume_ids: list[int] | None = Field(None, max_length=1 << 20)
     # accepted only at the values that change nothing (see unsupported()); the ranges are OpenAI's
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -165,7 +165,8 @@ class StageHost:
     def prepare(self, update: PlanUpdate, report: Callable[[StageStatus], object]) -> None:
         """Start loading this agent's range of ``update`` (a newer call cancels an older one's load);
         ``report`` gets the "loaded"/"failed" StageStatus (it may be a coroutine function)."""
-        assert self._tg is not None, "StageHost.run() is not running"
+        if self._tg is None:
+            raise FlowSpecError("this agent's stage is stopping")
         if self._prepare_task is not None and not self._prepare_task.done():
             self._prepare_task.cancel()
         self._prepare_task = self._tg.create_task(self._prepare(update, report), name=f"prepare-{update.epoch}")

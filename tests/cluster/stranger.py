@@ -9,7 +9,6 @@ import asyncio
 import json
 import resource
 import secrets
-import socket
 import ssl
 import sys
 
@@ -19,18 +18,22 @@ from flowspec_p2p.cluster.identity import Identity
 FLOODERS = 8
 
 
-def idle_connections(host: str, port: int, n: int, source: str) -> tuple[list[socket.socket], int]:
+async def idle_connections(host: str, port: int, n: int, source: str) -> tuple[list, int]:
+    """Open ``n`` TCP connections (a hundred at a time, each given 1 s) and hold them, sending nothing."""
     held, refused = [], 0
-    for _ in range(n):
-        s = socket.socket()
-        s.settimeout(2.0)
+
+    async def one():
         try:
-            s.bind((source, 0))
-            s.connect((host, port))
-            held.append(s)
-        except OSError:
-            refused += 1
-            s.close()
+            return await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=(source, 0)), 1.0)
+        except (OSError, TimeoutError):
+            return None
+
+    for start in range(0, n, 100):
+        for got in await asyncio.gather(*(one() for _ in range(min(100, n - start)))):
+            if got is None:
+                refused += 1
+            else:
+                held.append(got)
     return held, refused
 
 
@@ -59,7 +62,9 @@ async def main() -> None:
     host, port, n, source = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    _held, _refused = await asyncio.to_thread(idle_connections, host, port, n, source)
+    held, refused = await idle_connections(host, port, n, source)
+    sys.stdout.write(json.dumps({"idle": len(held), "refused": refused}) + "\n")
+    sys.stdout.flush()
     cert = Identity.generate().cert_pem.decode()
     await asyncio.gather(*(flood(host, port, source, cert) for _ in range(FLOODERS)))
 

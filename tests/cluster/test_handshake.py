@@ -40,8 +40,13 @@ def test_keys_round_trip_in_text_and_files_readable_by_their_owner_only(tmp_path
     for bad in ("nope", "fsk1-!!!", "fsk1-" + "A" * 10):
         with pytest.raises(ConfigError, match="not a cluster key"):
             ClusterKey.parse(bad)
-    assert ClusterKey.from_secret("correct horse battery") == ClusterKey.from_secret("correct horse battery")
-    assert ClusterKey.from_secret("correct horse battery") != ClusterKey.from_secret("wrong horse battery")
+    assert ClusterKey.from_secret("correct horse battery", "home") == ClusterKey.from_secret("correct horse battery",
+                                                                                            "home")
+    assert ClusterKey.from_secret("correct horse battery", "home") != ClusterKey.from_secret("wrong horse battery",
+                                                                                            "home")
+    # salted with the cluster's name: one table of guesses serves no two clusters
+    assert ClusterKey.from_secret("correct horse battery", "home") != ClusterKey.from_secret("correct horse battery",
+                                                                                            "office")
     path = tmp_path / "k" / "cluster.key"
     keys.write_key(path, key)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -66,11 +71,17 @@ def test_keygen_writes_an_owner_only_key_and_prints_the_member_line(tmp_path, ca
     assert ClusterKey.parse(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_a_leader_makes_its_key_on_first_start_and_prints_the_line_members_need(tmp_path, caplog):
+def test_a_leader_makes_its_key_on_first_start_and_prints_the_line_members_need_to_its_terminal_only(tmp_path,
+                                                                                                      caplog):
+    import io
+
     leader = AgentConfig(leader=True, state_dir=tmp_path / "lead", cluster="home")
-    key = keys.resolve(leader)
+    terminal = io.StringIO()
+    key = keys.resolve(leader, "f" * 64, terminal=terminal)
+    assert f"export FLOWSPEC_CLUSTER_KEY={key.text} FLOWSPEC_LEADER_IDENTITY={'f' * 64}" in terminal.getvalue()
     line = next(r.message for r in caplog.records if "made cluster key" in r.message)
-    assert f"export FLOWSPEC_CLUSTER_KEY={key.text}" in line
+    assert key.text not in caplog.text  # the log (journald, docker logs) gets the file's path, never the key
+    assert str(tmp_path / "lead" / keys.KEY_FILE) in line
     assert stat.S_IMODE((tmp_path / "lead" / keys.KEY_FILE).stat().st_mode) == 0o600
     caplog.clear()
     assert keys.resolve(leader) == key  # later starts keep it, and print it no more
