@@ -95,6 +95,7 @@ BYE_TIMEOUT_S = 1.5
 SHUTDOWN_TIMEOUT_S = 2.0  # open HTTP handlers (ring links, streamed responses) get this long to end
 STATE_FILE = "agent.json"
 SUCCESSION_FILE = "succession.json"  # the standby this agent named as leader (it steps down to it when it leads)
+STANDBY_DELAY_MAX_S = 120.0  # a standby fetches its replica once its stage serves, or after this
 LEADER_POLL_S = 0.05  # how often the API's proxy looks whether this agent's leader changed
 
 
@@ -332,6 +333,14 @@ class Agent(Net):
     async def _prepare_standby(self, update: PlanUpdate) -> None:
         """Fetch a replica of the leader's model (unless this agent holds the same model) and load the leader's
         parts from it, ahead of need."""
+        try:
+            # after this agent's own stage serves: the replica must not slow the leader while members load
+            async with asyncio.timeout(STANDBY_DELAY_MAX_S):
+                while (self.stage_host.active is None  # noqa: ASYNC110 - the stage host's state
+                       or self.stage_host.active.epoch < update.epoch):
+                    await asyncio.sleep(0.2)
+        except TimeoutError:
+            pass
         t0 = time.perf_counter()
         try:
             draft = None
@@ -351,6 +360,8 @@ class Agent(Net):
                                                    tokenizer=self._tokenizer, draft=draft)
             log.info("standby: ready to lead (replica and the leader's parts loaded in %.2f s)",
                      time.perf_counter() - t0)
+            if self.member is not None:
+                self.member.ready_to_lead()  # the leader may have been lost meanwhile
         except (FlowSpecError, OSError) as e:
             log.warning("standby: cannot get ready to lead: %s", e)
         finally:

@@ -34,9 +34,11 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 768  # connections one server holds at once
-MAX_UNVOUCHED = 128  # connections not (yet) vouched for, from anyone
-UNVOUCHED_PER_ADDRESS = 16  # of them from one remote address
+MAX_UNVOUCHED = 256  # connections not (yet) vouched for, from anyone
+UNVOUCHED_PER_ADDRESS = 16  # of them from one remote address, once lingering (LINGER_GRACE_S)
 UNVOUCHED_TTL_S = 15.0  # a connection must carry a trusted request within this
+LINGER_GRACE_S = 2.0  # the per-address cap counts connections unvouched for longer than this (a burst of new ones
+# from a peer that authenticates at once is no stranger's idle hoard; the caps in all still bound it)
 TLS_HANDSHAKE_TIMEOUT_S = 5.0
 KEEPALIVE_TIMEOUT_S = 20.0  # idle vouched connections (longer than aiohttp clients' 15 s: they close first)
 SWEEP_S = 1.0  # how often connections are looked over
@@ -96,13 +98,14 @@ class Gate:
     def admit(self, address: str) -> int | None:
         """A new connection from ``address`` -> its ticket, or None (refused: close it)."""
         self.sweep()
+        now = self.clock()
         unvouched = self._unvouched()
         why = ""
         if len(self._conns) >= MAX_CONNECTIONS:
             why = f"{len(self._conns)} connections open"
         elif len(unvouched) >= MAX_UNVOUCHED:
             why = f"{len(unvouched)} connections not vouched for"
-        elif sum(c.address == address for c in unvouched) >= UNVOUCHED_PER_ADDRESS:
+        elif sum(c.address == address and now - c.since > LINGER_GRACE_S for c in unvouched) >= UNVOUCHED_PER_ADDRESS:
             why = f"{UNVOUCHED_PER_ADDRESS} connections from {address} not vouched for"
         if why:
             self.refused += 1
@@ -132,7 +135,7 @@ class Gate:
             h = c.handler
             if h is None:
                 continue  # in its TLS handshake (bounded by TLS_HANDSHAKE_TIMEOUT_S)
-            if h.transport is None:
+            if getattr(h, "transport", None) is None:
                 self.closed(ticket)
             elif not c.vouched and now - c.since > UNVOUCHED_TTL_S:
                 self.closed_idle += 1
@@ -151,8 +154,11 @@ class _Listener:
         self._task = task
 
     def close(self) -> None:
+        sock = self.sockets[0]
+        with contextlib.suppress(ValueError, OSError, RuntimeError):  # no reader left on a descriptor reused later
+            asyncio.get_running_loop().remove_reader(sock.fileno())
         self._task.cancel()
-        self.sockets[0].close()
+        sock.close()
 
 
 class GatedSite(web.BaseSite):
@@ -196,27 +202,49 @@ class GatedSite(web.BaseSite):
             t.cancel()
 
     async def _accept(self, sock: socket.socket) -> None:
+        """Accept what the listening socket holds whenever it is readable (asyncio's own way, which uvloop runs too;
+        ``loop.sock_accept`` stalls under uvloop with many connections at once)."""
         loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        loop.add_reader(sock.fileno(), ready.set)
         sweeper = loop.create_task(self._sweep())
         try:
             while True:
-                try:
-                    conn, addr = await loop.sock_accept(sock)
-                except OSError as e:  # out of descriptors, or the peer reset before accept: pause, go on
-                    log.debug("%s: accept failed: %s", self._gate.name, e)
-                    await asyncio.sleep(ACCEPT_PAUSE_S)
-                    continue
-                ticket = self._gate.admit(str(addr[0]))
-                if ticket is None:
-                    with contextlib.suppress(OSError):  # a reset, not a FIN: nothing lingers
-                        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    conn.close()
-                    continue
-                task = loop.create_task(self._serve(conn, ticket))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                await ready.wait()
+                ready.clear()
+                for _ in range(self._backlog):
+                    try:
+                        conn, addr = sock.accept()
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError as e:  # out of descriptors, or the peer reset before accept: pause, go on
+                        log.debug("%s: accept failed: %s", self._gate.name, e)
+                        await asyncio.sleep(ACCEPT_PAUSE_S)
+                        break
+                    try:
+                        self._admit(loop, conn, str(addr[0]))
+                    except Exception:  # a bug here must not stop the agent accepting
+                        log.exception("%s: admitting a connection failed", self._gate.name)
+                        conn.close()
+                else:
+                    ready.set()  # more may wait: after the others had their turn
+                    await asyncio.sleep(0)
         finally:
+            if sock.fileno() != -1:
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(sock.fileno())
             sweeper.cancel()
+
+    def _admit(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, address: str) -> None:
+        ticket = self._gate.admit(address)
+        if ticket is None:
+            with contextlib.suppress(OSError):  # a reset, not a FIN: nothing lingers
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+            return
+        task = loop.create_task(self._serve(conn, ticket))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _sweep(self) -> None:
         while True:
@@ -231,7 +259,13 @@ class GatedSite(web.BaseSite):
             if server is None:
                 raise ConnectionAbortedError("the server is stopping")
             kw = {"ssl_handshake_timeout": TLS_HANDSHAKE_TIMEOUT_S} if self._ssl_context is not None else {}
-            _, handler = await loop.connect_accepted_socket(server, conn, ssl=self._ssl_context, **kw)
+            # the loop gets a socket of its own (uvloop closes the descriptor it was given when the connection ends,
+            # and ``conn`` would close it again: by then, possibly another connection's)
+            own = conn.dup()
+            conn.close()
+            conn = own
+            handler = server()  # ours, not what the loop returns (uvloop returns its TLS wrapper)
+            await loop.connect_accepted_socket(lambda: handler, own, ssl=self._ssl_context, **kw)
         except (OSError, ssl.SSLError, TimeoutError, ConnectionError, asyncio.CancelledError):
             self._gate.closed(ticket)
             conn.close()

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 SEARCH_WAKE_S = 1.0  # without a leader, look at the candidates at least this often
 PROBE_TIMEOUT_S = 1.0  # a leader suspected gone (its ring link closed) must answer GET /control/info within this
 SUCCESSOR_RETRY_S = 0.2  # how often the lost leader's standby is asked to take this member, until it leads
-TAKEOVER_WAIT_S = 20.0  # ... for at most this long
+TAKEOVER_WAIT_S = 60.0  # ... for at most this long (a standby still fetching its replica gets ready meanwhile)
 
 
 
@@ -270,6 +270,15 @@ class MemberControl:
         self._successor = (standby.id, time.monotonic() + TAKEOVER_WAIT_S)
         self.net.spawn(self._tell(standby), name="tell-standby")
         return True
+
+    def ready_to_lead(self) -> None:
+        """This agent's standby preparation finished: if its leader was lost meanwhile (and no leader came since),
+        take over now."""
+        u = self.last_update
+        if self.leader is None and not self.taking_over and self.lost_at is not None and u is not None \
+                and u.standby == self.id and self.on_takeover is not None and self.on_takeover(u):
+            self.taking_over = True
+            self._wake.set()
 
     async def _tell(self, standby: PeerInfo) -> None:
         """Let the standby know at once (it probes the leader itself, and takes over when it finds it gone)."""

@@ -15,6 +15,7 @@ from zeroconf.asyncio import AsyncZeroconf
 
 from flowspec_p2p import agent as agent_mod
 from flowspec_p2p.agent import Agent
+from flowspec_p2p.cluster import gate as gate_mod
 from flowspec_p2p.cluster import stage_host as stage_host_mod
 from flowspec_p2p.cluster.identity import Identity
 
@@ -62,7 +63,7 @@ async def test_idle_connections_and_a_challenge_flood_from_a_stranger_do_not_sto
             assert took < 10
             gate = leader.security.gate
             assert gate.refused > 0
-            assert gate.counts()["127.0.0.2"] <= 16  # what the stranger holds at most
+            assert gate.counts()["127.0.0.2"] <= gate_mod.MAX_UNVOUCHED  # what the stranger holds at most
             assert member.id in leader.coordinator.membership.members  # heartbeats go on
         finally:
             attacker.kill()
