@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 
 from aiohttp import web
@@ -48,6 +49,7 @@ class Job:
         if len(self.resume) > self.budget or any(not 0 <= t < vocab for t in self.resume):
             raise ApiError(400, f"resume_ids must be at most {self.budget} token ids in [0, {vocab})",
                            "invalid_request_error", "resume_ids")
+        self.deadline = None if body.timeout is None else time.monotonic() + body.timeout
         self.ledger = Ledger(mode=self.spec.name, prompt_tokens=len(prompt), top_logprobs=body.top_logprobs_wanted())
         self.finish_reason = "length"
         self.token_ids: list[int] = []
@@ -92,7 +94,7 @@ class Job:
         chunks = self.leader.generate(self.prompt + self.resume, params=self.body.sampling(),
                                       max_tokens=self.budget - len(self.resume),
                                       stop_ids=stop_ids, mode=self.spec.name, stats=self.ledger,
-                                      cache_prompt=self.body.cache_prompt)
+                                      cache_prompt=self.body.cache_prompt, deadline=self.deadline)
         async with contextlib.aclosing(chunks):
             async for ids in chunks:
                 self.token_ids += ids
