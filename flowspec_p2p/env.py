@@ -6,6 +6,8 @@
     FLOWSPEC_STATE_DIR       an agent's state folder (its id, fetched weights), when the profile and flags set none
     FLOWSPEC_CLUSTER_KEY     the cluster key (fsk1-...; preferred over flags, which other users see in ``ps``)
     FLOWSPEC_SECRET          a passphrase the cluster key is derived from (the older way; preferred over --secret)
+    FLOWSPEC_LEADER_IDENTITY (a member) the identity fingerprint of the leader it may join (its leader prints it next
+                             to the key; cluster/member.py)
     FLOWSPEC_API_KEY         the leader API's key (preferred over --api-key; ``flowspec chat`` sends it)
     FLOWSPEC_SPEC_BENCH      the folder of the six Spec-Bench ``<set>.jsonl`` files (default: the copy shipped in the
                              package, bench/data/spec-bench, with its NOTICE.md)
@@ -34,6 +36,7 @@ STATE_DIR = "FLOWSPEC_STATE_DIR"
 MODELS_DIR = "FLOWSPEC_MODELS_DIR"
 SECRET = "FLOWSPEC_SECRET"
 CLUSTER_KEY = "FLOWSPEC_CLUSTER_KEY"
+LEADER_IDENTITY = "FLOWSPEC_LEADER_IDENTITY"
 API_KEY = "FLOWSPEC_API_KEY"
 SPEC_BENCH = "FLOWSPEC_SPEC_BENCH"
 DEFAULT_STATE_DIR = Path("~/.cache/flowspec_p2p/agent")  # an agent's state folder when nothing says otherwise
