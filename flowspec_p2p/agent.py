@@ -8,12 +8,21 @@
         GET  /ring                                                  data plane (ring_server.RingServer)
         GET  /weights/...                                           the leader's weight server
         GET  /metrics                                               this agent's stage (stage_metrics.py)
+        GET  /replica/...                                           the leader's model files, for its standby
+        *    /relay/...                                             the leader's API, for the members' APIs
     StageHost: this agent's pipeline stage (weights, worker, links) for the plan epoch in force
-    leader only: the Leader (decoding modes), its OpenAI-compatible API, dashboard and /metrics (api/) on --api-port
+    the API on --api-port: the leader's own (api/app.py: the Leader, its decoding modes, dashboard, /metrics); a
+    member's forwards every request to its leader (api/proxy.py), resuming a streamed reply on the next leader
 
 Roles. The leader (``--leader``) plans (coordinator.py), serves weights and the API; every other agent is a
 member (member.py) that joins the oldest leader of its cluster, heartbeats to it and hosts whatever stage the plan
-gives it. A second leader of the same cluster stops at start with a clear message (the older one wins).
+gives it. Another leader's claim never stops a leader: members follow their leader by identity (member.py).
+
+Failover. The plan names a standby; it fetches a replica of the model and loads the leader's parts ahead of need
+(cluster/replica.py, cluster/leading.py). When the leader is lost the standby takes over (``_take_over``): it
+becomes the leader in place -- its stage, its API port and its mDNS name stay, its role, API and advert change --
+and plans over the lost leader's members, which turn to it. A leader that comes back (restarted, or a frozen one
+that thaws) and finds the standby it named leading steps down and joins it (``_step_down``).
 
 Stopping (``stop()``, SIGINT/SIGTERM in ``flowspec agent``): say Bye (a member to its leader, the leader to every
 member), then cancel everything; the mDNS record is withdrawn, links and servers close.
@@ -28,7 +37,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -37,24 +45,30 @@ from aiohttp import web
 
 from .api.app import create_app
 from .api.catalog import served_model
+from .api.proxy import RELAY_PATH, create_proxy_app, forward
+from .cluster import replica as replica_mod
+from .cluster import weight_server as weight_server_mod
 from .cluster.control import (
     CONTROL_PATH,
     INFO_PATH,
     MAX_CONTROL_BYTES,
     TIMELINE_PATH,
     ControlMessage,
+    Hello,
     PeerInfo,
+    PlanUpdate,
     decode_message,
     encode_message,
 )
 from .cluster.coordinator import Coordinator
 from .cluster.device import DeviceProfile
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
-from .cluster.identity import agent_id as _agent_id
+from .cluster.gate import KEEPALIVE_TIMEOUT_S, Gate, raise_fd_limit
 from .cluster.identity import state_lock as _locked
+from .cluster.leading import LeaderParts, load_leader_parts
+from .cluster.leading import modes as _modes
 from .cluster.member import MemberControl
 from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind
-from .cluster.plans import describe_model
 from .cluster.profile import measure
 from .cluster.security import Security
 from .cluster.stage_host import StageHost, TapQueue
@@ -62,35 +76,35 @@ from .cluster.stage_metrics import install_stage_metrics
 from .cluster.telemetry import StageTimelines
 from .cluster.weight_server import WeightServer
 from .config import AgentConfig, split_host_port
-from .decoding.context import DecodingMode, ThreadCompute
-from .decoding.flowspec import FlowSpecConfig
+from .decoding.context import ThreadCompute
 from .decoding.leader import Leader
-from .decoding.registry import builtin_modes
 from .decoding.settings import LeaderSettings
 from .errors import ConfigError, FlowSpecError, ProtocolError
 from .model.dtypes import TORCH_DTYPES
-from .model.engine import Shard
-from .model.load import get_engine, load_shard, set_threads
-from .model.registry import aliases, display_name
-from .model.tokenizer import Tokenizer
+from .model.load import get_engine, set_threads
+from .model.registry import aliases
 from .model.weights import model_fingerprint, open_source
 from .pipeline.codec import wire_dtype
 from .pipeline.emulation import ComputeEmulation, EmulatedCompute, LinkEmulation, device_for
 from .pipeline.ring_server import RingServer
 from .pipeline.transport import LinkDown
-from .speculative.decoder import PROBE_TEXT, load_drafter
-from .speculative.drafter import Drafter
-from .types import LayerRange
 
 log = logging.getLogger(__name__)
 
 BYE_TIMEOUT_S = 1.5
 SHUTDOWN_TIMEOUT_S = 2.0  # open HTTP handlers (ring links, streamed responses) get this long to end
 STATE_FILE = "agent.json"
+SUCCESSION_FILE = "succession.json"  # the standby this agent named as leader (it steps down to it when it leads)
+STANDBY_DELAY_MAX_S = 120.0  # a standby fetches its replica once its stage serves, or after this
+LEADER_POLL_S = 0.05  # how often the API's proxy looks whether this agent's leader changed
 
 
 class _Stopped(Exception):
     """Raised inside the TaskGroup to end it after stop()."""
+
+
+class _RoleChanged(Exception):
+    """Raised inside a role's TaskGroup to end it when the agent takes over or steps down."""
 
 
 class Agent(Net):
@@ -112,11 +126,19 @@ class Agent(Net):
         self.stage_host: StageHost | None = None
         self.leader = None  # leader.Leader, on the leader
         self.weights = None  # weight_server.WeightServer, on the leader
+        self.replica: replica_mod.ReplicaServer | None = None  # the model's files for the standby, on the leader
         self.coordinator: Coordinator | None = None  # on the leader
         self.member: MemberControl | None = None  # on a member
+        self.discovery: Discovery | None = None
+        self.standby: LeaderParts | None = None  # the leader's parts, loaded ahead of need (the plan's standby)
+        self._preparing = False  # the standby's replica and parts are being fetched and loaded
         self._stop = asyncio.Event()
+        self._role_changed = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self._events: asyncio.Queue = asyncio.Queue()
+        self._local_http: aiohttp.ClientSession | None = None  # this agent's own API, for the relay
+        self._api: tuple[web.AppRunner, int] | None = None  # the API runner serving now, and its port
+        self._old_apis: list[web.AppRunner] = []  # replaced ones: their open replies finish first
 
     # =========================================================================================== lifecycle
 
@@ -129,18 +151,20 @@ class Agent(Net):
         state = cfg.state_path
         state.mkdir(parents=True, exist_ok=True)
         with _locked(state):
-            self.id = _agent_id(state)
+            limit = raise_fd_limit()  # a stranger's idle connections are capped (gate.py); peers need the rest
+            log.debug("open-files limit %d", limit)
+            self.security = await asyncio.to_thread(Security.load, cfg)
+            self.id = self.security.agent_id
             set_threads(cfg.threads)
             addresses = resolve_interfaces(cfg.interfaces) if cfg.interfaces else default_addresses()
             bad = [a for a in addresses if not bindable(a)]
             if bad:
                 raise ConfigError(f"cannot bind {', '.join(bad)}: pass --interface with an address of this host")
-            self.security = await asyncio.to_thread(Security.load, cfg, self.id)
             if cfg.model is not None or cfg.leader:
                 self.source = await asyncio.to_thread(open_source, cfg.model)
             profile = self._profile or await asyncio.to_thread(self._measure)
-            async with self.security.client_session() as session:
-                self.session = session
+            async with self.security.client_session() as session, aiohttp.ClientSession() as local:
+                self.session, self._local_http = session, local
                 self.client = self.security.control_client(session)
                 await self._serve(addresses, profile)
 
@@ -154,30 +178,32 @@ class Agent(Net):
                        slowdown=cfg.emulation.slowdown)
 
     def _agent_app(self) -> web.Application:
-        """The agent server: control plane, ring links, (on the leader) the weight server."""
+        """The agent server: control plane, ring links, and (served while this agent leads) the weight server, the
+        replica for the standby and the relay to the API."""
         sec = self.security
         app = web.Application(middlewares=sec.middlewares(), client_max_size=MAX_CONTROL_BYTES)
         sec.install(app)
-        self.ring = RingServer(self.id, self.cfg.cluster, authenticated=sec.sender_id if sec.secure else None)
+        self.ring = RingServer(self.id, self.cfg.cluster, authenticated=self._ring_sender if sec.secure else None)
         self.ring.install(app)
         app.router.add_get(INFO_PATH, self._http_info)
         app.router.add_get(TIMELINE_PATH, self._http_timeline)
         app.router.add_post(CONTROL_PATH, self._http_control)
         install_stage_metrics(app, lambda: self.stage_host, lambda: self.info)
-        if self.cfg.leader:
-            self.weights = WeightServer(self.source)
-            self.weights.install(app)
+        app.router.add_get(weight_server_mod.MANIFEST_PATH, partial(self._leading, "_manifest", "weights"))
+        app.router.add_get(weight_server_mod.TENSOR_PATH, partial(self._leading, "_tensor", "weights"))
+        app.router.add_get(replica_mod.MANIFEST_PATH, partial(self._leading, "handle_manifest", "replica"))
+        app.router.add_get(replica_mod.FILE_PATH, partial(self._leading, "handle_file", "replica"))
+        app.router.add_route("*", RELAY_PATH + "/{tail:.*}", self._http_relay)
         return app
 
     async def _serve(self, addresses: list[str], profile: DeviceProfile) -> None:
         cfg = self.cfg
         runner = web.AppRunner(self._agent_app(), handle_signals=False, access_log=None,
-                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                               shutdown_timeout=SHUTDOWN_TIMEOUT_S, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
         await runner.setup()
-        api_runner = None
         try:
             port = await bind(runner, addresses if cfg.interfaces else ["0.0.0.0"], cfg.port,
-                              self.security.server_ssl())
+                              self.security.server_ssl(), gate=self.security.gate)
             if self.source is not None:
                 self.model_fp = await asyncio.to_thread(model_fingerprint, self.source)
             self.info = PeerInfo(id=self.id, name=cfg.name or socket.gethostname(), cluster=cfg.cluster,
@@ -191,10 +217,13 @@ class Agent(Net):
                 link=LinkEmulation(bandwidth_mbps=cfg.emulation.link_mbps, latency_ms=cfg.emulation.link_latency_ms),
                 device=partial(device_for, ComputeEmulation(slowdown=cfg.emulation.slowdown)), tap=self._on_link_down)
             if cfg.leader:
-                api_runner = await self._start_leader()
+                parts = await asyncio.to_thread(load_leader_parts, cfg, self.source, self.model_fp,
+                                                tokenizer=self._tokenizer)
+                await self._become_leader(parts, cfg, successor=self._recorded_successor())
             else:
-                self.member = MemberControl(self.info, net=self, stage_host=self.stage_host)
-            discovery = Discovery(
+                await self._serve_api(self._proxy_app(), required=False)
+                self._become_member(trusted=(cfg.leader_identity or "",))
+            self.discovery = Discovery(
                 self.info, self._events, addresses=addresses, interfaces=addresses,
                 seal=self.security.seal, confirm=self._confirm if self.security.secure else None, mdns=cfg.mdns,
                 static_peers=[split_host_port(p) for p in cfg.peers], fetch_info=self.fetch_info)
@@ -202,13 +231,13 @@ class Agent(Net):
             log.info("agent %s (%s) of cluster %r at %s, %.1f GFLOP/s, %.0f MB offered%s", self.id, self.info.role,
                      cfg.cluster, self.info.url, profile.gflops, profile.memory_bytes / 2**20,
                      f"; API at {self.api_url}/v1, dashboard at {self.api_url}/" if self.api_url else "")
-            await self._run_roles(discovery)
+            await self._run_roles(self.discovery)
         finally:
             self._tg = None
             if self.leader is not None:
                 self.leader.close()
-            if api_runner is not None:
-                await api_runner.cleanup()
+            for api in [*self._old_apis, *([self._api[0]] if self._api else [])]:
+                await api.cleanup()
             await runner.cleanup()
             with contextlib.suppress(OSError):
                 (self.cfg.state_path / STATE_FILE).unlink()
@@ -222,11 +251,7 @@ class Agent(Net):
                 tg.create_task(discovery.run(), name="discovery")
                 tg.create_task(self._discovery_events(), name="discovery-events")
                 tg.create_task(self.stage_host.run(), name="stage-host")
-                if self.cfg.leader:
-                    tg.create_task(self.leader.run(), name="leader-demux")
-                    tg.create_task(self.coordinator.run(), name="coordinator")
-                else:
-                    tg.create_task(self.member.run(), name="member")
+                tg.create_task(self._roles(), name="role")
                 tg.create_task(self._until_stopped(), name="stop")
                 self.started.set()
         except BaseExceptionGroup as eg:
@@ -237,51 +262,244 @@ class Agent(Net):
                     first = first.exceptions[0]
                 raise first from None
 
-    async def _start_leader(self) -> web.AppRunner:
-        cfg, src = self.cfg, self.source
-        dtype = TORCH_DTYPES[cfg.dtype]
-        # the engine is chosen here, once: the plans name the head's, so every stage runs the same one (auto falls
-        # back to the torch engine for a model the native engine cannot run)
-        head = await asyncio.to_thread(load_shard, src, LayerRange(start=0, end=0), embed=True, head=True,
-                                       engine=cfg.engine, dtype=dtype)
-        tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.load, src.path, src.config.eos_token_ids)
+    async def _roles(self) -> None:
+        """Run the agent's role (leader: the demultiplexer and the coordinator; member: its control loop) until it
+        changes (a takeover, a step-down), then the next one."""
+        while True:
+            self._role_changed.clear()
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    if self.coordinator is not None:
+                        tg.create_task(self.leader.run(), name="leader-demux")
+                        tg.create_task(self.coordinator.run(), name="coordinator")
+                    else:
+                        tg.create_task(self.member.run(), name="member")
+                    await self._role_changed.wait()
+                    raise _RoleChanged
+            except* _RoleChanged:
+                pass
+
+    # ============================================================================================== roles
+
+    async def _become_leader(self, parts: LeaderParts, cfg: AgentConfig, *, takeover: PlanUpdate | None = None,
+                             successor: str = "") -> None:
+        """Lead with ``parts``: the Leader, the weight and replica servers, the coordinator, the leader's API."""
+        self.source, self.model_fp = parts.source, parts.fingerprint
         settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
                                   default_mode=cfg.decoding)
         compute = ThreadCompute()
         if cfg.emulation.slowdown > 1.0:
             compute = EmulatedCompute(compute, cfg.emulation.slowdown)
-        probe = tokenizer.encode(PROBE_TEXT)
+        leader = Leader(parts.head, parts.tokenizer, drafter=parts.drafter, settings=settings,
+                        modes=_modes(cfg.flowspec), model_id=parts.model_id, compute=compute)
+        leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
+        self.weights = WeightServer(parts.source)
+        self.replica = replica_mod.ReplicaServer(Path(parts.source.path), parts.fingerprint, parts.draft_stem)
+        self.info = self.info.model_copy(update={"role": "leader", "model": parts.fingerprint})
+        coordinator = Coordinator(cfg, self.info, net=self, leader=leader, weights=self.weights,
+                                  stage_host=self.stage_host, ring=self.ring, session=self.session,
+                                  model=parts.model, model_config=parts.source.config, wire_dtype=wire_dtype,
+                                  takeover=takeover, successor=successor, on_successor=self._on_successor,
+                                  on_standby=self._record_successor)
+        app = create_app(leader, coordinator.view, run_leader=False, api_key=cfg.api_key_text, cors=cfg.api_cors,
+                         timelines=StageTimelines(coordinator, self.stage_host, self.session),
+                         served=served_model(parts.source, [parts.model_id, *aliases(parts.source.path)],
+                                             context=cfg.planning.context, digest=parts.fingerprint,
+                                             tokenizer=parts.tokenizer))
+        await self._serve_api(app, required=True)
+        self.info = self.info.model_copy(update={"api_url": self.api_url or ""})
+        coordinator.set_info(self.info)
+        self.ring.inbox = leader.inbox
+        self.stage_host.leader_inbox = leader.inbox
+        self.stage_host.shared = (parts.fingerprint, [parts.head])  # the leader's first stage shares the embedding
+        self.leader, self.coordinator, self.member = leader, coordinator, None
 
-        def whole_model() -> Shard:  # the tolerance test of a head trained for another build of the model
-            return head.engine.load(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True)
+    def _become_member(self, *, trusted=(), successor: PeerInfo | None = None) -> None:
+        self.info = self.info.model_copy(update={"role": "member", "api_url": self.api_url or ""})
+        self.member = MemberControl(self.info, net=self, stage_host=self.stage_host, trusted=trusted,
+                                    on_takeover=self._on_takeover, on_plan=self._on_plan)
+        if successor is not None:
+            self.member.peer_seen(successor)
 
-        drafter = await asyncio.to_thread(_drafter, self.model_fp, head, cfg.draft, probe, whole_model)
-        model_id = display_name(cfg.model, src.path)  # the name it was started by, else the file's stem
-        self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(cfg.flowspec),
-                             model_id=model_id, compute=compute)
-        self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
-        self.ring.inbox = self.leader.inbox
-        self.stage_host.leader_inbox = self.leader.inbox
-        self.stage_host.shared = (self.model_fp, [head])  # the leader's first stage shares the head's embedding
-        base = getattr(drafter, "base", drafter)  # LookupDrafter wraps the head drafter
-        model = describe_model(src, head.engine, context=cfg.planning.context, fingerprint=self.model_fp,
-                               draft_bytes=getattr(base, "nbytes", 0))
-        self.coordinator = Coordinator(cfg, self.info, net=self, leader=self.leader, weights=self.weights,
-                                       stage_host=self.stage_host, ring=self.ring, session=self.session,
-                                       model=model, model_config=src.config, wire_dtype=wire_dtype)
-        app = create_app(self.leader, self.coordinator.view, run_leader=False, api_key=cfg.api_key_text,
-                         cors=cfg.api_cors, timelines=StageTimelines(self.coordinator, self.stage_host, self.session),
-                         served=served_model(src, [model_id, *aliases(src.path)], context=cfg.planning.context,
-                                             digest=self.model_fp, tokenizer=tokenizer))
-        api = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-        await api.setup()
+    def _on_plan(self, update: PlanUpdate) -> None:
+        """A member took its leader's plan: the plan's standby gets ready to lead."""
+        if update.standby != self.id or (self.standby is not None and self.standby.fingerprint == \
+                update.model_fingerprint):
+            return
+        if not self._preparing:
+            self._preparing = True
+            self.spawn(self._prepare_standby(update), name="standby")
+
+    async def _prepare_standby(self, update: PlanUpdate) -> None:
+        """Fetch a replica of the leader's model (unless this agent holds the same model) and load the leader's
+        parts from it, ahead of need."""
         try:
-            port = await bind(api, [cfg.api_host], cfg.api_port)
-        except ConfigError:
-            await api.cleanup()
-            raise
+            # after this agent's own stage serves: the replica must not slow the leader while members load
+            async with asyncio.timeout(STANDBY_DELAY_MAX_S):
+                while (self.stage_host.active is None  # noqa: ASYNC110 - the stage host's state
+                       or self.stage_host.active.epoch < update.epoch):
+                    await asyncio.sleep(0.2)
+        except TimeoutError:
+            pass
+        t0 = time.perf_counter()
+        try:
+            draft = None
+            if self.source is not None and self.model_fp == update.model_fingerprint:
+                source = self.source
+            else:
+                got = await replica_mod.fetch_replica(self.session, update.leader.url, self.cfg.state_path,
+                                                      update.model_fingerprint)
+                source = await asyncio.to_thread(open_source, got.model)
+                fp = await asyncio.to_thread(model_fingerprint, source)
+                if fp != update.model_fingerprint:
+                    raise FlowSpecError(f"the replica is model {fp[:12]}, not the plan's "
+                                        f"{update.model_fingerprint[:12]}")
+                draft = got.draft
+            cfg = self._leading_config(update)
+            self.standby = await asyncio.to_thread(load_leader_parts, cfg, source, update.model_fingerprint,
+                                                   tokenizer=self._tokenizer, draft=draft)
+            log.info("standby: ready to lead (replica and the leader's parts loaded in %.2f s)",
+                     time.perf_counter() - t0)
+            if self.member is not None:
+                self.member.ready_to_lead()  # the leader may have been lost meanwhile
+        except (FlowSpecError, OSError) as e:
+            log.warning("standby: cannot get ready to lead: %s", e)
+        finally:
+            self._preparing = False
+
+    def _leading_config(self, update: PlanUpdate) -> AgentConfig:
+        """This agent's configuration to lead as the leader of ``update`` did."""
+        cfg = self.cfg
+        p = update.policy
+        # the stage count is the planner's again: the lost leader's may not fit the agents that are left
+        planning = cfg.planning if p is None else cfg.planning.model_copy(
+            update={"context": p.context, "stages": None, "leader_layers": p.leader_layers})
+        return cfg.model_copy(update={"leader": True, "dtype": update.dtype, "wire_dtype": update.wire_dtype,
+                                      "planning": planning, "decoding": p.decoding if p else cfg.decoding,
+                                      "max_requests": p.max_requests if p else cfg.max_requests})
+
+    def _on_takeover(self, update: PlanUpdate) -> bool:
+        """The leader of ``update`` is lost and this agent is its standby: take over when ready."""
+        parts = self.standby
+        if parts is None or parts.fingerprint != update.model_fingerprint:
+            log.error("leader %s is lost and this agent is its standby, but not ready to lead (its replica is "
+                      "still on its way); waiting for a leader", update.leader.id)
+            return False
+        self.spawn(self._take_over(update, parts), name="take-over")
+        return True
+
+    async def _take_over(self, update: PlanUpdate, parts: LeaderParts) -> None:
+        t0 = time.perf_counter()
+        lost = update.leader
+        log.warning("taking over from leader %s (%s), lost: this agent leads cluster %r now", lost.id, lost.name,
+                    self.cfg.cluster)
+        cfg = self._leading_config(update)
+        self.cfg = cfg
+        self.standby = None
+        await self._become_leader(parts, cfg, takeover=update)
+        self._role_changed.set()
+        await self.discovery.update(self.info)
+        self._write_state()
+        for m in update.members:  # tell the lost leader's members at once (they check on it themselves)
+            if m.id not in (self.id, lost.id):
+                self.spawn(self.post(m.url, Hello(peer=self.info)), name="invite")
+        log.info("took over in %.2f s; planning over the lost leader's members", time.perf_counter() - t0)
+
+    def _on_successor(self, info: PeerInfo) -> None:
+        """The standby this leader named leads now: it took over while this agent was gone or frozen."""
+        self.spawn(self._step_down(info), name="step-down")
+
+    async def _step_down(self, new_leader: PeerInfo) -> None:
+        if self.coordinator is None:
+            return
+        old = self.coordinator
+        await old.goodbye(f"stepping down: {new_leader.id} leads now")
+        await self.leader.set_pipeline(None)
+        self.coordinator = None
+        self.ring.inbox = self.stage_host.leader_inbox = None  # a member's stage owns its ring server again
+        self._become_member(trusted=(new_leader.identity,), successor=new_leader)
+        self._role_changed.set()
+        await self._serve_api(self._proxy_app(), required=False)
+        self.info = self.info.model_copy(update={"api_url": self.api_url or ""})
+        self.member.info = self.info
+        await self.discovery.update(self.info)
+        self._write_state()
+        with contextlib.suppress(OSError):
+            (self.cfg.state_path / SUCCESSION_FILE).unlink()
+
+    def _recorded_successor(self) -> str:
+        """The identity of the standby this agent named when it led before (it may lead now)."""
+        try:
+            return json.loads((self.cfg.state_path / SUCCESSION_FILE).read_text()).get("identity", "")
+        except (OSError, ValueError, AttributeError):
+            return ""
+
+    def _record_successor(self, identity: str) -> None:
+        with contextlib.suppress(OSError):
+            (self.cfg.state_path / SUCCESSION_FILE).write_text(json.dumps({"identity": identity}) + "\n")
+
+    # ================================================================================================ API
+
+    def _proxy_app(self) -> web.Application:
+        return create_proxy_app(self, api_key=self.cfg.api_key_text, cors=self.cfg.api_cors)
+
+    async def _serve_api(self, app: web.Application, *, required: bool) -> None:
+        """Serve ``app`` as this agent's API, on the port the one before it had (the replaced one finishes the
+        replies it streams). A member's API that cannot bind is logged (it is a convenience); a leader's ends it."""
+        cfg = self.cfg
+        gate = Gate("API")
+        app.middlewares.insert(0, gate.vouch_all)  # a connection that carries a request is vouched for (gate.py)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                               keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        await runner.setup()
+        port = self._api[1] if self._api is not None else cfg.api_port
+        try:
+            port = await bind(runner, [cfg.api_host], port, gate=gate, reuse_port=True)
+        except ConfigError as e:
+            await runner.cleanup()
+            if required:
+                raise
+            log.warning("no API on this agent: %s", e)
+            return
+        if self._api is not None:
+            old = self._api[0]
+            for site in list(old.sites):
+                await site.stop()  # new connections go to the new app; open replies go on
+            self._old_apis.append(old)
+        self._api = (runner, port)
         self.api_url = f"http://{cfg.api_host}:{port}"
-        return api
+
+    def leader_url(self) -> str | None:
+        """proxy.LeaderLink: the agent URL of this agent's leader (its own while it leads)."""
+        if self.coordinator is not None:
+            return self.info.url
+        leader = self.member.leader if self.member is not None else None
+        return leader.url if leader is not None else None
+
+    async def leader_change(self, url: str | None, timeout_s: float | None) -> str | None:
+        """proxy.LeaderLink: wait until this agent's leader is another than ``url``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while self.leader_url() == url:  # noqa: ASYNC110 - the role changes in several places
+                    await asyncio.sleep(LEADER_POLL_S)
+        return self.leader_url()
+
+    async def _http_relay(self, request: web.Request) -> web.StreamResponse:
+        """A member's API forwards its clients' requests here (authenticated by the cluster's session): they go to
+        this agent's own API while it leads."""
+        if self.coordinator is None or self._api is None:
+            raise web.HTTPServiceUnavailable(text="this agent does not lead the cluster")
+        host = self.cfg.api_host if self.cfg.api_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        headers = {"Authorization": f"Bearer {self.cfg.api_key_text}"} if self.cfg.api_key_text else None
+        url = f"http://{host}:{self._api[1]}/{request.match_info['tail']}"
+        return await forward(request, url, self._local_http, headers=headers)
+
+    async def _leading(self, method: str, part: str, request: web.Request) -> web.StreamResponse:
+        """A route of the leader's weight server or replica (served while this agent leads)."""
+        server = self.weights if part == "weights" else self.replica
+        if server is None or self.coordinator is None:
+            raise web.HTTPServiceUnavailable(text="this agent does not lead the cluster")
+        return await getattr(server, method)(request)
 
     async def _until_stopped(self) -> None:
         await self._stop.wait()
@@ -321,7 +539,26 @@ class Agent(Net):
 
     # ============================================================================================== HTTP
 
+    def _ring_sender(self, request: web.Request) -> str | None:
+        """Who opened a ring link, for the ring server: the agent id it authenticated as, provided its identity is
+        the one the plan this agent prepared gives that agent (a predecessor is checked by identity, not by id)."""
+        peer = self.security.sender(request)
+        if peer is None:
+            return None
+        prepared = self.stage_host.prepared if self.stage_host is not None else None
+        if prepared is not None:
+            u = prepared.update
+            planned = {n.agent_id: n.identity for n in u.ring} | {u.leader.id: u.leader.identity}
+            expected = planned.get(peer.agent_id, "")
+            if expected and expected != peer.identity:
+                log.warning("ring: a link from %s with identity %s, not the %s the plan gives it", peer.agent_id,
+                            peer.identity[:12], expected[:12])
+                return f"{peer.agent_id} (another identity)"
+        return peer.agent_id
+
     async def _http_info(self, request: web.Request) -> web.Response:
+        if self.info is None:
+            raise web.HTTPServiceUnavailable(text="the agent is starting")
         return web.Response(text=self.info.model_dump_json(), content_type="application/json")
 
     async def _http_timeline(self, request: web.Request) -> web.Response:
@@ -349,7 +586,7 @@ class Agent(Net):
         try:
             self.security.check_control(request, msg)
             if self.member is not None:
-                reply = await self.member.handle(msg, sender=self.security.sender_id(request))
+                reply = await self.member.handle(msg, sender=self.security.sender(request))
             else:
                 reply = await self.coordinator.handle(msg)
         except ProtocolError as e:
@@ -378,34 +615,22 @@ class Agent(Net):
     async def _discovery_events(self) -> None:
         while True:
             ev = await self._events.get()
-            if isinstance(ev, PeerSeen):
-                if self.coordinator is not None:
-                    self.coordinator.peer_seen(ev.info, ev.via)  # raises on an older leader
-                else:
-                    self.member.peer_seen(ev.info)
-            elif isinstance(ev, PeerLost):
-                (self.coordinator or self.member).peer_lost(ev.agent_id)
+            try:
+                self._discovered(ev)
+            except Exception:  # a peer's odd advert must not end the agent
+                log.exception("discovery event %s failed", ev)
+
+    def _discovered(self, ev) -> None:
+        if isinstance(ev, PeerSeen):
+            if self.coordinator is not None:
+                self.coordinator.peer_seen(ev.info, ev.via)
+            else:
+                self.member.peer_seen(ev.info)
+        elif isinstance(ev, PeerLost):
+            (self.coordinator or self.member).peer_lost(ev.agent_id)
 
     def _on_link_down(self, ev: LinkDown) -> None:
         """A ring link of this agent closed. Outside a switch of epochs that means a peer may be gone."""
         role = self.coordinator or self.member
         if role is not None:
             role.link_down(ev)
-
-
-# ============================================================================================== helpers
-
-def _modes(flowspec: FlowSpecConfig) -> list[DecodingMode]:
-    """The decoding modes this build offers (the leader picks what its drafter allows), FlowSpec with ``flowspec``
-    (AgentConfig.flowspec)."""
-    return builtin_modes(None if flowspec == FlowSpecConfig() else flowspec)
-
-
-def _drafter(model_fp: str, head: Shard, stem: Path | None = None, probe: list[int] | None = None,
-             whole_model: Callable[[], Shard] | None = None) -> Drafter:
-    """The leader's drafter: the head at ``stem``, else one trained for this model (or another build of it that
-    passes the tolerance test), else prompt lookup alone (spec.decoder.load_drafter)."""
-    drafter, meta = load_drafter(head, model_fp, stem, probe, whole_model)
-    if meta["match"] != "none":
-        log.info("draft head for %s (+ prompt-lookup candidates; matched by %s)", model_fp[:12], meta["match"])
-    return drafter

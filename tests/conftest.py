@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from flowspec_p2p import env
+
 # One thread: the suite runs beside agent subprocesses, and for tiny models OpenMP hand-offs cost more than the
 # arithmetic (a 64x64 matmul: 45 us at 1 thread, ~9 ms at 2 on a loaded 2-core host).
 torch.set_num_threads(1)
+
+# The models folder (where scripts/bootstrap.sh pulled the default model) stays put in tests that point
+# FLOWSPEC_CACHE_DIR at a temporary folder, and in the agents they start.
+os.environ.setdefault(env.MODELS_DIR, str(env.models_dir()))
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "llama-untied", "llama3-rope")
 

@@ -95,7 +95,7 @@ class _Job(Job):
         self.text_offset = 0  # characters of the reply whose logprobs went out (completions' text_offset)
 
     def usage(self) -> dict:
-        n = self.ledger.new_tokens
+        n = self.ledger.new_tokens + len(self.resume)
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n,
                 "prompt_tokens_details": {"cached_tokens": self.ledger.cached_tokens}}
 
@@ -201,6 +201,8 @@ async def _stream(request: web.Request, job: _Job, retry: int, param: str) -> we
     await resp.prepare(request)
 
     async def send(obj: dict | str) -> None:
+        if job.body.relay_ids and isinstance(obj, dict) and obj.get("choices"):
+            obj["token_ids"] = job.take_ids()  # for the agent relaying this reply (proxy.py)
         data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
         await resp.write(f"data: {data}\n\n".encode())
 

@@ -10,7 +10,8 @@ The engine behind ``flowspec cluster up`` and the benchmarks' emulated edge clus
         c.kill(2); c.wait_ready()   # a member vanishes; the cluster re-plans
 
 Agent 0 is the leader (it loads the model and serves the API); the others hold no model copy and fetch their layers
-from it. Every agent gets ``max(1, physical cores // n)`` compute threads unless told otherwise, the same compute score
+from it. Every agent serves the API, agent i on ``api_port + i`` (a member forwards to the leader; ``api_urls()``).
+Every agent gets ``max(1, physical cores // n)`` compute threads unless told otherwise, the same compute score
 (measured once here: agents on one host share its cores, so separate micro-benchmarks would only measure who ran
 first), its own state folder, and a fresh cluster key (``FLOWSPEC_CLUSTER_KEY``: strangers cannot join; every
 link is TLS), unless ``insecure``. With ``netns`` every agent runs on a host of its own: a network namespace on a
@@ -143,7 +144,7 @@ class LocalCluster:
         self.key: ClusterKey | None = None
         if not o.insecure:
             self.key = (ClusterKey.parse(o.cluster_key) if o.cluster_key else
-                        ClusterKey.from_secret(o.secret) if o.secret else ClusterKey.generate())
+                        ClusterKey.from_secret(o.secret, self.name) if o.secret else ClusterKey.generate())
         self._identity = Identity.generate()  # this controller's, for GET /control/timeline
         self._own_root = o.state_root is None
         self.root = Path(o.state_root or tempfile.mkdtemp(prefix="flowspec-cluster-"))
@@ -165,11 +166,15 @@ class LocalCluster:
                 "--state-dir", str(state), "--threads", str(self.threads)]
         flags = {"--link-mbps": o.link_mbps, "--link-latency-ms": o.link_latency_ms, "--slowdown": o.slowdown,
                  "--engine": o.engine}
+        # every agent serves the API (a member forwards to the leader, and resumes a reply when the leader is lost):
+        # agent i on api_port + i (any free port when api_port is 0)
+        # (with netns: on the agent's own LAN address, open: the bridge is this machine's own private one)
+        api_host = o.api_host if self.net is None else address
+        args += ["--api-host", api_host, "--api-port", str(o.api_port + i if o.api_port else 0)]
+        if self.net is not None:
+            args.append("--api-insecure")
         if i == 0:
-            api_host = o.api_host if self.net is None else address
-            args += ["--leader", "--api-host", api_host, "--api-port", str(o.api_port)]
-            if self.net is not None:
-                args.append("--api-insecure")  # on this machine's own private bridge
+            args += ["--leader"]
             if o.model is not None:
                 args += ["--model", str(o.model)]
             if o.draft is not None:
@@ -258,6 +263,10 @@ class LocalCluster:
             return view
         return None
 
+    def api_urls(self) -> list[str | None]:
+        """Each agent's API URL (None until it runs)."""
+        return [(a.info() or {}).get("api_url") for a in self.agents]
+
     def view(self) -> dict:
         """The leader's GET /cluster."""
         with urllib.request.urlopen(self.api_url + "/cluster", timeout=HTTP_TIMEOUT_S) as r:
@@ -270,10 +279,8 @@ class LocalCluster:
 
     async def _timelines(self, since: float | None) -> list[dict]:
         query = "" if since is None else f"?since={since!r}"
-        if self.key is None:
-            session = aiohttp.ClientSession()
-        else:  # the agents serve it to holders of the key only
-            session = AuthClient(self.key, self._identity, f"controller-{os.getpid()}").open()
+        # the agents serve it to holders of the key only
+        session = aiohttp.ClientSession() if self.key is None else AuthClient(self.key, self._identity).open()
         out = []
         async with session:
             for a in self.agents:

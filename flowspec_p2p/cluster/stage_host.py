@@ -165,7 +165,8 @@ class StageHost:
     def prepare(self, update: PlanUpdate, report: Callable[[StageStatus], object]) -> None:
         """Start loading this agent's range of ``update`` (a newer call cancels an older one's load);
         ``report`` gets the "loaded"/"failed" StageStatus (it may be a coroutine function)."""
-        assert self._tg is not None, "StageHost.run() is not running"
+        if self._tg is None:
+            raise FlowSpecError("this agent's stage is stopping")
         if self._prepare_task is not None and not self._prepare_task.done():
             self._prepare_task.cancel()
         self._prepare_task = self._tg.create_task(self._prepare(update, report), name=f"prepare-{update.epoch}")
@@ -188,9 +189,12 @@ class StageHost:
             log.error("epoch %d: cannot load layers %s: %s: %s", update.epoch, node and node.layers,
                       type(e).__name__, e)
             status = StageStatus(agent_id=self.agent_id, epoch=update.epoch, state="failed", detail=str(e))
-        result = report(status)
-        if asyncio.iscoroutine(result):
-            await result
+        try:  # the report goes to the leader: its fault (gone, refusing) is logged, never this agent's end
+            result = report(status)
+            if asyncio.iscoroutine(result):
+                await result
+        except (PeerGone, ProtocolError) as e:
+            log.warning("epoch %d: could not report %s: %s", update.epoch, status.state, e)
 
     async def _load(self, update: PlanUpdate, node: RingNode | None) -> Prepared:
         if node is None:

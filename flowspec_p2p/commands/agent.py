@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"the cluster key (default ${env.CLUSTER_KEY}, else the state folder's cluster.key; the "
                    "leader makes one there on its first start; `flowspec keygen` makes one; a --secret passphrase "
                    "derives one instead)")
+    p.add_argument("--leader-identity", default=None, metavar="FINGERPRINT",
+                   help=f"(member) join only the leader with this identity (and the successors its plans name); its "
+                   f"leader prints it next to the key (default ${env.LEADER_IDENTITY}, else the first leader found)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="no cluster key: an open cluster (plain http; anyone on the network may join). Lab only")
     p.add_argument("--api-key", default=None,
@@ -108,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
         "cache_max_gb": args.cache_max_gb, "engine": args.engine, "max_requests": args.max_requests,
         "secret": args.secret, "cluster_key_file": args.cluster_key_file, "insecure": args.insecure,
+        "leader_identity": args.leader_identity,
         "api_key": args.api_key, "api_insecure": args.api_insecure, "api_cors": args.api_cors,
         "wire_dtype": args.wire_dtype, "decoding": args.decoding,
         "flowspec": config_mod.json_object(args.flowspec_config, "--flowspec-config"),

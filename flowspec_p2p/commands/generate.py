@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_argument(p)
     p.add_argument("--quantize", choices=["Q8_0"], default=None,
                    help="quantize a float (safetensors) model's matrices to Q8_0 at load (native engine)")
-    p.add_argument("--stats", action="store_true", help="print one JSON line of statistics to stderr at the end")
+    p.add_argument("--stats", action="store_true",
+                   help="print one JSON line of statistics to stderr at the end (with the engine that ran)")
     add_spec_arguments(p)
     p.set_defaults(func=run)
 
@@ -124,5 +125,6 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats:
-        sys.stderr.write(json.dumps(reply_stats(ledger)) + "\n")
+        # the engine that ran, e.g. "native (avx512vnni)" or "torch"
+        sys.stderr.write(json.dumps({**reply_stats(ledger), "engine": lm.shard.engine.describe()}) + "\n")
     return 0

@@ -61,7 +61,7 @@ from ..pipeline.transport import Frame, Inbox, LinkDown
 from ..speculative.drafter import Drafter
 from .admission import Admission
 from .ar import AR
-from .auto import Choice, ModeChooser
+from .auto import Choice, LoadMeter, ModeChooser
 from .batcher import NextTokens
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
 from .prompt_cache import MIN_REUSE, PromptCache
@@ -128,6 +128,7 @@ class Leader:
         self.admission = Admission(self.settings.max_requests, self.settings.max_waiting)
         self.prompt_cache = PromptCache()  # finished requests' KV the current pipeline's stages retain
         self._active: dict[str, ModeContext] = {}
+        self.load = LoadMeter()  # requests in flight over time (auto's load keys)
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "busy": 0, "not_ready": 0,
@@ -304,7 +305,9 @@ class Leader:
             ledger.cached_tokens += 0 if ctx.reuse is None else ctx.reuse.length
         ctx.group = self._group(pipeline)
         self._active[rid] = ctx
-        ctx.load = len(self._active)  # requests in flight as it starts, itself included (auto's load key)
+        self.load.set(len(self._active), time.monotonic())
+        ctx.load = self.load.expected(time.monotonic())  # auto's load key: in flight now (itself included) or recently
+        began = self.load.mark(time.monotonic())
         ctx.in_flight_now = lambda: len(self._active)
         self.idle.clear()
         outcome: str | None = "failed"
@@ -339,6 +342,8 @@ class Leader:
             if timer is not None:
                 timer.cancel()
             del self._active[rid]
+            ran_under = round(self.load.mean_since(began, time.monotonic()))  # the load it decoded under
+            self.load.set(len(self._active), time.monotonic())
             if not self._active:
                 self.idle.set()
             if outcome is not None:
@@ -349,7 +354,8 @@ class Leader:
                 self.chooser.ended(choice, pipeline.epoch, job.params.greedy, ctx.load)
             if outcome == "completed":  # every mode's requests teach auto what it is worth on this pipeline
                 self.chooser.record(job.spec.name if choice is None else choice.mode, pipeline.epoch,
-                                    job.params.greedy, ledger.attempt_tokens, ledger.attempt.decode_s, ctx.load)
+                                    job.params.greedy, ledger.attempt_tokens, ledger.attempt.decode_s,
+                                    max(1, ran_under))
             await self._release(ctx, pipeline, [*job.prompt, *job.committed],
                                 outcome == "completed" and job.cache_prompt)
 
