@@ -91,3 +91,17 @@ def default_model():
     from flowspec_p2p.model.load import load_model
 
     return load_model(None, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def synth_model(tmp_path_factory) -> Path:
+    """A small synthetic GGUF (model/synth.py): Llama-3.1-8B's architecture and Q4_K_M block mix at 16 layers of
+    hidden 256 (MLP 2048: the layers outweigh the LM head, so a planner splits them), tied embeddings, the default
+    model's tokenizer (~24 MB)."""
+    from flowspec_p2p.model import synth
+
+    out = tmp_path_factory.mktemp("synth") / "synth-llama-16x256.gguf"
+    shape, label = synth.resolve_shape("llama-3.1-8b", None, layers=16, hidden=256, intermediate=2048, heads=4,
+                                       kv_heads=2, head_dim=64, context=2048, tied=True)
+    synth.write(out, shape, "Q4_K_M", label=label, progress=False)
+    return out

@@ -130,6 +130,7 @@ class Coordinator:
         self.transition: Transition | None = None
         self.planning = False  # a plan is being computed (or its transition set up)
         self.broken: str | None = None  # why the serving pipeline is unusable
+        self.no_plan: str | None = None  # why the latest planning found no plan ("no plan: short by N MB: ...")
         self.broken_at = 0.0
         self.ring_starts: dict[str, float] = {}
         self.statuses: dict[str, StageStatus] = {}
@@ -305,7 +306,7 @@ class Coordinator:
                 new, self.requests = await asyncio.to_thread(
                     partial(plan_requests, requests=self.cfg.max_requests), membership_mod.devices(self.membership),
                     self.model, self.options)
-                infeasible = None
+                infeasible = self.no_plan = None
                 if self._can_keep(new):
                     self.plan = new
                 else:
@@ -313,7 +314,7 @@ class Coordinator:
             except PlanInfeasible as e:
                 if str(e) != infeasible:
                     log.error("no plan: %s", e)
-                infeasible = str(e)
+                infeasible, self.no_plan = str(e), f"no plan: {e}"
             except (ArithmeticError, ValueError, KeyError, TypeError) as e:  # the planner must not end the leader
                 if str(e) != infeasible:
                     log.exception("no plan: the planner failed on these members")
