@@ -14,9 +14,11 @@ from flowspec_p2p import env
 # arithmetic (a 64x64 matmul: 45 us at 1 thread, ~9 ms at 2 on a loaded 2-core host).
 torch.set_num_threads(1)
 
-# The models folder (where scripts/bootstrap.sh pulled the default model) stays put in tests that point
-# FLOWSPEC_CACHE_DIR at a temporary folder, and in the agents they start.
+# The models folder (where scripts/bootstrap.sh pulled the default model) and the compiled engine stay put in tests
+# that point FLOWSPEC_CACHE_DIR at a temporary folder, and in the agents they start (else each such test compiles the
+# engine again: 30-60 s on 2 busy cores).
 os.environ.setdefault(env.MODELS_DIR, str(env.models_dir()))
+os.environ.setdefault(env.NATIVE_DIR, str(env.native_dir()))
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "llama-untied", "llama3-rope")
 
