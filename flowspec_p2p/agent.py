@@ -519,7 +519,9 @@ class Agent(Net):
         try:
             if self._tg is None:
                 raise RuntimeError("not running")
-            self._tg.create_task(wrapped, name=name)
+            task = self._tg.create_task(wrapped, name=name)
+            if hasattr(coro, "close"):  # a task cancelled before it started never awaited its coroutine
+                task.add_done_callback(lambda _: coro.close())
         except RuntimeError:  # the agent is stopping: drop the work
             wrapped.close()
             coro.close()

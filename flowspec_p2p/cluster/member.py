@@ -298,13 +298,17 @@ class MemberControl:
                              state="ready" if active and active.worker else "idle", counters=counters,
                              suspects=tuple(sorted(self.suspects)))
             self.suspects.clear()
+            # a frozen leader (its sockets open, nothing answering) is lost HEARTBEAT_TIMEOUT_S after its last
+            # answer, not a whole control timeout later
+            left = last_ok + membership_mod.HEARTBEAT_TIMEOUT_S - time.monotonic()
             try:
-                ack = await self.net.post(leader.url, beat)
+                async with asyncio.timeout(max(left, membership_mod.HEARTBEAT_INTERVAL_S)):
+                    ack = await self.net.post(leader.url, beat)
                 last_ok = time.monotonic()
                 if isinstance(ack, Ack) and not ack.known:
                     log.warning("leader %s does not know this agent any more; joining again", leader.id)
                     return False
-            except (PeerGone, ProtocolError) as e:
+            except (PeerGone, ProtocolError, TimeoutError) as e:
                 if time.monotonic() - last_ok > membership_mod.HEARTBEAT_TIMEOUT_S:
                     log.warning("leader %s is gone: %s", leader.id, e or "no answer")
                     self.candidates.pop(leader.id, None)
