@@ -118,6 +118,17 @@ class MemberControl:
         u = self.last_update
         return u.standby_info if u is not None else None
 
+    def _is_standby(self, peer: PeerInfo) -> bool:
+        """``peer`` is the standby of the latest plan (by id and identity)."""
+        standby = self._standby_of_last_plan()
+        return standby is not None and (peer.id, peer.identity) == (standby.id, standby.identity)
+
+    def _asks_this_standby(self, peer: PeerInfo) -> bool:
+        """This agent is the latest plan's standby and ``peer`` one of that plan's members (by id and identity)."""
+        u = self.last_update
+        return u is not None and u.standby == self.id and any(
+            (m.id, m.identity) == (peer.id, peer.identity) for m in u.members)
+
     def _from_leader(self, msg: ControlMessage, sender: Peer | None) -> PeerInfo:
         """This member's leader, when ``msg`` comes from it (by id and, with a key, by the identity it proved);
         else ProtocolError (logged by the caller)."""
@@ -133,17 +144,16 @@ class MemberControl:
         """A control message to this member -> the reply. ``sender``: the agent that authenticated (None in the
         open mode); plans, activations and goodbyes count only from this member's leader's identity."""
         if isinstance(msg, Hello):
-            peer, standby = msg.peer, self._standby_of_last_plan()
+            peer = msg.peer
             if peer.cluster != self.info.cluster:
                 return Ack()
-            if standby is not None and self.leader is not None and peer.id == standby.id \
-                    and peer.identity == standby.identity:
-                # the standby says the leader is lost (it took over), or a member of it asks the standby to take
+            if self.leader is not None and (self._is_standby(peer) or self._asks_this_standby(peer)):
+                # the standby says the leader is lost (it took over), or a member of it asks this standby to take
                 # it (it found the leader lost): see for ourselves at once
                 self._suspect_leader = True
                 self._wake.set()
             if peer.role == "leader":  # a leader that learned of us through a static peer, or the standby
-                if standby is not None and (peer.id, peer.identity) == (standby.id, standby.identity):
+                if self._is_standby(peer):
                     self.trusted.add(peer.identity)
                 self.peer_seen(peer)
             return Ack()
