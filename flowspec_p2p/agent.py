@@ -25,7 +25,8 @@ and plans over the lost leader's members, which turn to it. A leader that comes 
 that thaws) and finds the standby it named leading steps down and joins it (``_step_down``).
 
 Stopping (``stop()``, SIGINT/SIGTERM in ``flowspec agent``): say Bye (a member to its leader, the leader to every
-member), then cancel everything; the mDNS record is withdrawn, links and servers close.
+member, naming its standby, which takes over as when the leader is lost), then cancel everything; the mDNS record
+is withdrawn, links and servers close.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from aiohttp import web
 
 from .api.app import create_app
 from .api.catalog import served_model
-from .api.proxy import RELAY_PATH, create_proxy_app, forward
+from .api.proxy import RELAY_PATH, create_proxy_app, forward, not_leading
 from .cluster import replica as replica_mod
 from .cluster import weight_server as weight_server_mod
 from .cluster.control import (
@@ -236,8 +237,7 @@ class Agent(Net):
             self._tg = None
             if self.leader is not None:
                 self.leader.close()
-            for api in [*self._old_apis, *([self._api[0]] if self._api else [])]:
-                await api.cleanup()
+            await self._close_apis()
             await runner.cleanup()
             with contextlib.suppress(OSError):
                 (self.cfg.state_path / STATE_FILE).unlink()
@@ -282,7 +282,7 @@ class Agent(Net):
     # ============================================================================================== roles
 
     async def _become_leader(self, parts: LeaderParts, cfg: AgentConfig, *, takeover: PlanUpdate | None = None,
-                             successor: str = "") -> None:
+                             takeover_why: str = "lost", successor: str = "") -> None:
         """Lead with ``parts``: the Leader, the weight and replica servers, the coordinator, the leader's API."""
         self.source, self.model_fp = parts.source, parts.fingerprint
         settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
@@ -299,8 +299,8 @@ class Agent(Net):
         coordinator = Coordinator(cfg, self.info, net=self, leader=leader, weights=self.weights,
                                   stage_host=self.stage_host, ring=self.ring, session=self.session,
                                   model=parts.model, model_config=parts.source.config, wire_dtype=wire_dtype,
-                                  takeover=takeover, successor=successor, on_successor=self._on_successor,
-                                  on_standby=self._record_successor)
+                                  takeover=takeover, takeover_why=takeover_why, successor=successor,
+                                  on_successor=self._on_successor, on_standby=self._record_successor)
         app = create_app(leader, coordinator.view, run_leader=False, api_key=cfg.api_key_text, cors=cfg.api_cors,
                          timelines=StageTimelines(coordinator, self.stage_host, self.session),
                          served=served_model(parts.source, [parts.model_id, *aliases(parts.source.path)],
@@ -378,25 +378,28 @@ class Agent(Net):
                                       "planning": planning, "decoding": p.decoding if p else cfg.decoding,
                                       "max_requests": p.max_requests if p else cfg.max_requests})
 
-    def _on_takeover(self, update: PlanUpdate) -> bool:
-        """The leader of ``update`` is lost and this agent is its standby: take over when ready."""
+    def _on_takeover(self, update: PlanUpdate, why: str) -> bool:
+        """The leader of ``update`` is gone (``why``: "lost", or "stopped": it handed over) and this agent is its
+        standby: take over when ready (not while this agent stops too)."""
+        if self._stop.is_set():
+            return False
         parts = self.standby
         if parts is None or parts.fingerprint != update.model_fingerprint:
             log.error("leader %s is lost and this agent is its standby, but not ready to lead (its replica is "
                       "still on its way); waiting for a leader", update.leader.id)
             return False
-        self.spawn(self._take_over(update, parts), name="take-over")
+        self.spawn(self._take_over(update, parts, why), name="take-over")
         return True
 
-    async def _take_over(self, update: PlanUpdate, parts: LeaderParts) -> None:
+    async def _take_over(self, update: PlanUpdate, parts: LeaderParts, why: str) -> None:
         t0 = time.perf_counter()
         lost = update.leader
-        log.warning("taking over from leader %s (%s), lost: this agent leads cluster %r now", lost.id, lost.name,
+        log.warning("taking over from leader %s (%s), %s: this agent leads cluster %r now", lost.id, lost.name, why,
                     self.cfg.cluster)
         cfg = self._leading_config(update)
         self.cfg = cfg
         self.standby = None
-        await self._become_leader(parts, cfg, takeover=update)
+        await self._become_leader(parts, cfg, takeover=update, takeover_why=why)
         self._role_changed.set()
         await self.discovery.update(self.info)
         self._write_state()
@@ -406,12 +409,15 @@ class Agent(Net):
         log.info("took over in %.2f s; planning over the lost leader's members", time.perf_counter() - t0)
 
     def _on_successor(self, info: PeerInfo) -> None:
-        """The standby this leader named leads now: it took over while this agent was gone or frozen."""
-        self.spawn(self._step_down(info), name="step-down")
+        """The standby this leader named leads now: it took over while this agent was gone or frozen (or, while
+        this agent stops, because it handed over: then this agent goes, and starts as that standby's member)."""
+        if not self._stop.is_set():
+            self.spawn(self._step_down(info), name="step-down")
 
     async def _step_down(self, new_leader: PeerInfo) -> None:
         if self.coordinator is None:
             return
+        log.warning("stepping down: this agent joins leader %s (%s) as a member", new_leader.id, new_leader.name)
         old = self.coordinator
         await old.goodbye(f"stepping down: {new_leader.id} leads now")
         await self.leader.set_pipeline(None)
@@ -487,8 +493,8 @@ class Agent(Net):
     async def _http_relay(self, request: web.Request) -> web.StreamResponse:
         """A member's API forwards its clients' requests here (authenticated by the cluster's session): they go to
         this agent's own API while it leads."""
-        if self.coordinator is None or self._api is None:
-            raise web.HTTPServiceUnavailable(text="this agent does not lead the cluster")
+        if self.coordinator is None or self._api is None or self.coordinator.leaving:
+            return not_leading()
         host = self.cfg.api_host if self.cfg.api_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         headers = {"Authorization": f"Bearer {self.cfg.api_key_text}"} if self.cfg.api_key_text else None
         url = f"http://{host}:{self._api[1]}/{request.match_info['tail']}"
@@ -506,12 +512,21 @@ class Agent(Net):
         with contextlib.suppress(Exception):
             async with asyncio.timeout(BYE_TIMEOUT_S):
                 await self._goodbye()
+        await self._close_apis()  # while the role still runs: open replies get SHUTDOWN_TIMEOUT_S to finish
         raise _Stopped
 
+    async def _close_apis(self) -> None:
+        apis, self._old_apis = [*self._old_apis, *([self._api[0]] if self._api else [])], []
+        self._api = None
+        for api in apis:
+            await api.cleanup()
+
     async def _goodbye(self) -> None:
-        role = self.coordinator or self.member
-        if role is not None:
-            await role.goodbye()
+        """A member says Bye to its leader; the leader to every member, handing over to its standby."""
+        if self.coordinator is not None:
+            await self.coordinator.goodbye(hand_over=True)
+        elif self.member is not None:
+            await self.member.goodbye()
 
     def spawn(self, coro, name: str | None = None) -> None:
         """Start a task owned by the agent's TaskGroup (dropped once the agent is stopping)."""

@@ -42,6 +42,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 CONNECT_TIMEOUT_S = 5.0
 LEADER_WAIT_S = 30.0  # a reply waits this long for a leader (none yet, or a new one after a loss)
 SAME_LEADER_RETRY_S = 5.0  # after a break, the same leader is asked again when no other came within this
+MOVE_GRACE_S = 1.0  # a leader's "cluster unavailable" answer is the client's unless the leader changes within this
+RELAY_CODES = frozenset({"leader_unreachable", "not_leading"})  # the relay's own errors: the leader is not serving
 MAX_MOVES = 4  # a reply moves to another leader at most this often
 RESUMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
 PASSED_HEADERS = ("Content-Type", "Accept", "Last-Event-ID")
@@ -63,6 +65,22 @@ class LeaderLink(Protocol):
 
 def _unavailable(why: str) -> web.Response:
     return ApiError(503, why, "cluster_unavailable", code="no_leader", retry_after=2).response()
+
+
+def not_leading() -> web.Response:
+    """The relay's answer on an agent that does not lead (any more)."""
+    return ApiError(503, "this agent does not lead the cluster", "cluster_unavailable", code="not_leading",
+                    retry_after=2).response()
+
+
+def _error_of(data: bytes | dict) -> dict:
+    """The ``error`` object of an API answer ({} when there is none)."""
+    try:
+        obj = json.loads(data) if isinstance(data, bytes) else data
+    except ValueError:
+        return {}
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return err if isinstance(err, dict) else {}
 
 
 async def forward(request: web.Request, url: str, session: aiohttp.ClientSession, *,
@@ -185,8 +203,13 @@ class Resumable:
         async with self.link.session.post(url + RELAY_PATH + path, json=payload, timeout=timeout) as up:
             if up.status != 200:
                 data = await up.read()
+                err = _error_of(data)
+                if up.status in (502, 503) and err.get("code") in RELAY_CODES:
+                    raise _Lost(f"leader {url} does not serve: {err.get('message')}")  # it stops, or leads no more
                 if up.status in (502, 503) and self.lost_at is not None:
                     await asyncio.sleep(0.2)  # a leader that is only starting to lead
+                    return None
+                if up.status == 503 and err.get("type") == "cluster_unavailable" and await self._moved(url):
                     return None
                 if self.resp is None:
                     return web.Response(status=up.status, body=data, content_type="application/json",
@@ -205,6 +228,8 @@ class Resumable:
                 return await self._finish(parts, last)
             obj = json.loads(data)
             if "error" in obj and "choices" not in obj:
+                if _error_of(obj).get("type") == "cluster_unavailable" and await self._moved(url):
+                    return None  # the leader stopped or was lost meanwhile: the reply goes on at the next one
                 if self.resp is None and not self.stream:
                     return web.json_response(obj, status=503 if "unavailable" in json.dumps(obj) else 500)
                 await self._open()
@@ -240,6 +265,11 @@ class Resumable:
                 await self._open()
                 await self._send(obj)
         return None  # the stream ended without [DONE]: the leader is gone
+
+    async def _moved(self, url: str) -> bool:
+        """After the leader at ``url`` said the cluster is unavailable: whether this agent follows another leader
+        (or none) within MOVE_GRACE_S -- the leader stopped or was lost, so the reply resumes."""
+        return await self.link.leader_change(url, MOVE_GRACE_S) != url
 
     async def _events(self, url: str, up: aiohttp.ClientResponse) -> AsyncIterator[str]:
         """The upstream's SSE data."""

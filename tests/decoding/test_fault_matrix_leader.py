@@ -1,5 +1,5 @@
 """The fault matrix, for the leader: a three-agent cluster (one process, tiny float64 model, loopback), a streamed
-request made through a member's API, and the leader failing at one of its event points:
+request made through a member's API, and the leader failing or leaving at one of its event points:
 
     prefill     the leader sent the request's first forward and no token has come back yet
     mid_stream  three chunks reached the client
@@ -11,11 +11,14 @@ in one of two ways:
     kill   the leader vanishes as under kill -9: its event loop (its own thread here) stops and every TCP socket
            it has (listening, accepted, connected) is shut down, so peers read EOF and connects are refused
     stop   the leader freezes as under SIGSTOP: its event loop stops, its sockets stay open
+    term   the leader stops gracefully as under SIGTERM (Ctrl-C, ``systemctl restart``): it hands over to the standby
 
 The standby takes over, re-plans over the members and serves; the member's API resumes the reply on it from the
 ids already sent. Every reply must complete with the text of an undisturbed run (greedy, and seeded sampling at
 T=1), with no 5xx; the seconds from the leader's loss to the next token are reported (``failover`` in the stats,
-and printed). CI runs 3 of the 28 cases (FLOWSPEC_FULL_FAULT_MATRIX=1 runs all).
+and printed). Then the old leader comes back -- thawed (stop), or started again on its state folder (kill, term) --
+and must join the new leader as a member; the new leader's plan history (GET /cluster, the dashboard's) shows the
+takeover. CI runs 3 of the 42 cases, one per fault (FLOWSPEC_FULL_FAULT_MATRIX=1 runs all).
 """
 
 import asyncio
@@ -46,11 +49,11 @@ N = 40
 EVENTS = ("prefill", "mid_stream", "prune", "eos")
 MODES = ("ar", "flowspec")
 SAMPLING = {"greedy": SamplingParams(), "seeded_t1": SamplingParams(temperature=1.0, seed=5)}
-FAULTS = ("kill", "stop")
+FAULTS = ("kill", "stop", "term")
 FULL = os.environ.get("FLOWSPEC_FULL_FAULT_MATRIX") == "1"
 ALL = [c for c in itertools.product(EVENTS, MODES, SAMPLING, FAULTS) if c[0] != "prune" or c[1] == "flowspec"]
-CASES = ALL if FULL else [("mid_stream", "ar", "greedy", "kill"), ("prefill", "flowspec", "seeded_t1", "stop"),
-                          ("prune", "flowspec", "greedy", "kill")]
+CASES = ALL if FULL else [("prune", "flowspec", "greedy", "kill"), ("prefill", "flowspec", "seeded_t1", "stop"),
+                          ("mid_stream", "ar", "greedy", "term")]
 LOSS_TO_TOKEN_TARGET_S = 10.0
 
 
@@ -102,6 +105,12 @@ class Threaded:
             with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as s:
                 if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
                     s.shutdown(socket.SHUT_RDWR)
+
+    def term(self) -> None:
+        self.loop.call_soon_threadsafe(self.agent.stop)
+
+    def thaw(self) -> None:
+        self.thawed.set()
 
     async def stop(self) -> None:
         self.thawed.set()
@@ -164,7 +173,7 @@ async def test_the_leader_failing_at_an_event_point_loses_no_reply_made_through_
         def fail() -> None:
             if "t" not in lost_at:
                 lost_at["t"] = time.monotonic()
-                (lead.kill if fault == "kill" else lead.freeze)()
+                {"kill": lead.kill, "stop": lead.freeze, "term": lead.term}[fault]()
 
         if event in ("prefill", "prune", "eos"):
             victim = (first or next(x for x in (a, b) if x.id == u.ring[1].agent_id)).stage_host.active.worker
@@ -197,10 +206,26 @@ async def test_the_leader_failing_at_an_event_point_loses_no_reply_made_through_
         assert gap <= LOSS_TO_TOKEN_TARGET_S
         await until(lambda: standby.coordinator is not None and standby.coordinator.update is not None
                     and standby.coordinator.transition is None, 30)
-        assert "took over" in standby.coordinator.recoveries[0]["trigger"]
         assert via.member.leader.id == standby.id
+
+        # the old leader comes back and joins the new one as a member
+        if fault == "stop":
+            lead.thaw()
+            back = leader
+        else:
+            await lead.stop()
+            back = Agent(make("lead", leader=True, planning=plan), tokenizer=ByteTokenizer())
+            tasks[back] = asyncio.create_task(back.run())
+        await until(lambda: back.member is not None and back.member.leader is not None
+                    and back.member.leader.id == standby.id and back.id in standby.coordinator.membership.members, 30)
+        async with aiohttp.ClientSession() as s, s.get(standby.api_url + "/cluster") as r:
+            view = await r.json()
+        how = "stopped" if fault == "term" else "lost"
+        assert view["recoveries"][0]["trigger"] == f"took over from leader {leader.id} (lead), {how}"
+        assert view["recoveries"][0]["leader"] == standby.id
+        assert {m["id"]: m["role"] for m in view["members"]}[leader.id] == "member"
     finally:
         await lead.stop()
-        for x in (a, b):
+        for x in tasks:
             x.stop()
         await asyncio.wait_for(asyncio.gather(*tasks.values(), return_exceptions=True), 20)
