@@ -96,7 +96,7 @@ BYE_TIMEOUT_S = 1.5
 SHUTDOWN_TIMEOUT_S = 2.0  # open HTTP handlers (ring links, streamed responses) get this long to end
 STATE_FILE = "agent.json"
 SUCCESSION_FILE = "succession.json"  # the standby this agent named as leader (it steps down to it when it leads)
-STANDBY_DELAY_MAX_S = 120.0  # a standby fetches its replica once its stage serves, or after this
+STANDBY_DELAY_MAX_S = 120.0  # a standby fetches its replica once its own layers are loaded, or after this
 LEADER_POLL_S = 0.05  # how often the API's proxy looks whether this agent's leader changed
 
 
@@ -272,6 +272,8 @@ class Agent(Net):
                     if self.coordinator is not None:
                         tg.create_task(self.leader.run(), name="leader-demux")
                         tg.create_task(self.coordinator.run(), name="coordinator")
+                        # the replica's digests, while the members load their layers: the standby's ask waits less
+                        self.spawn(self.replica.prepare(), name="replica-digests")
                     else:
                         tg.create_task(self.member.run(), name="member")
                     await self._role_changed.wait()
@@ -334,11 +336,11 @@ class Agent(Net):
         """Fetch a replica of the leader's model (unless this agent holds the same model) and load the leader's
         parts from it, ahead of need."""
         try:
-            # after this agent's own stage serves: the replica must not slow the leader while members load
+            # once this agent's own layers of the plan are loaded (it fetched them), while the plan is put into
+            # service: the replica does not take the link this agent's layers come over
             async with asyncio.timeout(STANDBY_DELAY_MAX_S):
-                while (self.stage_host.active is None  # noqa: ASYNC110 - the stage host's state
-                       or self.stage_host.active.epoch < update.epoch):
-                    await asyncio.sleep(0.2)
+                while not self._loaded(update.epoch):  # noqa: ASYNC110 - the stage host's state
+                    await asyncio.sleep(0.1)
         except TimeoutError:
             pass
         t0 = time.perf_counter()
@@ -358,6 +360,8 @@ class Agent(Net):
             cfg = self._leading_config(update)
             self.standby = await asyncio.to_thread(load_leader_parts, cfg, source, update.model_fingerprint,
                                                    tokenizer=self._tokenizer, draft=draft)
+            if self.stage_host.local_source is None:  # this agent's layers of later plans load from the replica
+                self.stage_host.local_source = source
             log.info("standby: ready to lead (replica and the leader's parts loaded in %.2f s)",
                      time.perf_counter() - t0)
             if self.member is not None:
@@ -366,6 +370,11 @@ class Agent(Net):
             log.warning("standby: cannot get ready to lead: %s", e)
         finally:
             self._preparing = False
+
+    def _loaded(self, epoch: int) -> bool:
+        """This agent's stage has loaded its layers of plan ``epoch`` (or a later one), or serves it."""
+        host = self.stage_host
+        return any(x is not None and x.epoch >= epoch for x in (host.prepared, host.active))
 
     def _leading_config(self, update: PlanUpdate) -> AgentConfig:
         """This agent's configuration to lead as the leader of ``update`` did."""
