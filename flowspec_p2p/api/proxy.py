@@ -12,7 +12,9 @@ the ids already sent (``resume_ids``): the new leader prefills prompt + those id
 gets the reply it would have had undisturbed (greedy, and seeded sampling: draws depend only on (seed, position);
 a sampled request without a seed gets one here, before the first attempt). The chunks keep the first reply's id.
 A reply that had not started yet is simply asked again. The last chunk's ``stats`` carry ``failover``: how often
-the reply moved, and the seconds from each loss to the next token.
+the reply moved, and the seconds from each loss to the next token. Log-probabilities continue too: the next
+leader's come for the tokens after the resumed ones, and a completion's ``text_offset`` counts on from the last one
+sent (``LogprobsSoFar``; a non-streamed reply gets them all in one object).
 
 Everything else (the Ollama routes, /health, /cluster, /metrics, the dashboard) is forwarded without resuming.
 """
@@ -110,6 +112,37 @@ async def forward(request: web.Request, url: str, session: aiohttp.ClientSession
     return resp
 
 
+class LogprobsSoFar:
+    """The log-probabilities of a reply that may move between leaders: each leader's completion ``text_offset``s
+    count from its own first token, so those after a move are shifted by the offset the reply had reached; and the
+    whole reply's, for a non-streamed answer. Chat logprobs (``content``) carry no offsets."""
+
+    COMPLETION = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def __init__(self):
+        self.merged: dict | None = None
+        self.offset = 0  # the text_offset after the last token whose logprobs went out
+        self.base = 0  # what this attempt's text_offsets add
+
+    def moved(self) -> None:
+        """A new attempt (on the next leader) starts: its offsets count from 0 again."""
+        self.base = self.offset
+
+    def add(self, lp: dict) -> None:
+        """One chunk's ``logprobs`` (changed in place: its offsets made the whole reply's)."""
+        if "text_offset" in lp:
+            lp["text_offset"] = [o + self.base for o in lp["text_offset"]]
+            if lp["text_offset"]:
+                self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            merged = self.merged or {k: [] for k in self.COMPLETION}
+            for k in self.COMPLETION:
+                merged[k] = [*merged[k], *(lp.get(k) or [])]
+        else:
+            merged = self.merged or {"content": [], "refusal": None}
+            merged["content"] = [*merged["content"], *(lp.get("content") or [])]
+        self.merged = merged
+
+
 class _Lost(Exception):
     """The leader a reply was streaming from is not this agent's leader any more."""
 
@@ -129,6 +162,8 @@ class Resumable:
         self.lost_at: float | None = None
         self.resp: web.StreamResponse | None = None
         self.usage: dict | None = None
+        self.logprobs = LogprobsSoFar()
+        self.parts: list[str] = []  # the reply's text so far, over every attempt (a non-streamed reply's whole)
 
     async def run(self) -> web.StreamResponse:
         try:
@@ -221,11 +256,11 @@ class Resumable:
 
     async def _relay(self, url: str, up: aiohttp.ClientResponse) -> web.StreamResponse | None:
         resumed = bool(self.sent) or self.lost_at is not None
-        parts: list[str] = []
+        self.logprobs.moved()
         last: dict | None = None
         async for data in self._events(url, up):
             if data == "[DONE]":
-                return await self._finish(parts, last)
+                return await self._finish(last)
             obj = json.loads(data)
             if "error" in obj and "choices" not in obj:
                 if _error_of(obj).get("type") == "cluster_unavailable" and await self._moved(url):
@@ -258,8 +293,10 @@ class Resumable:
             if "stats" in obj and self.moves:
                 obj["stats"]["failover"] = {"moves": len(self.moves), "seconds": self.moves}
             self.sent += ids
+            if choice.get("logprobs"):
+                self.logprobs.add(choice["logprobs"])
             text = choice.get("text", delta.get("content")) or ""
-            parts.append(text)
+            self.parts.append(text)
             last = obj
             if self.stream:
                 await self._open()
@@ -283,23 +320,23 @@ class Resumable:
             self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await self.resp.prepare(self.request)
 
-    async def _finish(self, parts: list[str], last: dict | None) -> web.StreamResponse:
+    async def _finish(self, last: dict | None) -> web.StreamResponse:
         if self.stream:
             await self._open()
             await self._send("[DONE]")
             with contextlib.suppress(ConnectionResetError):
                 await self.resp.write_eof()
             return self.resp
-        return web.json_response(_whole(parts, last, self.first, self.usage))
+        return web.json_response(_whole(self.parts, last, self.first, self.usage, self.logprobs.merged))
 
 
-def _whole(parts: list[str], last: dict | None, first: dict, usage: dict | None) -> dict:
+def _whole(parts: list[str], last: dict | None, first: dict, usage: dict | None, logprobs: dict | None) -> dict:
     """A non-streamed reply assembled from the streamed chunks."""
     last = last or {}
     choice = (last.get("choices") or [{}])[0]
     text = "".join(parts)
     chat = last.get("object", "").startswith("chat")
-    out_choice = {"index": 0, "finish_reason": choice.get("finish_reason"), "logprobs": None}
+    out_choice = {"index": 0, "finish_reason": choice.get("finish_reason"), "logprobs": logprobs}
     if chat:
         out_choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -325,7 +362,7 @@ def create_proxy_app(link: LeaderLink, *, api_key: str | None = None, cors: tupl
                 body = json.loads(await request.read())
             except ValueError:
                 body = None
-            if isinstance(body, dict) and not body.get("logprobs"):
+            if isinstance(body, dict):
                 return await Resumable(request, link, body).run()
         url = link.leader_url()
         if url is None:

@@ -6,7 +6,7 @@ request made through a member's API, and the leader failing or leaving at one of
     prune       (flowspec) the leader pruned a draft tree for the first time
     eos         the leader released the request on the stages: every token is decided
 
-in one of two ways:
+in one of three ways:
 
     kill   the leader vanishes as under kill -9: its event loop (its own thread here) stops and every TCP socket
            it has (listening, accepted, connected) is shut down, so peers read EOF and connects are refused
@@ -15,10 +15,11 @@ in one of two ways:
 
 The standby takes over, re-plans over the members and serves; the member's API resumes the reply on it from the
 ids already sent. Every reply must complete with the text of an undisturbed run (greedy, and seeded sampling at
-T=1), with no 5xx; the seconds from the leader's loss to the next token are reported (``failover`` in the stats,
-and printed). Then the old leader comes back -- thawed (stop), or started again on its state folder (kill, term) --
-and must join the new leader as a member; the new leader's plan history (GET /cluster, the dashboard's) shows the
-takeover. CI runs 3 of the 42 cases, one per fault (FLOWSPEC_FULL_FAULT_MATRIX=1 runs all).
+T=1), with no 5xx, and its log-probabilities those of an undisturbed reply; the seconds from the leader's loss to
+the next token are reported (``failover`` in the stats, and printed). Then the old leader comes back -- thawed
+(stop), or started again on its state folder (kill, term) -- and must join the new leader as a member; the new
+leader's plan history (GET /cluster, the dashboard's) shows the takeover. CI runs 3 of the 42 cases, one per fault
+(FLOWSPEC_FULL_FAULT_MATRIX=1 runs all).
 """
 
 import asyncio
@@ -133,7 +134,7 @@ def fires_at(event: str, mode: str):
 
 
 async def stream(api: str, mode: str, params: SamplingParams, on_chunk) -> tuple[str, list[dict], int, list[float]]:
-    body = {"prompt": "resume me", "max_tokens": N, "stream": True, "decoding": mode,
+    body = {"prompt": "resume me", "max_tokens": N, "stream": True, "decoding": mode, "logprobs": 2,
             "temperature": params.temperature, **({"seed": params.seed} if params.seed is not None else {})}
     chunks, status, at = [], 0, []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s, \
@@ -147,6 +148,16 @@ async def stream(api: str, mode: str, params: SamplingParams, on_chunk) -> tuple
                 on_chunk(len(chunks))
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     return text, chunks, status, at
+
+
+def logprobs_of(chunks: list[dict]) -> dict:
+    """A streamed completion's logprobs, joined."""
+    out = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in chunks:
+        lp = c["choices"][0].get("logprobs") if c.get("choices") else None
+        for k in out:
+            out[k] += (lp or {}).get(k) or []
+    return out
 
 
 @pytest.mark.parametrize(("event", "mode", "sampling", "fault"), CASES, ids=["-".join(c) for c in CASES])
@@ -204,6 +215,14 @@ async def test_the_leader_failing_at_an_event_point_loses_no_reply_made_through_
                     "reply %s s after it saw the loss; target <= %.0f s); reply %.2f s", event, mode, sampling, fault,
                     gap, moved, LOSS_TO_TOKEN_TARGET_S, at[-1] - t0)
         assert gap <= LOSS_TO_TOKEN_TARGET_S
+        # the log-probabilities went on too: those of an undisturbed reply (from the new leader), text offsets
+        # counting on from the ones sent before the loss
+        again, chunks_again, _, _ = await stream(via.api_url, mode, params, lambda n: None)
+        assert again == text
+        got, want = logprobs_of(chunks), logprobs_of(chunks_again)
+        assert got["tokens"] == want["tokens"]
+        assert got["text_offset"] == want["text_offset"]
+        assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-6)
         await until(lambda: standby.coordinator is not None and standby.coordinator.update is not None
                     and standby.coordinator.transition is None, 30)
         assert via.member.leader.id == standby.id
