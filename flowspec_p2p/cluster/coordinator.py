@@ -100,9 +100,8 @@ class Transition:
 class Coordinator:
     def __init__(self, cfg: AgentConfig, info: PeerInfo, *, net: Net, leader, weights, stage_host: StageHost,
                  ring: RingServer, session, model: ModelSizes, model_config: ModelConfig,
-                 wire_dtype: Callable[[str], object], takeover: PlanUpdate | None = None,
-                 takeover_why: str = "lost", successor: str = "",
-                 on_successor: Callable[[PeerInfo], None] | None = None,
+                 wire_dtype: Callable[[str], object], takeover: PlanUpdate | None = None, takeover_why: str = "lost",
+                 successor: str = "", on_successor: Callable[[PeerInfo], None] | None = None,
                  on_standby: Callable[[str], None] | None = None):
         """``takeover``: the lost leader's last plan, when this agent takes over from it (its members are known
         at once, and the first plan is made as soon as they joined, within TAKEOVER_JOIN_S); ``takeover_why``: how
@@ -238,8 +237,7 @@ class Coordinator:
         could make any claim): it is logged once, and members that follow this leader keep doing so."""
         if info.role == "leader":
             if self.successor and info.identity == self.successor and self.on_successor is not None:
-                log.warning("leader %s (%s), the standby this leader named, leads now (it took over)", info.id,
-                            info.name)
+                log.warning("leader %s (%s), this leader's standby, took over and leads now", info.id, info.name)
                 self.on_successor(info)
                 return
             if info.id not in self._rivals:
@@ -284,8 +282,6 @@ class Coordinator:
         leads as when this leader is lost, and the members turn to it). No agent joins this leader after."""
         self.leaving = True
         successor = self.update.standby if hand_over and self.update is not None else ""
-        if successor:
-            log.info("handing over to the standby %s", successor)
         bye = Bye(agent_id=self.id, reason=reason, successor=successor)
         await asyncio.gather(*(self.net.post(m.info.url, bye) for m in self.membership.members.values()),
                              return_exceptions=True)
