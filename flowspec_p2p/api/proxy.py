@@ -12,7 +12,9 @@ the ids already sent (``resume_ids``): the new leader prefills prompt + those id
 gets the reply it would have had undisturbed (greedy, and seeded sampling: draws depend only on (seed, position);
 a sampled request without a seed gets one here, before the first attempt). The chunks keep the first reply's id.
 A reply that had not started yet is simply asked again. The last chunk's ``stats`` carry ``failover``: how often
-the reply moved, and the seconds from each loss to the next token.
+the reply moved, and the seconds from each loss to the next token. Log-probabilities continue too: the next
+leader's come for the tokens after the resumed ones, and a completion's ``text_offset`` counts on from the last one
+sent (``LogprobsSoFar``; a non-streamed reply gets them all in one object).
 
 Everything else (the Ollama routes, /health, /cluster, /metrics, the dashboard) is forwarded without resuming.
 """
@@ -42,6 +44,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 CONNECT_TIMEOUT_S = 5.0
 LEADER_WAIT_S = 30.0  # a reply waits this long for a leader (none yet, or a new one after a loss)
 SAME_LEADER_RETRY_S = 5.0  # after a break, the same leader is asked again when no other came within this
+MOVE_GRACE_S = 1.0  # a leader's "cluster unavailable" answer is the client's unless the leader changes within this
+RELAY_CODES = frozenset({"leader_unreachable", "not_leading"})  # the relay's own errors: the leader is not serving
 MAX_MOVES = 4  # a reply moves to another leader at most this often
 RESUMABLE = frozenset({"/v1/completions", "/v1/chat/completions"})
 PASSED_HEADERS = ("Content-Type", "Accept", "Last-Event-ID")
@@ -63,6 +67,22 @@ class LeaderLink(Protocol):
 
 def _unavailable(why: str) -> web.Response:
     return ApiError(503, why, "cluster_unavailable", code="no_leader", retry_after=2).response()
+
+
+def not_leading() -> web.Response:
+    """The relay's answer on an agent that does not lead (any more)."""
+    return ApiError(503, "this agent does not lead the cluster", "cluster_unavailable", code="not_leading",
+                    retry_after=2).response()
+
+
+def _error_of(data: bytes | dict) -> dict:
+    """The ``error`` object of an API answer ({} when there is none)."""
+    try:
+        obj = json.loads(data) if isinstance(data, bytes) else data
+    except ValueError:
+        return {}
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return err if isinstance(err, dict) else {}
 
 
 async def forward(request: web.Request, url: str, session: aiohttp.ClientSession, *,
@@ -92,6 +112,37 @@ async def forward(request: web.Request, url: str, session: aiohttp.ClientSession
     return resp
 
 
+class LogprobsSoFar:
+    """The log-probabilities of a reply that may move between leaders: each leader's completion ``text_offset``s
+    count from its own first token, so those after a move are shifted by the offset the reply had reached; and the
+    whole reply's, for a non-streamed answer. Chat logprobs (``content``) carry no offsets."""
+
+    COMPLETION = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+    def __init__(self):
+        self.merged: dict | None = None
+        self.offset = 0  # the text_offset after the last token whose logprobs went out
+        self.base = 0  # what this attempt's text_offsets add
+
+    def moved(self) -> None:
+        """A new attempt (on the next leader) starts: its offsets count from 0 again."""
+        self.base = self.offset
+
+    def add(self, lp: dict) -> None:
+        """One chunk's ``logprobs`` (changed in place: its offsets made the whole reply's)."""
+        if "text_offset" in lp:
+            lp["text_offset"] = [o + self.base for o in lp["text_offset"]]
+            if lp["text_offset"]:
+                self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            merged = self.merged or {k: [] for k in self.COMPLETION}
+            for k in self.COMPLETION:
+                merged[k] = [*merged[k], *(lp.get(k) or [])]
+        else:
+            merged = self.merged or {"content": [], "refusal": None}
+            merged["content"] = [*merged["content"], *(lp.get("content") or [])]
+        self.merged = merged
+
+
 class _Lost(Exception):
     """The leader a reply was streaming from is not this agent's leader any more."""
 
@@ -111,6 +162,8 @@ class Resumable:
         self.lost_at: float | None = None
         self.resp: web.StreamResponse | None = None
         self.usage: dict | None = None
+        self.logprobs = LogprobsSoFar()
+        self.parts: list[str] = []  # the reply's text so far, over every attempt (a non-streamed reply's whole)
 
     async def run(self) -> web.StreamResponse:
         try:
@@ -185,8 +238,13 @@ class Resumable:
         async with self.link.session.post(url + RELAY_PATH + path, json=payload, timeout=timeout) as up:
             if up.status != 200:
                 data = await up.read()
+                err = _error_of(data)
+                if up.status in (502, 503) and err.get("code") in RELAY_CODES:
+                    raise _Lost(f"leader {url} does not serve: {err.get('message')}")  # it stops, or leads no more
                 if up.status in (502, 503) and self.lost_at is not None:
                     await asyncio.sleep(0.2)  # a leader that is only starting to lead
+                    return None
+                if up.status == 503 and err.get("type") == "cluster_unavailable" and await self._moved(url):
                     return None
                 if self.resp is None:
                     return web.Response(status=up.status, body=data, content_type="application/json",
@@ -198,13 +256,15 @@ class Resumable:
 
     async def _relay(self, url: str, up: aiohttp.ClientResponse) -> web.StreamResponse | None:
         resumed = bool(self.sent) or self.lost_at is not None
-        parts: list[str] = []
+        self.logprobs.moved()
         last: dict | None = None
         async for data in self._events(url, up):
             if data == "[DONE]":
-                return await self._finish(parts, last)
+                return await self._finish(last)
             obj = json.loads(data)
             if "error" in obj and "choices" not in obj:
+                if _error_of(obj).get("type") == "cluster_unavailable" and await self._moved(url):
+                    return None  # the leader stopped or was lost meanwhile: the reply goes on at the next one
                 if self.resp is None and not self.stream:
                     return web.json_response(obj, status=503 if "unavailable" in json.dumps(obj) else 500)
                 await self._open()
@@ -233,13 +293,20 @@ class Resumable:
             if "stats" in obj and self.moves:
                 obj["stats"]["failover"] = {"moves": len(self.moves), "seconds": self.moves}
             self.sent += ids
+            if choice.get("logprobs"):
+                self.logprobs.add(choice["logprobs"])
             text = choice.get("text", delta.get("content")) or ""
-            parts.append(text)
+            self.parts.append(text)
             last = obj
             if self.stream:
                 await self._open()
                 await self._send(obj)
         return None  # the stream ended without [DONE]: the leader is gone
+
+    async def _moved(self, url: str) -> bool:
+        """After the leader at ``url`` said the cluster is unavailable: whether this agent follows another leader
+        (or none) within MOVE_GRACE_S -- the leader stopped or was lost, so the reply resumes."""
+        return await self.link.leader_change(url, MOVE_GRACE_S) != url
 
     async def _events(self, url: str, up: aiohttp.ClientResponse) -> AsyncIterator[str]:
         """The upstream's SSE data."""
@@ -253,23 +320,23 @@ class Resumable:
             self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await self.resp.prepare(self.request)
 
-    async def _finish(self, parts: list[str], last: dict | None) -> web.StreamResponse:
+    async def _finish(self, last: dict | None) -> web.StreamResponse:
         if self.stream:
             await self._open()
             await self._send("[DONE]")
             with contextlib.suppress(ConnectionResetError):
                 await self.resp.write_eof()
             return self.resp
-        return web.json_response(_whole(parts, last, self.first, self.usage))
+        return web.json_response(_whole(self.parts, last, self.first, self.usage, self.logprobs.merged))
 
 
-def _whole(parts: list[str], last: dict | None, first: dict, usage: dict | None) -> dict:
+def _whole(parts: list[str], last: dict | None, first: dict, usage: dict | None, logprobs: dict | None) -> dict:
     """A non-streamed reply assembled from the streamed chunks."""
     last = last or {}
     choice = (last.get("choices") or [{}])[0]
     text = "".join(parts)
     chat = last.get("object", "").startswith("chat")
-    out_choice = {"index": 0, "finish_reason": choice.get("finish_reason"), "logprobs": None}
+    out_choice = {"index": 0, "finish_reason": choice.get("finish_reason"), "logprobs": logprobs}
     if chat:
         out_choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -295,7 +362,7 @@ def create_proxy_app(link: LeaderLink, *, api_key: str | None = None, cors: tupl
                 body = json.loads(await request.read())
             except ValueError:
                 body = None
-            if isinstance(body, dict) and not body.get("logprobs"):
+            if isinstance(body, dict):
                 return await Resumable(request, link, body).run()
         url = link.leader_url()
         if url is None:
