@@ -23,6 +23,7 @@ class DraftHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_position: int = 4096):
         super().__init__()
+        cfg = cfg.plain()  # a plain Llama block whatever the target's family (arch.ModelConfig.plain)
         h = cfg.hidden_size
         self.cfg = cfg
         self.fc = nn.Linear(2 * h, h, bias=True)

@@ -47,6 +47,7 @@ class NativeDraftHead:
         if weights not in ("Q8_0", "F16"):
             raise ValueError(f"weights: Q8_0 or F16, not {weights!r}")
         _matrix = _q8_0 if weights == "Q8_0" else _f16
+        cfg = cfg.plain()  # as DraftHead: a plain Llama block whatever the target's family
         self.cfg = cfg
         self.max_position = max_position
         q, kv = cfg.q_dim, cfg.kv_dim
