@@ -1,14 +1,18 @@
 """The newer families (Qwen3, Gemma 3, Phi-3) and Llama 3.x's rope scaling: transformers' own tiny random configs,
 read from the HF folder and from a GGUF written as llama.cpp writes it, match transformers in float64 on the torch
-reference; sliding windows, LongRoPE's long factors and a draft tree under a window behave as transformers does."""
+reference; sliding windows, LongRoPE's long factors and a draft tree under a window behave as transformers does. On
+the native engine: within its activation rounding of that reference, batch invariant, the same bits on every ISA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from flowspec_p2p.model import native_shard
 from flowspec_p2p.model.arch import config_from_hf
 from flowspec_p2p.model.blocks import rope_inv_freq
+from flowspec_p2p.model.engine import BatchRows
+from flowspec_p2p.model.native_shard import NativeShard
 from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
@@ -164,3 +168,93 @@ def test_llama3_rope_forward_past_the_original_context_matches_transformers(tmp_
         ours = shard.logits(shard(ids, None, positions=pos))
         ref = hf(ids, position_ids=pos).logits
     assert (ours - ref).abs().max().item() <= 1e-9
+
+
+# ------------------------------------------------------------------------------------------ native engine
+
+
+@pytest.fixture(scope="module")
+def native_families(gguf_families, tmp_path_factory) -> dict[str, object]:
+    """family -> its GGUF with every layer matrix Q8_0 (the engine's integer kernels), the rest F32"""
+    if not native_shard.available():
+        pytest.skip("the native engine can't be built here")
+    import gguf
+
+    root = tmp_path_factory.mktemp("native_families")
+    out = {}
+    for kind, (folder, _) in gguf_families.items():
+        n = open_source(folder).config.num_layers
+        q8 = {f"blk.{i}.{m}.weight": gguf.GGMLQuantizationType.Q8_0 for i in range(n)
+              for m in ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+        out[kind] = open_source(write_family_gguf(root / f"{kind}.gguf", folder, qtypes=q8))
+    return out
+
+
+def _native(src) -> NativeShard:
+    return NativeShard.from_source(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_family_on_the_native_engine_stays_within_its_activation_rounding(native_families, kind):
+    """Same file, float64 torch reference: logits within the engine's 16-bit activation rounding (as for the Llama
+    family: 2e-3 of their scale at most, 2e-4 on average), every argmax equal, through a window and past it."""
+    src = native_families[kind]
+    ours, ref = _native(src), _whole(src)
+    ids = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        c1, c2 = ours.new_cache(32), ref.new_cache(32)
+        a = ours.logits(torch.cat([ours(ids[:, :18], c1), *(ours(ids[:, i : i + 1], c1) for i in range(18, 30))], 1))
+        b = ref.logits(torch.cat([ref(ids[:, :18], c2), *(ref(ids[:, i : i + 1], c2) for i in range(18, 30))], 1))
+    scale = b.abs().max().item()
+    assert (a.double() - b).abs().max().item() <= 2e-3 * scale
+    assert (a.double() - b).abs().mean().item() <= 2e-4 * scale
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_familys_rows_are_batch_invariant_on_the_native_engine(native_families, kind):
+    """A tree forward (siblings under the window) and two requests in one batched forward give each row, bit for
+    bit, what decoding it alone gives: the new ops (QK-norm, output norms, GELU, windows) keep batch invariance."""
+    shard = _native(native_families[kind])
+    prompt = torch.randint(0, 96, (1, 14), generator=torch.Generator().manual_seed(11))
+    nodes = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(12))
+    with torch.inference_mode():
+        cache = shard.new_cache(32)
+        shard(prompt, cache)
+        cache.commit(14)
+        mask = torch.zeros(1, 5, 19, dtype=torch.bool)
+        mask[0, :, :14] = True
+        mask[0, range(5), range(14, 19)] = True
+        tree = shard(nodes, cache, positions=torch.full((1, 5), 14), mask=mask)[0]
+        cache.keep([])
+        for i in range(5):
+            one = shard(nodes[:, i : i + 1], cache)[0]
+            cache.keep([])
+            assert torch.equal(tree[i], one[0]), i
+        other = shard.new_cache(32)
+        shard(nodes, other)
+        both = shard.forward_batch([BatchRows(prompt[:, :3], other), BatchRows(nodes[:, :1], cache)])
+        other.truncate(5)
+        cache.keep([])
+        assert torch.equal(both[1], shard(nodes[:, :1], cache))
+        assert torch.equal(both[0], shard(prompt[:, :3], other))
+
+
+def test_every_isa_path_gives_the_same_bits_on_gemma3(native_families):
+    """GELU, QK-norm, the output norms and the window are the same float operations on every ISA path."""
+    from flowspec_p2p.model import native
+
+    src = native_families["gemma3"]
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(13))
+    outs = {}
+    try:
+        for isa in native.available_isas():
+            native.set_isa(isa)
+            shard = _native(src)
+            with torch.inference_mode():
+                outs[isa] = shard(ids, shard.new_cache(24))
+    finally:
+        native.set_isa(None)
+    first = next(iter(outs.values()))
+    for isa, out in outs.items():
+        assert torch.equal(out, first), isa

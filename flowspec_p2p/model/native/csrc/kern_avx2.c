@@ -258,5 +258,5 @@ static void mm_avx2(const fs_mm *m, int64_t p0, int64_t p1, int64_t r0, int64_t 
 }
 
 const fs_isa_impl fs_isa_avx2 = {
-    "avx2", mm_avx2, fs_op_quantize_row, fs_op_rmsnorm_row, fs_op_attend, fs_op_silu_mul,
+    "avx2", mm_avx2, fs_op_quantize_row, fs_op_rmsnorm_row, fs_op_attend, fs_op_silu_mul, fs_op_gelu_mul,
 };

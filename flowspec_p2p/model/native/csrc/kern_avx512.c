@@ -277,5 +277,5 @@ static void mm_avx512(const fs_mm *m, int64_t p0, int64_t p1, int64_t r0, int64_
 }
 
 const fs_isa_impl ISA_TABLE = {
-    ISA_NAME, mm_avx512, avx512_quantize_row, avx512_rmsnorm_row, avx512_attend, avx512_silu_mul,
+    ISA_NAME, mm_avx512, avx512_quantize_row, avx512_rmsnorm_row, avx512_attend, avx512_silu_mul, avx512_gelu_mul,
 };
