@@ -38,7 +38,7 @@ from ..model.sampling import SamplingParams
 from ..speculative.decoder import SpecDecoder
 from ..speculative.drafter import Drafter, TreeShape
 from ..speculative.tree import DraftTree
-from . import ENGINE_PARTS, llamacpp
+from . import ENGINE_PARTS, core, llamacpp
 from .paths import portable_command, portable_path
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,13 @@ class Ours:
     """Our decoders over one loaded model, and the prompt's ids."""
 
     lm: LoadedModel
-    prompt_ids: list[int]  # the chat-templated prompt
+    prompt_ids: list[int]  # the chat-templated prompt (raw for a model without a template)
     decoders: dict[str, ARDecoder | SpecDecoder]  # "ours-ar", and "ours-spec" where a draft head was given
     shape: TreeShape | None  # the speculative decoder's tree
 
     @classmethod
     def build(cls, lm: LoadedModel, prompt: str, drafter: Drafter | None, shape: TreeShape) -> Ours:
-        ids = lm.tokenizer.chat([{"role": "user", "content": prompt}])
+        ids = core.prompt_ids(lm.tokenizer, prompt)
         decoders: dict[str, ARDecoder | SpecDecoder] = {"ours-ar": ARDecoder(lm.shard)}
         if drafter is not None:
             decoders["ours-spec"] = SpecDecoder(lm.shard, drafter, shape)
