@@ -188,6 +188,8 @@ class NativeShard:
             bias = {f"{x}_bias": source.load(p + f"self_attn.{x}_proj.bias").float() for x in "qkv"} \
                 if cfg.attention_bias else {}
             norms = {role: load_tensor(source, p + name).float() for role, name in norm_names(cfg).items()}
+            for name in (*norm_names(cfg).values(), *(f"self_attn.{x}_proj.bias" for x in "qkv" if bias)):
+                release(source, p + name)  # now, not at the end: a large-folio file maps far more than the vector
             specs.append(native.LayerSpec(**{k: packed[n] for k, n in names[i].items()}, **norms, **bias,
                                           window=cfg.window(i), rope=int(cfg.local_rope(i))))
         stack = native.LayerStack(specs, hidden=cfg.hidden_size, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,

@@ -3,7 +3,8 @@
 The tokenizer runs on the ``tokenizers`` library (transformers' own wrapper keeps tens of MB of Python-side
 vocabulary we never use); the chat template renders with jinja2 in a sandbox set up as transformers sets up its
 own. transformers converts a GGUF file's tokenizer once (slowly: ~6 s); the converted files are cached under
-the cache folder's ``tokenizers/`` so later starts take well under a second. A checkpoint folder without a
+the cache folder's ``tokenizers/`` (BPE merges in their compact form, half the memory to load) so later starts take
+well under a second. A checkpoint folder without a
 ``tokenizer.json`` falls back to transformers' tokenizer. ``tokenizers`` and jinja2 are imported when a tokenizer
 is loaded (5 MB of a member stage's resident set otherwise: members never tokenize).
 """
@@ -31,9 +32,28 @@ log = logging.getLogger(__name__)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
+CACHE_FORMAT = 2  # of the converted tokenizers' folder (2: compact BPE merges); a change rebuilds the cache
+
+
 def _source_key(path: Path) -> str:
     st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_FORMAT}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def compact_merges(tokenizer_json: Path) -> bool:
+    """Rewrite a BPE tokenizer.json's merges from [a, b] pairs to "a b" strings (tokenizers reads both; no token of
+    the merges may hold a space): loading it then takes half the memory (Gemma 3's 515k merges: 200 MB at peak, 150
+    MB held, instead of 380 and 300). -> whether it was rewritten."""
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    merges = (data.get("model") or {}).get("merges")
+    if not merges or not isinstance(merges[0], list) or any(" " in a or " " in b for a, b in merges):
+        return False
+    data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    tmp = tokenizer_json.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    tmp.replace(tokenizer_json)
+    return True
 
 
 def _raise(message: str):
@@ -178,6 +198,8 @@ def _converted(source: Path, folder: Path, eos_token_ids: Sequence[int], add_bos
         log.warning("could not cache the tokenizer at %s", folder, exc_info=True)
     if not (folder / "tokenizer.json").is_file():
         raise ConfigError(f"{source}: its tokenizer has no fast (tokenizer.json) form")
+    del tok
+    compact_merges(folder / "tokenizer.json")
     return Tokenizer.from_folder(folder, eos_token_ids, add_bos)
 
 

@@ -178,6 +178,10 @@ class GGUFSource:
             if hf is not None:
                 self._tensors[hf] = t
         self._tensors |= split_fused(self.config, list(self._tensors), self._split)
+        # the header's pages (a large vocabulary's tokenizer arrays: megabytes) are not needed again
+        header = min((t.offset for t in tensors), default=0) // mmap.PAGESIZE * mmap.PAGESIZE
+        if header:
+            self._mm.madvise(mmap.MADV_DONTNEED, 0, header)
 
     def _split(self, name: str, parts) -> dict[str, GGUFTensor]:
         t = self._tensors.pop(name)
