@@ -36,6 +36,7 @@ from tqdm import tqdm
 from ..model.generate import ARDecoder, generate_ids
 from ..model.load import LoadedModel
 from ..model.sampling import SamplingParams
+from ..model.tokenizer import user_prompt
 from ..specbench import Question
 from . import write_json_md
 
@@ -64,12 +65,7 @@ def load_transformers(lm: LoadedModel):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
 
 
-def prompt_ids(tok, text: str) -> list[int]:
-    """``text`` as the user's message in the model's chat template, or as a raw prompt (BOS as its tokenizer says)
-    for a base model without one."""
-    if getattr(tok, "template_source", None):
-        return tok.chat([{"role": "user", "content": text}])
-    return tok.encode_raw(text)
+prompt_ids = user_prompt  # the chat template's user message, or a base model's raw prompt
 
 
 def _hf_generate(hf, ids: list[int], n: int, eos: Sequence[int], exact: bool) -> list[int]:

@@ -168,6 +168,18 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=True)
 
 
+def is_base(tokenizer) -> bool:
+    """Whether a tokenizer has no chat template (a base model's: prompted raw). Any object with ``chat``, e.g. a test's
+    byte tokenizer, counts as having one unless it says ``template_source = None``."""
+    return getattr(tokenizer, "template_source", "") is None
+
+
+def user_prompt(tokenizer, text: str) -> list[int]:
+    """``text`` as a user's message in the chat template, or, for a base model without one, as a raw prompt (BOS as
+    its tokenizer says)."""
+    return tokenizer.encode_raw(text) if is_base(tokenizer) else tokenizer.chat([{"role": "user", "content": text}])
+
+
 def _gguf_add_bos(path: Path) -> bool | None:
     """A GGUF file's ``tokenizer.ggml.add_bos_token`` (None when it does not say, or the header can't be read)."""
     import mmap

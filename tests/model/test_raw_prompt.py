@@ -14,7 +14,7 @@ from flowspec_p2p.commands import generate as generate_cmd
 from flowspec_p2p.model import load as load_module
 from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.model.tokenizer import Tokenizer, _gguf_add_bos
+from flowspec_p2p.model.tokenizer import Tokenizer, _gguf_add_bos, is_base, user_prompt
 from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
@@ -97,3 +97,11 @@ def test_generate_applies_the_chat_template_when_there_is_one(tiny_llama, monkey
     ids, _ = generate_ids(ARDecoder(shard), [1, 5, 7, 6], SamplingParams(), 6, tok.stop_ids)
     assert out.out == tok.decode(ids) + "\n"
     assert "no chat template" not in out.err
+
+
+def test_a_user_prompt_is_templated_where_there_is_a_template_and_raw_elsewhere():
+    base = _tokenizer(post_bos=False, add_bos=True)
+    chat = _tokenizer(post_bos=False, add_bos=True, template="w5 {{ messages[0]['content'] }} w6")
+    assert (is_base(base), is_base(chat)) == (True, False)
+    assert user_prompt(base, "w7") == [1, 7]
+    assert user_prompt(chat, "w7") == [5, 7, 6]
