@@ -130,7 +130,7 @@ FS_INLINE __m512 scores16(const int NQ, const __m512 *q, const float *kc, int64_
         a[j] = _mm512_setzero_ps();
         if (j < count) {
             const float *k = kc + (s0 + j) * 16 * NQ;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
             for (int c = 0; c < NQ; c++) a[j] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), a[j]);
         }
     }
@@ -161,27 +161,27 @@ FS_INLINE __mmask16 visible(const fs_attn *at, int64_t r, int64_t s0, int64_t co
  * feeds the GB pairs' NQ accumulators (independent chains). w: the pairs' weights [GB][16]. */
 FS_INLINE void values16(const int NQ, const int GB, const float *vc, int64_t s0, __mmask16 m, const float *w,
                         float *const *st) {
-    __m512 o[4][8];
+    __m512 o[4][16];
 #pragma GCC unroll 4
     for (int g = 0; g < GB; g++)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int c = 0; c < NQ; c++) o[g][c] = _mm512_loadu_ps(st[g] + 32 + 16 * c);
     for (unsigned bits = m; bits; bits &= bits - 1) {
         const int j = __builtin_ctz(bits);
         const float *v = vc + (s0 + j) * 16 * NQ;
-        __m512 vr[8];
-#pragma GCC unroll 8
+        __m512 vr[16];
+#pragma GCC unroll 16
         for (int c = 0; c < NQ; c++) vr[c] = _mm512_loadu_ps(v + 16 * c);
 #pragma GCC unroll 4
         for (int g = 0; g < GB; g++) {
             const __m512 wj = _mm512_set1_ps(w[16 * g + j]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
             for (int c = 0; c < NQ; c++) o[g][c] = _mm512_fmadd_ps(wj, vr[c], o[g][c]);
         }
     }
 #pragma GCC unroll 4
     for (int g = 0; g < GB; g++)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int c = 0; c < NQ; c++) _mm512_storeu_ps(st[g] + 32 + 16 * c, o[g][c]);
 }
 
@@ -191,7 +191,7 @@ FS_INLINE void values16(const int NQ, const int GB, const float *vc, int64_t s0,
  * keys' count, not their slots (as fs_op_attend1): a block's visible weights are compressed and rotated onto the
  * lanes after the ones already used, so a row's result does not depend on where its keys sit in the cache. */
 FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, int64_t r1, int thread) {
-    const int GB = NQ <= 4 ? 4 : 2; /* pairs per V pass: GB * NQ accumulators */
+    const int GB = NQ <= 4 ? 4 : NQ <= 8 ? 2 : 1; /* pairs per V pass: GB * NQ accumulators */
     const int hd = 16 * NQ, G = at->group, np = (int)(r1 - r0) * G;
     const int64_t ps = 32 + hd;
     float *sc = at->scratch + thread * at->thread_stride, *state = sc + np * at->ld_scores;
@@ -220,8 +220,8 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
             for (int g = 0; g < G; g++) {
                 const int p = (int)(r - r0) * G + g;
                 const float *qp = at->q + (r * at->q_heads + kvh * G + g) * hd;
-                __m512 q[8];
-#pragma GCC unroll 8
+                __m512 q[16];
+#pragma GCC unroll 16
                 for (int c = 0; c < NQ; c++) q[c] = _mm512_loadu_ps(qp + 16 * c);
                 const __m512 s = scores16(NQ, q, kc, s0, count, at->scale);
                 _mm512_mask_storeu_ps(sc + p * at->ld_scores + s0, m, s);
@@ -262,7 +262,7 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
                 case 1: values16(NQ, 1, vc, s0, m, w, st); break;
                 case 2: values16(NQ, 2, vc, s0, m, w, st); break;
                 case 3: values16(NQ, 3, vc, s0, m, w, st); break;
-                default: values16(NQ, NQ <= 4 ? 4 : 2, vc, s0, m, w, st); break;
+                default: values16(NQ, NQ <= 4 ? 4 : 2, vc, s0, m, w, st); break; /* gb == GB */
                 }
             }
         }
@@ -283,6 +283,7 @@ static void avx512_attend(const fs_attn *at, int kvh, int64_t r0, int64_t r1, in
     case 32: attend_nq(2, at, kvh, r0, r1, thread); break;
     case 64: attend_nq(4, at, kvh, r0, r1, thread); break;
     case 128: attend_nq(8, at, kvh, r0, r1, thread); break;
+    case 256: attend_nq(16, at, kvh, r0, r1, thread); break; /* Gemma 3 */
     default: fs_op_attend(at, kvh, r0, r1, thread); /* other head sizes: the plain C definition */
     }
 }
