@@ -58,5 +58,9 @@ class Busy(FlowSpecError):
     """Too many requests are waiting for their turn; try again later."""
 
 
+class DeadlineReached(FlowSpecError):
+    """A request's own deadline passed while it decoded: its reply ends with what it has (finish reason length)."""
+
+
 class InvalidRequest(FlowSpecError):
     """A request the client must fix: unknown decoding mode, bad parameters."""

@@ -110,6 +110,7 @@ class Ledger:
     logprobs: list[TokenLogprob] | None = None
     queued_s: float = 0.0  # waiting for its turn (decoding/admission.py)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache (decoding/prompt_cache.py)
+    deadline_reached: bool = False  # its own deadline ended it (the reply holds what was decided by then)
     finished: float | None = None
     outcome: str = ""  # "completed", "cancelled" or "failed" once finished
 
@@ -287,6 +288,8 @@ def extra_stats(led: Ledger) -> dict:
         out["resumed"] = led.resumes
     if led.cached_tokens:
         out["cached_tokens"] = led.cached_tokens
+    if led.deadline_reached:
+        out["deadline_reached"] = True
     return out
 
 

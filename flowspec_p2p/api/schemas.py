@@ -68,6 +68,9 @@ class Body(BaseModel):
     # stages, and leave this one's for the next; false: a cold prefill, nothing taken or kept
     cache_prompt: bool = True
     return_leader_timeline: bool = False  # stats carry "leader_intervals": the leader's compute [start, end] pairs
+    # the request's deadline, seconds from its arrival: a turn that does not come by then is a 503 (Retry-After), a
+    # reply still decoding then ends with the text decided so far (finish_reason "length", stats.deadline_reached)
+    timeout: float | None = Field(None, ge=0.001, le=86400.0)
     # accepted only at the values that change nothing (see unsupported()); the ranges are OpenAI's
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 
 from aiohttp import web
@@ -43,6 +44,7 @@ class Job:
             raise ApiError(400, f"{param} must be at most {settings.max_context}", "invalid_request_error", param)
         mode = body.decoding or mode_named(leader, body.model)
         self.spec, self.budget = leader.check(len(prompt), max_tokens, mode)
+        self.deadline = None if body.timeout is None else time.monotonic() + body.timeout
         self.ledger = Ledger(mode=self.spec.name, prompt_tokens=len(prompt), top_logprobs=body.top_logprobs_wanted())
         self.finish_reason = "length"
         self.token_ids: list[int] = []
@@ -74,7 +76,7 @@ class Job:
 
         chunks = self.leader.generate(self.prompt, params=self.body.sampling(), max_tokens=self.budget,
                                       stop_ids=stop_ids, mode=self.spec.name, stats=self.ledger,
-                                      cache_prompt=self.body.cache_prompt)
+                                      cache_prompt=self.body.cache_prompt, deadline=self.deadline)
         async with contextlib.aclosing(chunks):
             async for ids in chunks:
                 self.token_ids += ids

@@ -5,8 +5,10 @@ A mode's speed on a cluster depends on what no constant captures (stage speeds, 
 this traffic, the leader's own speed), so the chooser measures it: every completed request of at least
 ``min_tokens`` new tokens, in any mode, updates that mode's running decode rate for its key (the pipeline's epoch,
 whether the request is greedy: acceptance differs with temperature, and the load it ran under: how many requests
-were in flight when it started, bucketed (``load_bucket``), since speculation's extra rows pay on an idle pipeline
-and cost the others on a busy one; a re-plan starts the measurements over).
+were in flight, on average over its life, bucketed (``load_bucket``), since speculation's extra rows pay on an idle
+pipeline and cost the others on a busy one; a re-plan starts the measurements over). A request is chosen for the
+load it is expected to run under: the requests in flight as it starts, or the recent average when that is higher
+(``LoadMeter``: the first of a burst of requests sees none of the others yet).
 A mode with no measurement yet is tried first (in ``candidates`` order); after that the fastest runs, and a losing
 mode is tried again after ``recheck`` requests, twice as late each time it loses again (so a mode that never pays
 costs a vanishing share of the requests).
@@ -17,6 +19,7 @@ ledger) and reports ``record`` after it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pydantic import Field
@@ -63,6 +66,48 @@ LOAD_BUCKETS = (1, 2, 4, 8)  # requests in flight: 1, 2, 3-4, 5-8, more
 def load_bucket(in_flight: int) -> int:
     """The smallest bucket bound at or above ``in_flight`` (requests in flight, this one included)."""
     return next((b for b in LOAD_BUCKETS if in_flight <= b), LOAD_BUCKETS[-1] + 1)
+
+
+LOAD_WINDOW_S = 10.0  # the time constant of the recent average of requests in flight
+
+
+class LoadMeter:
+    """Requests in flight over time (``set`` on every change, ``now``: time.monotonic()): their recent average (an
+    exponential window of ``window_s``) and each request's own average over its life (``mark`` at its start,
+    ``mean_since`` at its end)."""
+
+    def __init__(self, window_s: float = LOAD_WINDOW_S):
+        self.window_s = window_s
+        self.n = 0
+        self.at: float | None = None
+        self.area = 0.0  # integral of n dt since the first event
+        self.average = 0.0  # exponentially weighted over time
+
+    def _advance(self, now: float) -> None:
+        if self.at is not None and now > self.at:
+            dt = now - self.at
+            self.area += self.n * dt
+            self.average = self.n + (self.average - self.n) * math.exp(-dt / self.window_s)
+        self.at = now if self.at is None else max(self.at, now)
+
+    def set(self, n: int, now: float) -> None:
+        self._advance(now)
+        self.n = n
+
+    def expected(self, now: float) -> int:
+        """The load a request starting now should expect: those in flight, or the recent average if higher."""
+        self._advance(now)
+        return max(self.n, round(self.average))
+
+    def mark(self, now: float) -> tuple[float, float]:
+        self._advance(now)
+        return now, self.area
+
+    def mean_since(self, mark: tuple[float, float], now: float) -> float:
+        """The average requests in flight from ``mark`` to ``now`` (the current count when no time passed)."""
+        self._advance(now)
+        t0, a0 = mark
+        return (self.area - a0) / (now - t0) if now > t0 else float(self.n)
 
 
 class ModeChooser:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import Busy, FlowSpecError, InvalidRequest, NotReady, PeerGone
+from ..errors import Busy, DeadlineReached, FlowSpecError, InvalidRequest, NotReady, PeerGone
 from ..ledger import Ledger, reply_stats
 from ..model.engine import Shard
 from ..model.generate import check_context
@@ -61,7 +61,7 @@ from ..pipeline.transport import Frame, Inbox, LinkDown
 from ..speculative.drafter import Drafter
 from .admission import Admission
 from .ar import AR
-from .auto import Choice, ModeChooser
+from .auto import Choice, LoadMeter, ModeChooser
 from .batcher import NextTokens
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
 from .prompt_cache import MIN_REUSE, PromptCache
@@ -91,6 +91,7 @@ class _Job:
     stops: frozenset[int]
     ledger: Ledger  # the caller's: every attempt appends to it
     cache_prompt: bool = True  # may it take and leave KV in the prompt cache (prompt_cache.py)
+    deadline: float | None = None  # time.monotonic() by which it ends, whatever it has decided by then
     committed: list[int] = field(default_factory=list)
 
     def complete(self) -> bool:
@@ -127,6 +128,7 @@ class Leader:
         self.admission = Admission(self.settings.max_requests, self.settings.max_waiting)
         self.prompt_cache = PromptCache()  # finished requests' KV the current pipeline's stages retain
         self._active: dict[str, ModeContext] = {}
+        self.load = LoadMeter()  # requests in flight over time (auto's load keys)
         self.idle = asyncio.Event()  # set while no request is in flight
         self.idle.set()
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "busy": 0, "not_ready": 0,
@@ -245,6 +247,7 @@ class Leader:
         mode: str | None = None,
         stats: Ledger | None = None,
         cache_prompt: bool = True,
+        deadline: float | None = None,
     ) -> AsyncIterator[list[int]]:
         """Decode ``prompt`` through the pipeline: an async generator of committed-token chunks. ``stats``: the
         request's ledger (ledger.py; a fresh one by default), which the mode, its ring view and the leader append
@@ -253,14 +256,17 @@ class Leader:
         within it; its ``leader_busy`` the leader's compute intervals. Close it to stop early. A broken pipeline is
         survived as the module docstring says (``resumed`` in the stats: how often; every attempt appends to the
         same ledger, so counts and times are sums over them, the mode's figures the last attempt's). The ledger is
-        kept in ``ledgers`` once its turn came."""
+        kept in ``ledgers`` once its turn came. ``deadline`` (time.monotonic()): the request's own; a turn that does
+        not come by then is Busy, and a reply still decoding then ends with the tokens decided so far (the ledger's
+        ``deadline_reached``), its stages released as for any ending."""
         spec, budget = self.check(len(prompt), max_tokens, mode)
         ledger = stats if stats is not None else Ledger(mode=spec.name)
         ledger.mode, ledger.prompt_tokens = spec.name, len(prompt)
         stop_ids = self.tokenizer.stop_ids if stop_ids is None and self.tokenizer is not None else stop_ids
         self.counters["requests"] += 1
-        job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), ledger, cache_prompt)
-        await self._take_turn(ledger)
+        job = _Job(spec, list(prompt), _job_params(params), budget, frozenset(stop_ids or ()), ledger, cache_prompt,
+                   deadline)
+        await self._take_turn(ledger, deadline)
         self.ledgers.append(ledger)
         outcome = "failed"
         try:
@@ -299,10 +305,16 @@ class Leader:
             ledger.cached_tokens += 0 if ctx.reuse is None else ctx.reuse.length
         ctx.group = self._group(pipeline)
         self._active[rid] = ctx
-        ctx.load = len(self._active)  # requests in flight as it starts, itself included (auto's load key)
+        self.load.set(len(self._active), time.monotonic())
+        ctx.load = self.load.expected(time.monotonic())  # auto's load key: in flight now (itself included) or recently
+        began = self.load.mark(time.monotonic())
         ctx.in_flight_now = lambda: len(self._active)
         self.idle.clear()
         outcome: str | None = "failed"
+        timer = None
+        if job.deadline is not None:
+            left = max(0.0, job.deadline - time.monotonic())
+            timer = asyncio.get_running_loop().call_later(left, ctx.fail, DeadlineReached("the request's deadline"))
         try:
             if ctx.max_new_tokens > 0:
                 async with contextlib.aclosing(job.spec.run(ctx)) as chunks:
@@ -312,6 +324,10 @@ class Leader:
                         ctx.pending_logprobs.clear()
                         yield chunk
             outcome = "completed"
+        except DeadlineReached:
+            ledger.deadline_reached = True
+            outcome = "completed"  # what it decided in time is its reply
+            return
         except PeerGone:
             if job.complete():
                 outcome = "completed"  # every token was decided before the break
@@ -323,7 +339,11 @@ class Leader:
             outcome = "cancelled"  # the caller closed the stream early (client gone, stop string)
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             del self._active[rid]
+            ran_under = round(self.load.mean_since(began, time.monotonic()))  # the load it decoded under
+            self.load.set(len(self._active), time.monotonic())
             if not self._active:
                 self.idle.set()
             if outcome is not None:
@@ -334,7 +354,8 @@ class Leader:
                 self.chooser.ended(choice, pipeline.epoch, job.params.greedy, ctx.load)
             if outcome == "completed":  # every mode's requests teach auto what it is worth on this pipeline
                 self.chooser.record(job.spec.name if choice is None else choice.mode, pipeline.epoch,
-                                    job.params.greedy, ledger.attempt_tokens, ledger.attempt.decode_s, ctx.load)
+                                    job.params.greedy, ledger.attempt_tokens, ledger.attempt.decode_s,
+                                    max(1, ran_under))
             await self._release(ctx, pipeline, [*job.prompt, *job.committed],
                                 outcome == "completed" and job.cache_prompt)
 
@@ -388,9 +409,12 @@ class Leader:
         self.counters["resumed"] += 1
         return nxt
 
-    async def _take_turn(self, ledger: Ledger) -> None:
+    async def _take_turn(self, ledger: Ledger, deadline: float | None) -> None:
+        wait = self.settings.queue_timeout_s
+        if deadline is not None:
+            wait = max(0.0, min(wait, deadline - time.monotonic()))
         try:
-            ledger.admitted(await self.admission.acquire(self.settings.queue_timeout_s))
+            ledger.admitted(await self.admission.acquire(wait))
         except Busy:
             self.counters["busy"] += 1
             raise

@@ -141,7 +141,7 @@ async def test_the_values_that_change_nothing_are_accepted(served):
 BAD_NUMBERS = [-1, 1e308, -1e308, 2**63, 2**64, -(2**64), 10**40, 1.5, "7", True, None, [], 1e-320]
 NUMERIC = {"max_tokens": [1, 12], "max_completion_tokens": [1, 12], "temperature": [0, 1.5], "top_p": [0.5, 1, 1e-320],
            "top_k": [0, 5], "seed": [0, -1, 2**63 - 1, -(2**63)], "n": [1], "frequency_penalty": [0],
-           "presence_penalty": [0], "top_logprobs": [0, 20]}
+           "presence_penalty": [0], "top_logprobs": [0, 20], "timeout": [1.5, 30, 86400]}
 
 
 @pytest.mark.parametrize("field", sorted(NUMERIC))
@@ -164,3 +164,14 @@ async def test_completion_logprobs_are_range_checked(served, value):
     r = await served.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "logprobs": value})
     assert r.status == 400
     assert (await r.json())["error"]["param"] == "logprobs"
+
+
+async def test_a_reply_past_its_timeout_ends_there_with_finish_reason_length(served):
+    r = await served.post("/v1/chat/completions", json={**CHAT, "max_tokens": 150, "timeout": 0.001})
+    assert r.status == 200, await r.text()
+    data = await r.json()
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["stats"]["deadline_reached"] is True
+    assert data["usage"]["completion_tokens"] < 150
+    r = await served.post("/v1/chat/completions", json={**CHAT, "timeout": 60})  # time enough: the whole reply
+    assert "deadline_reached" not in (await r.json())["stats"]

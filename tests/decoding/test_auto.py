@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 
-from flowspec_p2p.decoding.auto import AutoSettings, ModeChooser, load_bucket
+import pytest
+
+from flowspec_p2p.decoding.auto import AutoSettings, LoadMeter, ModeChooser, load_bucket
 
 MODES = ["ar", "chunk", "flowspec"]
 
@@ -91,3 +93,18 @@ def test_requests_that_start_together_try_different_untried_modes():
     chooser.ended(nxt, 1, True, 2)
     chooser.record(second.mode, 1, True, 64, 2.0, 2)
     assert chooser.choose(MODES, 1, True, 2).mode == first.mode  # the faster
+
+
+def test_the_load_meter_averages_requests_in_flight_over_time_and_over_a_request_s_life():
+    m = LoadMeter(window_s=1.0)
+    m.set(1, 0.0)
+    mark = m.mark(0.0)
+    m.set(4, 1.0)  # three more arrive a second later
+    m.set(1, 3.0)
+    assert m.mean_since(mark, 4.0) == pytest.approx((1 + 8 + 1) / 4)  # its own life: 1 for 1 s, 4 for 2 s, 1 for 1 s
+    assert m.expected(4.0) == 2  # one in flight, but 1.9 on average lately
+    m.set(0, 4.0)
+    assert m.expected(100.0) == 0  # long idle: the average decays away
+    m.set(1, 100.0)
+    assert m.expected(100.0) == 1
+    assert m.mean_since(m.mark(100.0), 100.0) == 1.0  # no time passed: the count now

@@ -368,3 +368,47 @@ def test_a_request_that_gets_back_more_than_it_sent_fails_instead_of_growing_its
         ctx.deliver(Frame(Rel(request_id="r", seq=0), {}, "last"))
     assert isinstance(ctx.error, StageFailed)
     assert ctx.queue.qsize() == 1 + RETURN_SLACK + 1  # frames up to the limit (nothing sent: 1 + slack), the failure
+
+
+async def test_a_request_reaching_its_deadline_ends_with_what_it_decided_and_frees_every_stage(parts):
+    import time
+
+    leader = make_leader(parts, max_requests=1, max_waiting=2, prompt_cache=False)
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
+        core = ring.workers[1].core
+        real = core.handle
+        core.handle = lambda *a, **k: (time.sleep(0.02), real(*a, **k))[1]  # a slow device: < 50 tokens a second
+        stats = Ledger(mode="?")
+        out = []
+        gen = leader.generate(PROMPT, params=GREEDY, max_tokens=100, stop_ids=NO_STOP, mode="ar", stats=stats,
+                              deadline=time.monotonic() + 0.5)
+        waiter = asyncio.get_running_loop().create_task(anext(leader.generate(
+            PROMPT, params=GREEDY, max_tokens=3, stop_ids=NO_STOP, mode="ar", deadline=time.monotonic() + 0.2)))
+        async with asyncio.timeout(5):
+            async for chunk in gen:
+                out += chunk
+        assert 0 < len(out) < 100
+        assert out == parts.reference(PROMPT, len(out))  # what it decided by then, unchanged
+        assert stats.deadline_reached
+        assert stats.outcome == "completed"
+        with pytest.raises(Busy):  # its deadline passed while it waited for the one turn
+            await waiter
+        await asyncio.sleep(0.1)  # the Release travels the ring
+        assert all(not w.core.requests for w in ring.workers)
+        assert leader.snapshot()["admission"]["in_flight"] == 0
+        core.handle = real
+        done, _ = await run(leader, PROMPT, 3, mode="ar")
+        assert done == parts.reference(PROMPT, 3)
+
+
+async def test_auto_learns_a_burst_of_requests_under_the_load_they_decoded_at(parts):
+    """Four requests started together: the first sees none of the others as it starts, but all four decode four at a
+    time, so auto records each under the load bucket 3-4 (not 1 and 2), and the next burst is chosen for that load."""
+    leader = make_leader(parts, max_requests=4, auto={"min_tokens": 8})
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
+        for _ in range(2):
+            outs = await asyncio.gather(*(run(leader, PROMPT[: 6 + i], 24, mode="auto") for i in range(4)))
+            assert [o for o, _ in outs] == [parts.reference(PROMPT[: 6 + i], 24) for i in range(4)]
+    samples = {key: m["ar"]["samples"] for key, m in leader.snapshot()["auto"].items()}
+    assert samples.pop(next(k for k in samples if k.endswith("load 3-4"))) == 8
+    assert set(samples.values()) <= {0}

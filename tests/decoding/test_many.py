@@ -142,3 +142,40 @@ async def test_a_second_turn_reuses_the_first_turns_kv_and_replies_as_a_cold_pre
     if mode == "ar":  # no drafts: the rows stage 1 ran are the prefill's and the steps' alone
         assert computed[False] - computed[True] == shared  # the shared prefix was not prefilled again
     assert computed[True] < computed[False]
+
+
+async def test_a_long_prompt_is_prefilled_among_other_requests_steps_not_ahead_of_them(parts, drafter):
+    """A 200-token prompt goes in 4-token chunks that each stage batches with the other request's steps, so a reply
+    already decoding keeps streaming while the long prompt is read (it does not wait behind the whole prefill)."""
+    leader = Leader(parts.head, None, drafter=drafter, modes=[AR],
+                    settings=LeaderSettings(max_context=260, prefill_chunk=4, max_requests=2, step_timeout_s=30.0))
+    long_prompt = [(7 * i) % 50 + 3 for i in range(200)]
+    loop = asyncio.get_running_loop()
+    stamps: list[float] = []  # when each of the short request's tokens came
+    under_way = asyncio.Event()
+    async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64, capacity=300):
+        async def short():
+            out = []
+            async for chunk in leader.generate(PROMPTS[0], params=SamplingParams(), max_tokens=80,
+                                               stop_ids=frozenset(), mode="ar"):
+                out += chunk
+                stamps.extend(loop.time() for _ in chunk)
+                if len(stamps) >= 3:
+                    under_way.set()
+            return out
+
+        async def long():
+            await under_way.wait()  # the short reply is under way
+            started = loop.time()
+            gen = leader.generate(long_prompt, params=SamplingParams(), max_tokens=4, stop_ids=frozenset(), mode="ar")
+            out = await anext(gen)
+            first = loop.time()
+            async for chunk in gen:
+                out += chunk
+            return out, started, first
+
+        short_out, (long_out, started, first) = await asyncio.gather(short(), long())
+    assert short_out == parts.reference(PROMPTS[0], 80)
+    assert long_out == parts.reference(long_prompt, 4)
+    during = sum(started < t < first for t in stamps)
+    assert during >= 5, (during, len(stamps))  # 50 chunks: the short reply went on between them
