@@ -35,6 +35,7 @@ from ..ledger import Ledger, extra_stats
 from ..model.generate import ARDecoder, prefill_features
 from ..model.load import LoadedModel, set_threads
 from ..model.sampling import SamplingParams
+from ..model.tokenizer import is_base
 from ..speculative.decoder import SpecDecoder
 from ..speculative.drafter import Drafter, TreeShape
 from ..speculative.tree import DraftTree
@@ -259,7 +260,9 @@ def setup_record(cfg: EngineBenchConfig, ours: Ours, command: str) -> dict:
         "engine": shard.engine.describe(),
         "threads": list(cfg.threads), "repeats": cfg.repeats, "tokens": cfg.tokens, "rows": list(cfg.rows),
         "parts": list(cfg.parts), "prompt_label": cfg.prompt_label, "prompt": cfg.prompt,
-        "prompt_tokens": len(ours.prompt_ids), "tree": None if ours.shape is None else ours.shape.model_dump(),
+        "prompt_tokens": len(ours.prompt_ids),
+        "prompt_form": "raw: no chat template" if is_base(getattr(ours.lm, "tokenizer", None)) else "chat template",
+        "tree": None if ours.shape is None else ours.shape.model_dump(),
         "tree_fanout": TREE_FANOUT, "row_passes": ROW_PASSES,
         "llama_bench": None if exe is None else portable_path(exe),
         "llama_build": None if exe is None else llamacpp.version(exe),
