@@ -222,9 +222,9 @@ def _embed_scale(hidden: int) -> float:
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from the dict of a HF ``config.json``."""
     model_type = str(cfg.get("model_type", "?"))
-    if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):  # the multimodal wrapper: its text model
-        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
-        model_type = "gemma3_text"
+    if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
+        raise UnsupportedModel("a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): use its GGUF file or "
+                               "a text-only (Gemma3ForCausalLM) checkpoint")
     arch = _check_arch(_HF_MODEL_TYPES.get(model_type, model_type))
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
