@@ -1,6 +1,8 @@
 """Weight sources: a GGUF file or a Hugging Face checkpoint folder, read lazily, tensor by tensor.
 
-Every tensor is addressed by its canonical (HF) name, e.g. ``model.layers.3.self_attn.q_proj.weight``.
+Every tensor is addressed by its canonical (HF) name, e.g. ``model.layers.3.self_attn.q_proj.weight`` (GGUF names map
+to them per family: Gemma's ``ffn_norm`` is its pre-MLP norm; Phi-3's fused q|k|v and gate|up are served as the row
+ranges of separate matrices, in both kinds of source; ``load_tensor`` gives Gemma's norms as multipliers 1 + w).
 A device that holds layers ``[a, b)`` asks only for those names (plus embedding / norm / head where its role
 needs them), so only those tensors are ever dequantised or paged in:
 
@@ -57,7 +59,7 @@ _GGUF_LAYER = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: q|k|v fused, split by rows (_FUSED)
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: q|k|v fused, split by rows (split_fused)
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
