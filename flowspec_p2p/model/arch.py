@@ -137,9 +137,9 @@ class ModelConfig(BaseModel):
         return 2 * self.kv_dim * dtype_bytes
 
     def plain(self) -> ModelConfig:
-        """The same shapes as a plain Llama block (what an EAGLE draft head for this model is built as: its own
-        network, fed the target's scaled embeddings and features)."""
-        return self.model_copy(update={**_LATER_FIELDS, "arch": "llama", "attention_bias": False})
+        """The same shapes as a plain Llama block, q/k/v biases kept (what an EAGLE draft head for this model is built
+        as: its own network, fed the target's scaled embeddings and features)."""
+        return self.model_copy(update=_LATER_FIELDS)
 
 
 def _check_arch(arch: str) -> str:
