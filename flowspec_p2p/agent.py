@@ -8,15 +8,19 @@
         GET  /ring                                                  data plane (ring_server.RingServer)
         GET  /weights/...                                           the leader's weight server
         GET  /metrics                                               this agent's stage (stage_metrics.py)
+        GET  /replica/...                                           the leader's model files, for its standby
+        *    /relay/...                                             the leader's API, for the members' APIs
     StageHost: this agent's pipeline stage (weights, worker, links) for the plan epoch in force
-    leader only: the Leader (decoding modes), its OpenAI-compatible API, dashboard and /metrics (api/) on --api-port
+    the API on --api-port: the leader's own (api/app.py: the Leader, its decoding modes, dashboard, /metrics); a
+    member's forwards every request to its leader (api/proxy.py), resuming a streamed reply on the next leader
 
-Roles. The leader (``--leader``) plans (coordinator.py), serves weights and the API; every other agent is a
-member (member.py) that joins the oldest leader of its cluster, heartbeats to it and hosts whatever stage the plan
-gives it. A second leader of the same cluster stops at start with a clear message (the older one wins).
+Roles (roles.py): the leader plans, serves the weights and the API; every other agent is a member that hosts the
+stage its leader's plan gives it; the plan's standby gets ready to lead, and takes over when the leader is lost or
+stops. An agent changes role in place (``_roles`` runs the role in force until it changes).
 
 Stopping (``stop()``, SIGINT/SIGTERM in ``flowspec agent``): say Bye (a member to its leader, the leader to every
-member), then cancel everything; the mDNS record is withdrawn, links and servers close.
+member, naming its standby, which takes over as when the leader is lost), then cancel everything; the mDNS record
+is withdrawn, links and servers close.
 """
 
 from __future__ import annotations
@@ -28,15 +32,14 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from .api.app import create_app
-from .api.catalog import served_model
+from .api.proxy import RELAY_PATH, create_proxy_app, forward, not_leading
+from .cluster import replica as replica_mod
+from .cluster import weight_server as weight_server_mod
 from .cluster.control import (
     CONTROL_PATH,
     INFO_PATH,
@@ -50,50 +53,42 @@ from .cluster.control import (
 from .cluster.coordinator import Coordinator
 from .cluster.device import DeviceProfile
 from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_addresses, resolve_interfaces
-from .cluster.identity import agent_id as _agent_id
+from .cluster.gate import KEEPALIVE_TIMEOUT_S, Gate, raise_fd_limit
 from .cluster.identity import state_lock as _locked
+from .cluster.leading import LeaderParts, load_leader_parts
 from .cluster.member import MemberControl
 from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind
-from .cluster.plans import describe_model
 from .cluster.profile import measure
 from .cluster.security import Security
-from .cluster.stage_host import StageHost, TapQueue
+from .cluster.stage_host import StageHost
 from .cluster.stage_metrics import install_stage_metrics
-from .cluster.telemetry import StageTimelines
-from .cluster.weight_server import WeightServer
 from .config import AgentConfig, split_host_port
-from .decoding.context import DecodingMode, ThreadCompute
-from .decoding.flowspec import FlowSpecConfig
-from .decoding.leader import Leader
-from .decoding.registry import builtin_modes
-from .decoding.settings import LeaderSettings
 from .errors import ConfigError, FlowSpecError, ProtocolError
 from .model.dtypes import TORCH_DTYPES
-from .model.engine import Shard
-from .model.load import get_engine, load_shard, set_threads
-from .model.registry import aliases, display_name
-from .model.tokenizer import Tokenizer
+from .model.load import get_engine, set_threads
 from .model.weights import model_fingerprint, open_source
-from .pipeline.codec import wire_dtype
-from .pipeline.emulation import ComputeEmulation, EmulatedCompute, LinkEmulation, device_for
+from .pipeline.emulation import ComputeEmulation, LinkEmulation, device_for
 from .pipeline.ring_server import RingServer
 from .pipeline.transport import LinkDown
-from .speculative.decoder import PROBE_TEXT, load_drafter
-from .speculative.drafter import Drafter
-from .types import LayerRange
+from .roles import Roles
 
 log = logging.getLogger(__name__)
 
 BYE_TIMEOUT_S = 1.5
 SHUTDOWN_TIMEOUT_S = 2.0  # open HTTP handlers (ring links, streamed responses) get this long to end
 STATE_FILE = "agent.json"
+LEADER_POLL_S = 0.05  # how often the API's proxy looks whether this agent's leader changed
 
 
 class _Stopped(Exception):
     """Raised inside the TaskGroup to end it after stop()."""
 
 
-class Agent(Net):
+class _RoleChanged(Exception):
+    """Raised inside a role's TaskGroup to end it when the agent takes over or steps down."""
+
+
+class Agent(Net, Roles):
     def __init__(self, cfg: AgentConfig, *, profile: DeviceProfile | None = None, tokenizer=None):
         """``profile`` replaces the start-up measurement and ``tokenizer`` the model's own (tests)."""
         self.cfg = cfg
@@ -112,11 +107,19 @@ class Agent(Net):
         self.stage_host: StageHost | None = None
         self.leader = None  # leader.Leader, on the leader
         self.weights = None  # weight_server.WeightServer, on the leader
+        self.replica: replica_mod.ReplicaServer | None = None  # the model's files for the standby, on the leader
         self.coordinator: Coordinator | None = None  # on the leader
         self.member: MemberControl | None = None  # on a member
+        self.discovery: Discovery | None = None
+        self.standby: LeaderParts | None = None  # the leader's parts, loaded ahead of need (the plan's standby)
+        self._preparing = False  # the standby's replica and parts are being fetched and loaded
         self._stop = asyncio.Event()
+        self._role_changed = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self._events: asyncio.Queue = asyncio.Queue()
+        self._local_http: aiohttp.ClientSession | None = None  # this agent's own API, for the relay
+        self._api: tuple[web.AppRunner, int] | None = None  # the API runner serving now, and its port
+        self._old_apis: list[web.AppRunner] = []  # replaced ones: their open replies finish first
 
     # =========================================================================================== lifecycle
 
@@ -129,18 +132,20 @@ class Agent(Net):
         state = cfg.state_path
         state.mkdir(parents=True, exist_ok=True)
         with _locked(state):
-            self.id = _agent_id(state)
+            limit = raise_fd_limit()  # a stranger's idle connections are capped (gate.py); peers need the rest
+            log.debug("open-files limit %d", limit)
+            self.security = await asyncio.to_thread(Security.load, cfg)
+            self.id = self.security.agent_id
             set_threads(cfg.threads)
             addresses = resolve_interfaces(cfg.interfaces) if cfg.interfaces else default_addresses()
             bad = [a for a in addresses if not bindable(a)]
             if bad:
                 raise ConfigError(f"cannot bind {', '.join(bad)}: pass --interface with an address of this host")
-            self.security = await asyncio.to_thread(Security.load, cfg, self.id)
             if cfg.model is not None or cfg.leader:
                 self.source = await asyncio.to_thread(open_source, cfg.model)
             profile = self._profile or await asyncio.to_thread(self._measure)
-            async with self.security.client_session() as session:
-                self.session = session
+            async with self.security.client_session() as session, aiohttp.ClientSession() as local:
+                self.session, self._local_http = session, local
                 self.client = self.security.control_client(session)
                 await self._serve(addresses, profile)
 
@@ -154,30 +159,32 @@ class Agent(Net):
                        slowdown=cfg.emulation.slowdown)
 
     def _agent_app(self) -> web.Application:
-        """The agent server: control plane, ring links, (on the leader) the weight server."""
+        """The agent server: control plane, ring links, and (served while this agent leads) the weight server, the
+        replica for the standby and the relay to the API."""
         sec = self.security
         app = web.Application(middlewares=sec.middlewares(), client_max_size=MAX_CONTROL_BYTES)
         sec.install(app)
-        self.ring = RingServer(self.id, self.cfg.cluster, authenticated=sec.sender_id if sec.secure else None)
+        self.ring = RingServer(self.id, self.cfg.cluster, authenticated=self._ring_sender if sec.secure else None)
         self.ring.install(app)
         app.router.add_get(INFO_PATH, self._http_info)
         app.router.add_get(TIMELINE_PATH, self._http_timeline)
         app.router.add_post(CONTROL_PATH, self._http_control)
         install_stage_metrics(app, lambda: self.stage_host, lambda: self.info)
-        if self.cfg.leader:
-            self.weights = WeightServer(self.source)
-            self.weights.install(app)
+        app.router.add_get(weight_server_mod.MANIFEST_PATH, partial(self._leading, "_manifest", "weights"))
+        app.router.add_get(weight_server_mod.TENSOR_PATH, partial(self._leading, "_tensor", "weights"))
+        app.router.add_get(replica_mod.MANIFEST_PATH, partial(self._leading, "handle_manifest", "replica"))
+        app.router.add_get(replica_mod.FILE_PATH, partial(self._leading, "handle_file", "replica"))
+        app.router.add_route("*", RELAY_PATH + "/{tail:.*}", self._http_relay)
         return app
 
     async def _serve(self, addresses: list[str], profile: DeviceProfile) -> None:
         cfg = self.cfg
         runner = web.AppRunner(self._agent_app(), handle_signals=False, access_log=None,
-                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                               shutdown_timeout=SHUTDOWN_TIMEOUT_S, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
         await runner.setup()
-        api_runner = None
         try:
             port = await bind(runner, addresses if cfg.interfaces else ["0.0.0.0"], cfg.port,
-                              self.security.server_ssl())
+                              self.security.server_ssl(), gate=self.security.gate)
             if self.source is not None:
                 self.model_fp = await asyncio.to_thread(model_fingerprint, self.source)
             self.info = PeerInfo(id=self.id, name=cfg.name or socket.gethostname(), cluster=cfg.cluster,
@@ -191,10 +198,13 @@ class Agent(Net):
                 link=LinkEmulation(bandwidth_mbps=cfg.emulation.link_mbps, latency_ms=cfg.emulation.link_latency_ms),
                 device=partial(device_for, ComputeEmulation(slowdown=cfg.emulation.slowdown)), tap=self._on_link_down)
             if cfg.leader:
-                api_runner = await self._start_leader()
+                parts = await asyncio.to_thread(load_leader_parts, cfg, self.source, self.model_fp,
+                                                tokenizer=self._tokenizer)
+                await self._become_leader(parts, cfg, successor=self._recorded_successor())
             else:
-                self.member = MemberControl(self.info, net=self, stage_host=self.stage_host)
-            discovery = Discovery(
+                await self._serve_api(self._proxy_app(), required=False)
+                self._become_member(trusted=(cfg.leader_identity or "",))
+            self.discovery = Discovery(
                 self.info, self._events, addresses=addresses, interfaces=addresses,
                 seal=self.security.seal, confirm=self._confirm if self.security.secure else None, mdns=cfg.mdns,
                 static_peers=[split_host_port(p) for p in cfg.peers], fetch_info=self.fetch_info)
@@ -202,13 +212,12 @@ class Agent(Net):
             log.info("agent %s (%s) of cluster %r at %s, %.1f GFLOP/s, %.0f MB offered%s", self.id, self.info.role,
                      cfg.cluster, self.info.url, profile.gflops, profile.memory_bytes / 2**20,
                      f"; API at {self.api_url}/v1, dashboard at {self.api_url}/" if self.api_url else "")
-            await self._run_roles(discovery)
+            await self._run_roles(self.discovery)
         finally:
             self._tg = None
             if self.leader is not None:
                 self.leader.close()
-            if api_runner is not None:
-                await api_runner.cleanup()
+            await self._close_apis()
             await runner.cleanup()
             with contextlib.suppress(OSError):
                 (self.cfg.state_path / STATE_FILE).unlink()
@@ -222,11 +231,7 @@ class Agent(Net):
                 tg.create_task(discovery.run(), name="discovery")
                 tg.create_task(self._discovery_events(), name="discovery-events")
                 tg.create_task(self.stage_host.run(), name="stage-host")
-                if self.cfg.leader:
-                    tg.create_task(self.leader.run(), name="leader-demux")
-                    tg.create_task(self.coordinator.run(), name="coordinator")
-                else:
-                    tg.create_task(self.member.run(), name="member")
+                tg.create_task(self._roles(), name="role")
                 tg.create_task(self._until_stopped(), name="stop")
                 self.started.set()
         except BaseExceptionGroup as eg:
@@ -237,63 +242,111 @@ class Agent(Net):
                     first = first.exceptions[0]
                 raise first from None
 
-    async def _start_leader(self) -> web.AppRunner:
-        cfg, src = self.cfg, self.source
-        dtype = TORCH_DTYPES[cfg.dtype]
-        # the engine is chosen here, once: the plans name the head's, so every stage runs the same one (auto falls
-        # back to the torch engine for a model the native engine cannot run)
-        head = await asyncio.to_thread(load_shard, src, LayerRange(start=0, end=0), embed=True, head=True,
-                                       engine=cfg.engine, dtype=dtype)
-        tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.load, src.path, src.config.eos_token_ids)
-        settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
-                                  default_mode=cfg.decoding)
-        compute = ThreadCompute()
-        if cfg.emulation.slowdown > 1.0:
-            compute = EmulatedCompute(compute, cfg.emulation.slowdown)
-        probe = tokenizer.encode(PROBE_TEXT)
+    async def _roles(self) -> None:
+        """Run the agent's role (leader: the demultiplexer and the coordinator; member: its control loop) until it
+        changes (a takeover, a step-down), then the next one."""
+        while True:
+            self._role_changed.clear()
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    if self.coordinator is not None:
+                        tg.create_task(self.leader.run(), name="leader-demux")
+                        tg.create_task(self.coordinator.run(), name="coordinator")
+                        # the replica's digests, while the members load their layers: the standby's ask waits less
+                        self.spawn(self.replica.prepare(), name="replica-digests")
+                    else:
+                        tg.create_task(self.member.run(), name="member")
+                    await self._role_changed.wait()
+                    raise _RoleChanged
+            except* _RoleChanged:
+                pass
 
-        def whole_model() -> Shard:  # the tolerance test of a head trained for another build of the model
-            return head.engine.load(src, LayerRange(start=0, end=src.config.num_layers), embed=True, head=True)
+    # ================================================================================================ API
 
-        drafter = await asyncio.to_thread(_drafter, self.model_fp, head, cfg.draft, probe, whole_model)
-        model_id = display_name(cfg.model, src.path)  # the name it was started by, else the file's stem
-        self.leader = Leader(head, tokenizer, drafter=drafter, settings=settings, modes=_modes(cfg.flowspec),
-                             model_id=model_id, compute=compute)
-        self.leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
-        self.ring.inbox = self.leader.inbox
-        self.stage_host.leader_inbox = self.leader.inbox
-        self.stage_host.shared = (self.model_fp, [head])  # the leader's first stage shares the head's embedding
-        base = getattr(drafter, "base", drafter)  # LookupDrafter wraps the head drafter
-        model = describe_model(src, head.engine, context=cfg.planning.context, fingerprint=self.model_fp,
-                               draft_bytes=getattr(base, "nbytes", 0))
-        self.coordinator = Coordinator(cfg, self.info, net=self, leader=self.leader, weights=self.weights,
-                                       stage_host=self.stage_host, ring=self.ring, session=self.session,
-                                       model=model, model_config=src.config, wire_dtype=wire_dtype)
-        app = create_app(self.leader, self.coordinator.view, run_leader=False, api_key=cfg.api_key_text,
-                         cors=cfg.api_cors, timelines=StageTimelines(self.coordinator, self.stage_host, self.session),
-                         served=served_model(src, [model_id, *aliases(src.path)], context=cfg.planning.context,
-                                             digest=self.model_fp, tokenizer=tokenizer))
-        api = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-        await api.setup()
+    def _proxy_app(self) -> web.Application:
+        return create_proxy_app(self, api_key=self.cfg.api_key_text, cors=self.cfg.api_cors)
+
+    async def _serve_api(self, app: web.Application, *, required: bool) -> None:
+        """Serve ``app`` as this agent's API, on the port the one before it had (the replaced one finishes the
+        replies it streams). A member's API that cannot bind is logged (it is a convenience); a leader's ends it."""
+        cfg = self.cfg
+        gate = Gate("API")
+        app.middlewares.insert(0, gate.vouch_all)  # a connection that carries a request is vouched for (gate.py)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                               keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        await runner.setup()
+        port = self._api[1] if self._api is not None else cfg.api_port
         try:
-            port = await bind(api, [cfg.api_host], cfg.api_port)
-        except ConfigError:
-            await api.cleanup()
-            raise
+            port = await bind(runner, [cfg.api_host], port, gate=gate, reuse_port=True)
+        except ConfigError as e:
+            await runner.cleanup()
+            if required:
+                raise
+            log.warning("no API on this agent: %s", e)
+            return
+        if self._api is not None:
+            old = self._api[0]
+            for site in list(old.sites):
+                await site.stop()  # new connections go to the new app; open replies go on
+            self._old_apis.append(old)
+        self._api = (runner, port)
         self.api_url = f"http://{cfg.api_host}:{port}"
-        return api
+
+    def leader_url(self) -> str | None:
+        """proxy.LeaderLink: the agent URL of this agent's leader (its own while it leads)."""
+        if self.coordinator is not None:
+            return self.info.url
+        leader = self.member.leader if self.member is not None else None
+        return leader.url if leader is not None else None
+
+    async def leader_change(self, url: str | None, timeout_s: float | None) -> str | None:
+        """proxy.LeaderLink: wait until this agent's leader is another than ``url``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while self.leader_url() == url:  # noqa: ASYNC110 - the role changes in several places
+                    await asyncio.sleep(LEADER_POLL_S)
+        return self.leader_url()
+
+    async def _http_relay(self, request: web.Request) -> web.StreamResponse:
+        """A member's API forwards its clients' requests here (authenticated by the cluster's session): they go to
+        this agent's own API while it leads."""
+        if self.coordinator is None or self._api is None or self.coordinator.leaving:
+            return not_leading()
+        host = self.cfg.api_host if self.cfg.api_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        headers = {"Authorization": f"Bearer {self.cfg.api_key_text}"} if self.cfg.api_key_text else None
+        url = f"http://{host}:{self._api[1]}/{request.match_info['tail']}"
+        return await forward(request, url, self._local_http, headers=headers)
+
+    async def _leading(self, method: str, part: str, request: web.Request) -> web.StreamResponse:
+        """A route of the leader's weight server or replica (served while this agent leads)."""
+        server = self.weights if part == "weights" else self.replica
+        if server is None or self.coordinator is None:
+            raise web.HTTPServiceUnavailable(text="this agent does not lead the cluster")
+        return await getattr(server, method)(request)
 
     async def _until_stopped(self) -> None:
         await self._stop.wait()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(BYE_TIMEOUT_S):
                 await self._goodbye()
+        await self._close_apis()  # while the role still runs: open replies get SHUTDOWN_TIMEOUT_S to finish
         raise _Stopped
 
+    async def _close_apis(self) -> None:
+        apis, self._old_apis = [*self._old_apis, *([self._api[0]] if self._api else [])], []
+        self._api = None
+        for api in apis:
+            await api.cleanup()
+
     async def _goodbye(self) -> None:
-        role = self.coordinator or self.member
-        if role is not None:
-            await role.goodbye()
+        """A member says Bye to its leader; the leader to every member, handing over to its standby."""
+        if self.coordinator is not None:
+            u = self.coordinator.update
+            if u is not None and u.standby:
+                log.info("stopping: handing over to the standby %s", u.standby)
+            await self.coordinator.goodbye(hand_over=True)
+        elif self.member is not None:
+            await self.member.goodbye()
 
     def spawn(self, coro, name: str | None = None) -> None:
         """Start a task owned by the agent's TaskGroup (dropped once the agent is stopping)."""
@@ -301,7 +354,9 @@ class Agent(Net):
         try:
             if self._tg is None:
                 raise RuntimeError("not running")
-            self._tg.create_task(wrapped, name=name)
+            task = self._tg.create_task(wrapped, name=name)
+            if hasattr(coro, "close"):  # a task cancelled before it started never awaited its coroutine
+                task.add_done_callback(lambda _: coro.close())
         except RuntimeError:  # the agent is stopping: drop the work
             wrapped.close()
             coro.close()
@@ -321,7 +376,26 @@ class Agent(Net):
 
     # ============================================================================================== HTTP
 
+    def _ring_sender(self, request: web.Request) -> str | None:
+        """Who opened a ring link, for the ring server: the agent id it authenticated as, provided its identity is
+        the one the plan this agent prepared gives that agent (a predecessor is checked by identity, not by id)."""
+        peer = self.security.sender(request)
+        if peer is None:
+            return None
+        prepared = self.stage_host.prepared if self.stage_host is not None else None
+        if prepared is not None:
+            u = prepared.update
+            planned = {n.agent_id: n.identity for n in u.ring} | {u.leader.id: u.leader.identity}
+            expected = planned.get(peer.agent_id, "")
+            if expected and expected != peer.identity:
+                log.warning("ring: a link from %s with identity %s, not the %s the plan gives it", peer.agent_id,
+                            peer.identity[:12], expected[:12])
+                return f"{peer.agent_id} (another identity)"
+        return peer.agent_id
+
     async def _http_info(self, request: web.Request) -> web.Response:
+        if self.info is None:
+            raise web.HTTPServiceUnavailable(text="the agent is starting")
         return web.Response(text=self.info.model_dump_json(), content_type="application/json")
 
     async def _http_timeline(self, request: web.Request) -> web.Response:
@@ -349,7 +423,7 @@ class Agent(Net):
         try:
             self.security.check_control(request, msg)
             if self.member is not None:
-                reply = await self.member.handle(msg, sender=self.security.sender_id(request))
+                reply = await self.member.handle(msg, sender=self.security.sender(request))
             else:
                 reply = await self.coordinator.handle(msg)
         except ProtocolError as e:
@@ -378,34 +452,22 @@ class Agent(Net):
     async def _discovery_events(self) -> None:
         while True:
             ev = await self._events.get()
-            if isinstance(ev, PeerSeen):
-                if self.coordinator is not None:
-                    self.coordinator.peer_seen(ev.info, ev.via)  # raises on an older leader
-                else:
-                    self.member.peer_seen(ev.info)
-            elif isinstance(ev, PeerLost):
-                (self.coordinator or self.member).peer_lost(ev.agent_id)
+            try:
+                self._discovered(ev)
+            except Exception:  # a peer's odd advert must not end the agent
+                log.exception("discovery event %s failed", ev)
+
+    def _discovered(self, ev) -> None:
+        if isinstance(ev, PeerSeen):
+            if self.coordinator is not None:
+                self.coordinator.peer_seen(ev.info, ev.via)
+            else:
+                self.member.peer_seen(ev.info)
+        elif isinstance(ev, PeerLost):
+            (self.coordinator or self.member).peer_lost(ev.agent_id)
 
     def _on_link_down(self, ev: LinkDown) -> None:
         """A ring link of this agent closed. Outside a switch of epochs that means a peer may be gone."""
         role = self.coordinator or self.member
         if role is not None:
             role.link_down(ev)
-
-
-# ============================================================================================== helpers
-
-def _modes(flowspec: FlowSpecConfig) -> list[DecodingMode]:
-    """The decoding modes this build offers (the leader picks what its drafter allows), FlowSpec with ``flowspec``
-    (AgentConfig.flowspec)."""
-    return builtin_modes(None if flowspec == FlowSpecConfig() else flowspec)
-
-
-def _drafter(model_fp: str, head: Shard, stem: Path | None = None, probe: list[int] | None = None,
-             whole_model: Callable[[], Shard] | None = None) -> Drafter:
-    """The leader's drafter: the head at ``stem``, else one trained for this model (or another build of it that
-    passes the tolerance test), else prompt lookup alone (spec.decoder.load_drafter)."""
-    drafter, meta = load_drafter(head, model_fp, stem, probe, whole_model)
-    if meta["match"] != "none":
-        log.info("draft head for %s (+ prompt-lookup candidates; matched by %s)", model_fp[:12], meta["match"])
-    return drafter

@@ -21,7 +21,17 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from .decoding.settings import FlowSpecConfig
-from .env import API_KEY, CLUSTER_KEY, DEFAULT_API_PORT, DEFAULT_STATE_DIR, ENGINE, SECRET, STATE_DIR, environ
+from .env import (
+    API_KEY,
+    CLUSTER_KEY,
+    DEFAULT_API_PORT,
+    DEFAULT_STATE_DIR,
+    ENGINE,
+    LEADER_IDENTITY,
+    SECRET,
+    STATE_DIR,
+    environ,
+)
 from .errors import ConfigError
 from .model.registry import is_model_name
 from .types import Settings
@@ -106,6 +116,9 @@ class AgentConfig(Settings):
     cluster_key: SecretStr | None = None  # the cluster key's text form (fsk1-...; cluster/keys.py)
     cluster_key_file: Path | None = None  # a file holding it
     insecure: bool = False  # no key: the open cluster of a lab (plain http, anyone may join)
+    # (member) the identity fingerprint of the leader it may join (and the successors that leader's plans name);
+    # None: the first leader it joins (cluster/member.py)
+    leader_identity: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     api_key: SecretStr | None = None  # (leader) Bearer token the API asks of every route but /health
     api_insecure: bool = False  # (leader) serve the API beyond loopback without a key
     api_cors: tuple[str, ...] = ()  # (leader) browser origins the API answers cross-origin ("*": any)
@@ -215,6 +228,8 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
             data["cluster_key"] = env[CLUSTER_KEY]
         elif env.get(SECRET):
             data["secret"] = env[SECRET]
+    if data.get("leader_identity") is None and env.get(LEADER_IDENTITY):
+        data["leader_identity"] = env[LEADER_IDENTITY].strip().lower()
     if data.get("api_key") is None and env.get(API_KEY):
         data["api_key"] = env[API_KEY]
     if data.get("state_dir") is None and env.get(STATE_DIR):

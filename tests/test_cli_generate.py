@@ -30,6 +30,7 @@ def test_generate_streams_the_reply_to_stdout_and_stats_to_stderr():
     assert {"new_tokens", "steps", "tau", "prefill_s", "decode_s"} <= s.keys()
     assert 1 <= s["new_tokens"] <= 8
     assert s["mode"] == "auto"  # the default: it says what ran
+    assert s["engine"].split()[0] in ("native", "torch")  # and on which engine
     assert s["auto"]["ar_tokens"] + s["auto"]["spec_tokens"] == s["new_tokens"] - 1  # the first: the prefill's
     assert s["steps"] <= s["new_tokens"]
     r = _flowspec("generate", "Name a colour.", "--max-tokens", "8", "--stats", "--mode", "ar")

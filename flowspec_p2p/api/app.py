@@ -4,7 +4,8 @@
     POST /v1/completions        prompt (text, or token ids) -> the same
     GET  /v1/models             the model this cluster serves, under each of its names (catalog.py)
     /api/...                    the Ollama-compatible routes (ollama.py): chat, generate, tags, show, ps, version
-    GET  /health                200 {"status": "ok"} when a pipeline is ready, else 503 {"status": "not_ready"}
+    GET  /health                200 {"status": "ok"} when a pipeline is ready, else 503 {"status": "not_ready"} (with
+                                ``no_plan``: why, when no plan fits the members, e.g. "no plan: short by 812 MB: ...")
     GET  /cluster               what the control plane knows (``cluster_view()``: members with id, role,
                                 address, pid, capabilities; the plan; per-stage counters) + the leader's state
     GET  /metrics               Prometheus text format (metrics.py)
@@ -94,7 +95,7 @@ class _Job(Job):
         self.text_offset = 0  # characters of the reply whose logprobs went out (completions' text_offset)
 
     def usage(self) -> dict:
-        n = self.ledger.new_tokens
+        n = self.ledger.new_tokens + len(self.resume)
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n,
                 "prompt_tokens_details": {"cached_tokens": self.ledger.cached_tokens}}
 
@@ -200,6 +201,8 @@ async def _stream(request: web.Request, job: _Job, retry: int, param: str) -> we
     await resp.prepare(request)
 
     async def send(obj: dict | str) -> None:
+        if job.body.relay_ids and isinstance(obj, dict) and obj.get("choices"):
+            obj["token_ids"] = job.take_ids()  # for the agent relaying this reply (proxy.py)
         data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
         await resp.write(f"data: {data}\n\n".encode())
 
@@ -252,8 +255,16 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     leader = request.app[LEADER]
     ok = leader.ready
-    return web.json_response({"status": "ok" if ok else "not_ready", "modes": leader.available_modes(),
-                              "default_mode": leader.default_mode()}, status=200 if ok else 503)
+    body = {"status": "ok" if ok else "not_ready", "modes": leader.available_modes(),
+            "default_mode": leader.default_mode()}
+    view = request.app[CLUSTER_VIEW]
+    if not ok and view is not None:  # say why, where the control plane knows: e.g. "no plan: short by 812 MB: ..."
+        known = view()
+        if inspect.isawaitable(known):
+            known = await known
+        if known.get("no_plan"):
+            body["no_plan"] = known["no_plan"]
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def cluster(request: web.Request) -> web.Response:

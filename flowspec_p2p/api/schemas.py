@@ -68,6 +68,10 @@ class Body(BaseModel):
     # stages, and leave this one's for the next; false: a cold prefill, nothing taken or kept
     cache_prompt: bool = True
     return_leader_timeline: bool = False  # stats carry "leader_intervals": the leader's compute [start, end] pairs
+    # for an agent relaying the request (proxy.py): each streamed chunk carries "token_ids", the ids behind its
+    # text; and "resume_ids": the reply's ids already sent, which this reply continues after (failover)
+    relay_ids: bool = False
+    resume_ids: list[int] | None = Field(None, max_length=1 << 20)
     # the request's deadline, seconds from its arrival: a turn that does not come by then is a 503 (Retry-After), a
     # reply still decoding then ends with the text decided so far (finish_reason "length", stats.deadline_reached)
     timeout: float | None = Field(None, ge=0.001, le=86400.0)

@@ -44,10 +44,22 @@ class Job:
             raise ApiError(400, f"{param} must be at most {settings.max_context}", "invalid_request_error", param)
         mode = body.decoding or mode_named(leader, body.model)
         self.spec, self.budget = leader.check(len(prompt), max_tokens, mode)
+        self.resume = list(body.resume_ids or [])  # the reply's ids an earlier leader already sent (proxy.py)
+        vocab = leader.head.cfg.vocab_size
+        if len(self.resume) > self.budget or any(not 0 <= t < vocab for t in self.resume):
+            raise ApiError(400, f"resume_ids must be at most {self.budget} token ids in [0, {vocab})",
+                           "invalid_request_error", "resume_ids")
         self.deadline = None if body.timeout is None else time.monotonic() + body.timeout
         self.ledger = Ledger(mode=self.spec.name, prompt_tokens=len(prompt), top_logprobs=body.top_logprobs_wanted())
         self.finish_reason = "length"
         self.token_ids: list[int] = []
+        self._ids_out = 0  # token_ids handed out with text (take_ids)
+
+    def take_ids(self) -> list[int]:
+        """The ids behind the text handed out since the last call (a relaying agent's ``relay_ids``)."""
+        out = self.token_ids[self._ids_out:]
+        self._ids_out = len(self.token_ids)
+        return out
 
     def stats_dict(self) -> dict:
         """The reply's ``stats``: the ledger's view, with the token ids and the leader's compute intervals when
@@ -65,6 +77,7 @@ class Job:
         tok = self.leader.tokenizer
         detok = Detokenizer(tok, self.body.stop_strings())
         stop_ids = tok.stop_ids
+        detok.push(self.resume)  # their text went out before (by another leader): this reply continues after it
         noted = self.ledger.logprobs
         taken = 0
 
@@ -74,7 +87,12 @@ class Job:
             taken += len(out)
             return out
 
-        chunks = self.leader.generate(self.prompt, params=self.body.sampling(), max_tokens=self.budget,
+        if self.resume and (len(self.resume) >= self.budget or self.resume[-1] in stop_ids or detok.finished):
+            if self.resume[-1] in stop_ids or detok.finished:
+                self.finish_reason = "stop"
+            return  # the reply was complete
+        chunks = self.leader.generate(self.prompt + self.resume, params=self.body.sampling(),
+                                      max_tokens=self.budget - len(self.resume),
                                       stop_ids=stop_ids, mode=self.spec.name, stats=self.ledger,
                                       cache_prompt=self.body.cache_prompt, deadline=self.deadline)
         async with contextlib.aclosing(chunks):

@@ -77,7 +77,7 @@ async def _endpoint(transport: str, stack: contextlib.AsyncExitStack) -> tuple[L
     """A RingServer on loopback port 0 and a Link to it, as agents open them: ``wss`` over TLS, the sender
     authenticated (guard/pinning, a fresh cluster key and identities), ``ws`` as in the open mode."""
     inbox: asyncio.Queue = asyncio.Queue()
-    session, ssl_context = None, None
+    session, ssl_context, sender = None, None, "sender"
     if transport == "wss":
         key = ClusterKey.generate()
         server_id = Identity.load_or_create(Path(stack.enter_context(tempfile.TemporaryDirectory())))
@@ -85,7 +85,9 @@ async def _endpoint(transport: str, stack: contextlib.AsyncExitStack) -> tuple[L
         app = web.Application(middlewares=[guard.middleware])
         guard.install(app)
         server = RingServer("receiver", "bench", inbox=inbox, authenticated=lambda r: guard.peer_of(r).agent_id)
-        session = await stack.enter_async_context(AuthClient(key, Identity.generate(), "sender").open())
+        client = AuthClient(key, Identity.generate())  # its id is its identity's (identity.id_of)
+        sender = client.agent_id
+        session = await stack.enter_async_context(client.open())
         ssl_context = server_id.server_context()
     else:
         app = web.Application()
@@ -97,7 +99,7 @@ async def _endpoint(transport: str, stack: contextlib.AsyncExitStack) -> tuple[L
     await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context).start()
     port = runner.addresses[0][1]
     link = await Link.connect(f"{transport}://127.0.0.1:{port}{RING_PATH}",
-                              RingHello(protocol=PROTOCOL_VERSION, cluster="bench", epoch=0, sender="sender"),
+                              RingHello(protocol=PROTOCOL_VERSION, cluster="bench", epoch=0, sender=sender),
                               session=session)
     stack.push_async_callback(link.close)
     return link, inbox

@@ -11,7 +11,7 @@ intervals, for charts). The data plane (transport.py) is separate.
     leader -> member   Activate     phase 2: switch to the epoch (ring links, worker)               -> Ack
     member -> leader   StageStatus  "ready": its worker runs and its link to the successor is open -> Ack
     leader -> member   Hello        a leader that learned of a member (static peer) invites it      -> Ack
-    either             Bye          stopping gracefully                                             -> Ack
+    either             Bye          stopping gracefully (a leader names its standby: it takes over) -> Ack
 
 Messages are frozen, strict pydantic models in a tagged union (``kind``), each with the protocol version ``v``.
 
@@ -45,17 +45,17 @@ MAX_REQUESTS = 16  # requests in flight a plan may hold (pipeline/stage.py's MAX
 
 
 def check_host(host: str) -> str:
-    """An address a peer gives for itself: an IP address, or a host name of dot-separated labels (letters, digits,
-    hyphens; 1-63 characters each, 253 in all)."""
+    """An address a peer gives for itself: an IP address (in its canonical form), or a host name of dot-separated
+    labels (letters, digits, hyphens; 1-63 characters each, 253 in all), in lower case without a trailing dot: one
+    address has one spelling, so pins (pinning.py) keyed by it cannot be sidestepped by writing it another way."""
     try:
-        ipaddress.ip_address(host)
-        return host
+        return str(ipaddress.ip_address(host))
     except ValueError:
         pass
     labels = host.rstrip(".").split(".")
     if len(host) > 253 or not all(_LABEL.fullmatch(x) for x in labels):
         raise ValueError(f"{host[:40]!r} is neither an IP address nor a host name")
-    return host
+    return host.rstrip(".").lower()
 
 
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
@@ -69,7 +69,9 @@ def agent_url(host: str, port: int, *, secure: bool) -> str:
 
 
 class _Msg(FrozenModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    # no NaN or infinity in any float of a control message (a start time, a load time, a counter): a peer's numbers
+    # feed comparisons and arithmetic, where NaN passes every check
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 Role = Literal["leader", "member"]
@@ -90,6 +92,7 @@ class PeerInfo(_Msg):
     model: str = ""  # fingerprint of the model copy it holds ("" = none: it fetches its range)
     version: int = CONTROL_VERSION
     identity: str = Field(default="", max_length=64)  # its certificate's fingerprint ("" = open mode, plain http)
+    api_url: str = Field(default="", max_length=256)  # where it serves the API ("" = none; a member proxies it)
 
     @property
     def url(self) -> str:
@@ -155,6 +158,16 @@ class RingNode(_Msg):
         return agent_url(self.host, self.port, secure=bool(self.identity))
 
 
+class LeaderPolicy(_Msg):
+    """How the leader that made a plan was set up, so that its standby leads the same way when it takes over."""
+
+    context: int = Field(ge=16, le=MAX_CONTEXT)  # AgentConfig.planning.context
+    stages: int | None = Field(default=None, ge=1, le=MAX_RING)
+    leader_layers: Literal["auto", "always", "never"] = "auto"
+    decoding: Literal["auto", "ar", "chunk", "pipedec", "flowspec"] | None = None
+    max_requests: int | None = Field(default=None, ge=1, le=MAX_REQUESTS)
+
+
 class PlanUpdate(_Msg):
     kind: Literal["plan"] = "plan"
     v: int = CONTROL_VERSION
@@ -170,6 +183,11 @@ class PlanUpdate(_Msg):
     engine: Literal["native", "torch"]  # the engine every stage runs (the leader's: model/engine.py)
     max_requests: int = Field(default=1, ge=1, le=MAX_REQUESTS)  # requests in flight whose KV every stage holds
     wire_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float16"  # activations between stages
+    # failover: the member that takes over when this leader is lost (it holds a replica of the model and the
+    # leader's parts ahead of need), every member as the leader knows it, and how the leader is set up
+    standby: str = Field(default="", max_length=64)
+    members: tuple[PeerInfo, ...] = Field(default=(), max_length=MAX_RING)
+    policy: LeaderPolicy | None = None
 
     @model_validator(mode="after")
     def _one_stage_each(self) -> PlanUpdate:
@@ -180,6 +198,14 @@ class PlanUpdate(_Msg):
 
     def node(self, agent_id: PeerId) -> RingNode | None:
         return next((n for n in self.ring if n.agent_id == agent_id), None)
+
+    def member(self, agent_id: str) -> PeerInfo | None:
+        return next((m for m in self.members if m.id == agent_id), None)
+
+    @property
+    def standby_info(self) -> PeerInfo | None:
+        """The standby, as the leader knows it (None: none was chosen)."""
+        return self.member(self.standby) if self.standby else None
 
     def successor(self, agent_id: PeerId) -> RingNode | PeerInfo:
         """Where a stage sends its output: the next stage, or the leader after the last one."""
@@ -220,6 +246,9 @@ class Bye(_Msg):
     v: int = CONTROL_VERSION
     agent_id: PeerId
     reason: str = "stopping"
+    # a leader that stops hands over: the standby of its latest plan takes over ("" = nobody does; members wait for
+    # a leader)
+    successor: str = Field(default="", max_length=64)
 
 
 ControlMessage = Annotated[

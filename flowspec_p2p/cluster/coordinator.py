@@ -21,12 +21,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from .. import env
 from ..config import AgentConfig
-from ..errors import ConfigError, FlowSpecError, PeerGone, PlanInfeasible, ProtocolError
+from ..errors import FlowSpecError, PeerGone, PlanInfeasible, ProtocolError
 from ..model.arch import ModelConfig
 from ..pipeline.messages import PROTOCOL_VERSION
 from ..pipeline.ring_server import RingServer
@@ -39,6 +39,7 @@ from .control import (
     ControlMessage,
     Heartbeat,
     Hello,
+    LeaderPolicy,
     PeerInfo,
     PlanUpdate,
     Refused,
@@ -50,6 +51,7 @@ from .membership import Heard, Joined, Left, Membership, Planned, Tick
 from .net import Net
 from .planner import plan_requests
 from .plans import ModelSizes, Plan, PlanOptions, diff, render
+from .replica import choose_standby
 from .stage_host import StageHost, connect_with_retry, ws_url
 from .view import cluster_view, plan_stages
 
@@ -61,6 +63,7 @@ TICK_S = 0.1  # the membership clock
 PROBE_TIMEOUT_S = 1.0  # a peer whose ring link broke must answer GET /control/info within this
 LOAD_TIMEOUT_S = 300.0  # phase 1: a member that has not loaded its range by then is left out
 ACTIVATE_TIMEOUT_S = 30.0  # phase 2: a member that has not opened its links by then is left out
+TAKEOVER_JOIN_S = 2.0  # a standby that took over plans this long after, or once the lost leader's members joined
 DRAIN_TIMEOUT_S = 20.0  # a join lets the request in flight finish for at most this long before switching
 MAX_MEMBERS = 256  # members a leader takes; a Hello beyond this is refused
 STALL_MIN_S = 15.0  # a stage whose forward has run this long, and STALL_FACTOR times its slowest recent one, stalled
@@ -97,7 +100,15 @@ class Transition:
 class Coordinator:
     def __init__(self, cfg: AgentConfig, info: PeerInfo, *, net: Net, leader, weights, stage_host: StageHost,
                  ring: RingServer, session, model: ModelSizes, model_config: ModelConfig,
-                 wire_dtype: Callable[[str], object]):
+                 wire_dtype: Callable[[str], object], takeover: PlanUpdate | None = None, takeover_why: str = "lost",
+                 successor: str = "", on_successor: Callable[[PeerInfo], None] | None = None,
+                 on_standby: Callable[[str], None] | None = None):
+        """``takeover``: the lost leader's last plan, when this agent takes over from it (its members are known
+        at once, and the first plan is made as soon as they joined, within TAKEOVER_JOIN_S); ``takeover_why``: how
+        that leader went ("lost", or "stopped": it handed over), for the plan history. ``successor``: the
+        identity of the standby this leader named before (kept across restarts); ``on_successor(info)``: called
+        when that standby claims to lead (it took over: this agent steps down to be its member); ``on_standby``:
+        told the identity of each new plan's standby (the agent keeps it across restarts)."""
         self.cfg = cfg
         self.info = info
         self.id = info.id
@@ -120,12 +131,29 @@ class Coordinator:
         self.transition: Transition | None = None
         self.planning = False  # a plan is being computed (or its transition set up)
         self.broken: str | None = None  # why the serving pipeline is unusable
+        self.no_plan: str | None = None  # why the latest planning found no plan ("no plan: short by N MB: ...")
         self.broken_at = 0.0
         self.ring_starts: dict[str, float] = {}
         self.statuses: dict[str, StageStatus] = {}
         self.counters: dict[str, dict] = {}
         self.recoveries: list[dict] = []
         self.serving = asyncio.Event()
+        self._rivals: set[str] = set()  # other leaders' claims seen (each logged once)
+        self.takeover = takeover
+        self.takeover_why = takeover_why
+        self.leaving = False  # goodbye() was said: no member joins any more
+        self.created = time.monotonic()
+        self.successor = successor  # the identity of the standby of the latest plan
+        self.on_successor = on_successor
+        self.on_standby = on_standby
+        self._awaiting: set[str] = set()  # (takeover) members of the lost leader's plan that have not joined yet
+        if takeover is not None:
+            self.epoch = takeover.epoch
+            now = time.monotonic()
+            for m in takeover.members:
+                if m.id not in (self.id, takeover.leader.id):
+                    self.membership = membership_mod.apply(self.membership, Joined(info=m, at=now))
+                    self._awaiting.add(m.id)
 
     # ------------------------------------------------------------------------------------------- events
 
@@ -150,6 +178,8 @@ class Coordinator:
         now = time.monotonic()
         if isinstance(msg, Hello):
             peer = msg.peer
+            if self.leaving:
+                return Refused(reason=f"leader {self.id} is stopping", leader=self.info)
             if peer.cluster != self.cfg.cluster:
                 return Refused(reason=f"this leader serves cluster {self.cfg.cluster!r}", leader=self.info)
             if peer.role == "leader":
@@ -163,6 +193,7 @@ class Coordinator:
                 log.info("member %s (%s) joined from %s: %.1f GFLOP/s, %.0f MB", peer.id, peer.name, peer.url,
                          peer.profile.gflops, peer.profile.memory_bytes / 2**20)
             self.apply(Joined(info=peer, at=now))
+            self._awaiting.discard(peer.id)
             return Welcome(leader=self.info, epoch=self.epoch)
         if isinstance(msg, Heartbeat | StageStatus) and msg.agent_id not in self.membership.members:
             return Ack(epoch=self.epoch, known=False)
@@ -203,14 +234,19 @@ class Coordinator:
             self._break(f"{beat.agent_id} stalled")
 
     def peer_seen(self, info: PeerInfo, via: str) -> None:
-        """Discovery found ``info``. An older leader of this cluster ends this one (raises ConfigError)."""
+        """Discovery found ``info``. Another leader's claim, older or not, never ends this one (a holder of the key
+        could make any claim): it is logged once, and members that follow this leader keep doing so."""
         if info.role == "leader":
-            if (info.started, info.id) < (self.info.started, self.info.id):
-                raise ConfigError(
-                    f"cluster {self.cfg.cluster!r} already has a leader: agent {info.id} ({info.name}) at "
-                    f"{info.url}, pid {info.pid}. Start this agent without --leader to join it, or stop that one.")
-            log.warning("a second leader %s (%s) appeared in cluster %r; it will be refused", info.id, info.url,
-                        self.cfg.cluster)
+            if self.successor and info.identity == self.successor and self.on_successor is not None:
+                log.warning("leader %s (%s), this leader's standby, took over and leads now", info.id, info.name)
+                self.on_successor(info)
+                return
+            if info.id not in self._rivals:
+                self._rivals.add(info.id)
+                older = (info.started, info.id) < (self.info.started, self.info.id)
+                log.warning("another leader of cluster %r claims to lead: agent %s (%s) at %s, identity %s%s; this "
+                            "leader keeps serving (its members follow it by identity)", self.cfg.cluster, info.id,
+                            info.name, info.url, info.identity[:12], ", started earlier" if older else "")
         elif via == "static" and info.id not in self.membership.members:
             self.net.spawn(self.net.post(info.url, Hello(peer=self.info)), name="invite")  # tell it where we are
 
@@ -237,23 +273,35 @@ class Coordinator:
         elif self.broken is None and self.transition is None:
             self._break(f"ring link to {agent_id} broke")  # alive, but the ring must be rebuilt
 
-    async def goodbye(self) -> None:
-        bye = Bye(agent_id=self.id)
+    def set_info(self, info: PeerInfo) -> None:
+        """This leader's PeerInfo changed (its API's address is known)."""
+        self.info = info
+        self.membership = replace(self.membership, self_info=info)
+
+    async def goodbye(self, reason: str = "stopping", *, hand_over: bool = False) -> None:
+        """Tell every member this leader goes; with ``hand_over``, that the serving plan's standby takes over (it
+        leads as when this leader is lost, and the members turn to it). No agent joins this leader after."""
+        self.leaving = True
+        successor = self.update.standby if hand_over and self.update is not None else ""
+        bye = Bye(agent_id=self.id, reason=reason, successor=successor)
         await asyncio.gather(*(self.net.post(m.info.url, bye) for m in self.membership.members.values()),
                              return_exceptions=True)
 
     # ------------------------------------------------------------------------------------------ planning
 
     async def run(self) -> None:
-        await asyncio.sleep(LEADER_PROBE_S)  # an older leader found meanwhile ends this agent (peer_seen)
-        first_plan_at = time.monotonic() + max(0.0, INITIAL_PLAN_DELAY_S - LEADER_PROBE_S)
+        if self.takeover is not None:  # the lost leader's members are on their way: plan once they are here
+            first_plan_at = time.monotonic() + TAKEOVER_JOIN_S
+        else:
+            await asyncio.sleep(LEADER_PROBE_S)  # members of an agent that restarts find it meanwhile
+            first_plan_at = time.monotonic() + max(0.0, INITIAL_PLAN_DELAY_S - LEADER_PROBE_S)
         infeasible = None
         while True:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
             self.apply(Tick(at=now))
             self._check_deadline(now)
-            if now < first_plan_at:
+            if now < first_plan_at and (self.takeover is None or self._awaiting):
                 continue
             changed = membership_mod.needs_replan(self.membership, now)
             first = self.plan is None and self.transition is None
@@ -266,7 +314,7 @@ class Coordinator:
                 new, self.requests = await asyncio.to_thread(
                     partial(plan_requests, requests=self.cfg.max_requests), membership_mod.devices(self.membership),
                     self.model, self.options)
-                infeasible = None
+                infeasible = self.no_plan = None
                 if self._can_keep(new):
                     self.plan = new
                 else:
@@ -274,7 +322,7 @@ class Coordinator:
             except PlanInfeasible as e:
                 if str(e) != infeasible:
                     log.error("no plan: %s", e)
-                infeasible = str(e)
+                infeasible, self.no_plan = str(e), f"no plan: {e}"
             except (ArithmeticError, ValueError, KeyError, TypeError) as e:  # the planner must not end the leader
                 if str(e) != infeasible:
                     log.exception("no plan: the planner failed on these members")
@@ -314,15 +362,28 @@ class Coordinator:
             nodes.append(RingNode(agent_id=s.agent_id, host=info.host, port=info.port, layers=s.layers,
                                   embed=s.embed, head=s.head, fingerprint=fp, identity=info.identity))
         cfg = self.cfg
+        infos_all = {aid: m.info for aid, m in members.items() if not m.failed}
+        standby = choose_standby(new, infos_all, self.model, self.id)
+        p = cfg.planning
+        policy = LeaderPolicy(context=p.context, stages=p.stages, leader_layers=p.leader_layers,
+                              decoding=cfg.decoding, max_requests=cfg.max_requests)
         update = PlanUpdate(cluster=cfg.cluster, epoch=self.epoch, leader=self.info, plan=new, ring=tuple(nodes),
                             config=self.model_config, model_fingerprint=self.model.fingerprint,
                             context=self.leader.settings.stage_capacity, dtype=cfg.dtype,
                             engine=self.leader.head.engine.name, wire_dtype=cfg.wire_dtype,
-                            max_requests=self.requests)
+                            max_requests=self.requests, standby=standby, members=tuple(infos_all.values()),
+                            policy=policy)
+        if standby and infos_all[standby].identity != self.successor:
+            self.successor = infos_all[standby].identity
+            if self.on_standby is not None:
+                self.on_standby(self.successor)
         departed = ", ".join(f"{a} ({r})" for a, r in self.membership.departed)
         trigger = self.broken or (f"departed: {departed}" if departed else "membership changed")
-        self.transition = Transition(update=update, trigger=trigger,
-                                     started=self.broken_at if self.broken else now, ring=set(new.agents),
+        started = self.broken_at if self.broken else now
+        if self.takeover is not None and self.plan is None:
+            lost = self.takeover.leader
+            trigger, started = f"took over from leader {lost.id} ({lost.name}), {self.takeover_why}", self.created
+        self.transition = Transition(update=update, trigger=trigger, started=started, ring=set(new.agents),
                                      deadline=now + LOAD_TIMEOUT_S,
                                      starts={a: i.started for a, i in infos.items()}, marks={"planned": now})
         changes = "; ".join(str(c) for c in diff(self.plan, new))
@@ -406,7 +467,8 @@ class Coordinator:
             else:
                 hello = RingHello(protocol=PROTOCOL_VERSION, cluster=self.cfg.cluster, epoch=u.epoch, sender=self.id)
                 sender = await connect_with_retry(ws_url(first.url), hello, self.session, self.leader.inbox,
-                                                  self.stage_host.link, self.wire_dtype(u.wire_dtype))
+                                                  self.stage_host.link, self.wire_dtype(u.wire_dtype),
+                                                  wanted=lambda: self.transition is t)
         except PeerGone as e:
             log.error("epoch %d: cannot reach stage 1 (%s): %s", u.epoch, first.agent_id, e)
             self.apply(Heard(agent_id=first.agent_id, at=time.monotonic(), state="failed"))
@@ -424,7 +486,8 @@ class Coordinator:
         self.plan, self.update, self.transition, self.broken = u.plan, u, None, None
         self.ring_starts = t.starts
         planned, loaded = t.marks["planned"], t.marks.get("loaded", now)
-        record = {"epoch": u.epoch, "trigger": t.trigger, "seconds": round(took, 3),
+        record = {"epoch": u.epoch, "trigger": t.trigger, "leader": self.id, "standby": u.standby,
+                  "seconds": round(took, 3),
                   "detect_plan_s": round(planned - t.started, 3), "load_s": round(loaded - planned, 3),
                   "switch_s": round(now - loaded, 3), "at": time.time(), "stages": plan_stages(u.plan)}
         self.recoveries = [*self.recoveries[-19:], record]

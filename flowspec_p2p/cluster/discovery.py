@@ -38,6 +38,7 @@ from ..errors import ConfigError, ProtocolError
 from .control import CONTROL_VERSION, PeerInfo
 from .device import DeviceProfile
 from .handshake import AdvertSeal
+from .identity import id_of
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ STATIC_POLL_INTERVAL_S = 2.0
 MAX_IGNORED = 256  # ignored advert names remembered (for logging each once); the oldest is forgotten beyond this
 MAX_RESOLVING = 32  # mDNS names resolved at once; a change for a name already being resolved starts nothing
 MAX_NAMES = 1024  # advertised agents remembered
+MDNS_RETRY_S = 5.0  # after mDNS failed, try again this much later
 ADVERT_REFRESH_S = 120.0  # a sealed advert is re-sealed this often (well within handshake.ADVERT_MAX_AGE_S)
 VIRTUAL_INTERFACE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "podman", "lxcbr", "lxdbr",
                               "vmnet", "vboxnet", "tun", "tap", "wg", "tailscale", "utun", "zt", "kube", "ifb")
@@ -227,37 +229,53 @@ class Discovery:
                 t.cancel()
 
     async def _run_mdns(self) -> None:
+        """Advertise and browse; a failure of mDNS (an interface going away, a socket error) is logged and tried
+        again after MDNS_RETRY_S: it never ends the agent (static peers keep working meanwhile)."""
+        while True:
+            try:
+                await self._mdns_once()
+            except Exception as e:  # zeroconf's errors have no common base; cancellation passes
+                log.warning("mDNS failed (%s: %s); trying again in %.0f s", type(e).__name__, e, MDNS_RETRY_S)
+            await asyncio.sleep(MDNS_RETRY_S)
+
+    async def _mdns_once(self) -> None:
         from zeroconf import IPVersion
         from zeroconf.asyncio import AsyncServiceBrowser, AsyncZeroconf
 
         self._aiozc = AsyncZeroconf(interfaces=self.interfaces or self.addresses, ip_version=IPVersion.V4Only)
-        browser = None
+        browser, registered = None, False
         try:
             self._service = self._service_info(self.me)
-            await self._aiozc.async_register_service(self._service)
+            # a name someone else holds (a stale record, a squatter) gets another instance name: peers read who
+            # an agent is from its sealed TXT record, never from the name
+            await self._aiozc.async_register_service(self._service, allow_name_change=True)
+            registered = True
             self.registered.set()
-            log.info("mDNS: advertising %s on %s", instance_name(self.me), ", ".join(self.addresses))
+            if self._service.name != instance_name(self.me):
+                log.warning("mDNS: %s is taken; advertising as %s", instance_name(self.me), self._service.name)
+            log.info("mDNS: advertising %s on %s", self._service.name, ", ".join(self.addresses))
             browser = AsyncServiceBrowser(self._aiozc.zeroconf, SERVICE_TYPE, handlers=[self._on_change])
             await asyncio.Event().wait()  # until cancelled
         finally:
             if browser is not None:
                 await browser.async_cancel()
-            if self._service is not None:
+            if registered:
                 try:
                     await asyncio.wait_for(self._aiozc.async_unregister_service(self._service), 2.0)
                 except (TimeoutError, OSError, RuntimeError) as e:  # best effort on the way out
                     log.debug("mDNS unregister: %s", e)
+            self._service = None
             await self._aiozc.async_close()
             self._aiozc = None
 
-    def _service_info(self, me: PeerInfo):
+    def _service_info(self, me: PeerInfo, name: str | None = None):
         from zeroconf.asyncio import AsyncServiceInfo
 
         props = to_properties(me)
         if self.seal is not None:
             props = self.seal.seal(props, me.port, time.time())
         return AsyncServiceInfo(
-            SERVICE_TYPE, instance_name(me), port=me.port, properties=props,
+            SERVICE_TYPE, name or instance_name(me), port=me.port, properties=props,
             addresses=[socket.inet_aton(a) for a in self.addresses], server=f"{me.cluster}-{me.id}.local.",
         )
 
@@ -265,7 +283,7 @@ class Discovery:
         """Re-advertise (role, profile or model changed)."""
         self.me = me
         if self._aiozc is not None and self._service is not None:
-            self._service = self._service_info(me)
+            self._service = self._service_info(me, self._service.name)  # the name it registered under
             await self._aiozc.async_update_service(self._service)
 
     async def _reseal(self) -> None:
@@ -330,6 +348,9 @@ class Discovery:
                 self.seal.check(props, info.port, time.time())
             except ProtocolError as e:
                 self._ignore(name, f"an unproven advert ({e})")
+                return
+            if peer.id != id_of(peer.identity):
+                self._ignore(name, f"agent id {peer.id} is not the one its identity {peer.identity[:12]} proves")
                 return
             if peer.role == "leader" and self.confirm is not None and await self.confirm(peer) is None:
                 self._ignore(name, f"agent {peer.id} did not confirm its leadership claim at {peer.host}:{peer.port}")

@@ -3,7 +3,12 @@ serves every other route of the agent server only to a sender holding a session 
 
 A refusal says nothing but ``REFUSAL`` (401): no epoch, no id, no reason. The reason goes to this agent's log,
 once per remote address and reason (a stranger cannot flood the log). Pending challenges and sessions are bounded
-(MAX_PENDING, MAX_SESSIONS; the oldest go first), so a stranger cannot exhaust memory either.
+(MAX_PENDING, MAX_SESSIONS; the oldest go first), so a stranger cannot exhaust memory either; pending challenges
+are bounded per remote address too (PENDING_PER_ADDRESS: an address's own oldest goes first, and a full table
+evicts from the address holding the most), so a flood from one address evicts only its own challenges.
+
+An agent id is the one its certificate proves (identity.id_of): a confirm naming any other id is refused and logged,
+so no holder of the key can authenticate as another agent, leader or member, however early it tries.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from .handshake import (
     same,
     server_proof,
 )
-from .identity import Identity, fingerprint_of_pem, verify_signature
+from .identity import Identity, fingerprint_of_pem, id_of, verify_signature
 from .keys import ClusterKey
 
 log = logging.getLogger(__name__)
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 CHALLENGE_TTL_S = 10.0  # a challenge must be answered within this
 SESSION_TTL_S = 3600.0  # then the client authenticates again (it does so on the 401)
 MAX_PENDING = 256
+PENDING_PER_ADDRESS = 16  # pending challenges one remote address may hold
 MAX_SESSIONS = 4096
 SESSIONS_PER_PEER = 2  # a peer's newest sessions kept (a renewal overlaps the session it replaces)
 MAX_AUTH_BYTES = 16 * 1024
@@ -66,6 +72,7 @@ class _Pending:
     client_fp: str
     client_nonce: str
     expires: float
+    address: str
 
 
 @dataclass(frozen=True)
@@ -79,14 +86,16 @@ class Guard:
     adds the /auth routes; ``middleware`` goes first in the app's middlewares."""
 
     def __init__(self, key: ClusterKey, identity: Identity, agent_id: str, *,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, vouch: Callable[[web.Request], None] | None = None):
+        """``vouch(request)``: told of every request that carries a valid session (gate.Gate.vouch)."""
         self.key = key
+        self.vouch = vouch
         self.identity = identity
         self.agent_id = agent_id
         self.clock = clock
-        self.bound: dict[str, str] = {}  # agent id -> the identity it first proved (another one is refused)
         self.refused = 0
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._pending_by: dict[str, list[str]] = {}  # remote address -> its pending nonces, oldest first
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._by_peer: dict[Peer, list[str]] = {}  # a peer's tokens, oldest first
         self._logged: set[tuple[str, str]] = set()
@@ -120,6 +129,8 @@ class Guard:
         if s is None or s.expires < self.clock():
             raise self._refuse(request, "no session" if not token else "unknown or expired session")
         request[PEER] = s.peer
+        if self.vouch is not None:
+            self.vouch(request)
         return await handler(request)
 
     def peer_of(self, request: web.Request) -> Peer | None:
@@ -140,14 +151,37 @@ class Guard:
         except ProtocolError as e:
             raise self._malformed(request, str(e)) from None
         now = self.clock()
-        while self._pending and (len(self._pending) >= MAX_PENDING or next(iter(self._pending.values())).expires < now):
-            self._pending.popitem(last=False)
+        address = request.remote or "?"
+        self._make_room(address, now)
         nonce = new_nonce()
-        self._pending[nonce] = _Pending(hello.cert.encode(), client_fp, hello.nonce, now + CHALLENGE_TTL_S)
+        self._pending[nonce] = _Pending(hello.cert.encode(), client_fp, hello.nonce, now + CHALLENGE_TTL_S, address)
+        self._pending_by.setdefault(address, []).append(nonce)
         mine = self.identity.fingerprint
         reply = AuthChallenge(cert=self.identity.cert_pem.decode(), nonce=nonce,
                               proof=server_proof(self.key, mine, client_fp, hello.nonce, nonce))
         return web.Response(text=reply.model_dump_json(), content_type="application/json")
+
+    def _make_room(self, address: str, now: float) -> None:
+        """Drop expired challenges, then one of ``address``'s own when it holds PENDING_PER_ADDRESS, else one of the
+        address holding the most when the table is full."""
+        while self._pending and next(iter(self._pending.values())).expires < now:
+            self._take(next(iter(self._pending)))
+        mine = self._pending_by.get(address, [])
+        if len(mine) >= PENDING_PER_ADDRESS:
+            self._take(mine[0])
+        elif len(self._pending) >= MAX_PENDING:
+            most = max(self._pending_by.values(), key=len)
+            self._take(most[0])
+
+    def _take(self, nonce: str) -> _Pending | None:
+        p = self._pending.pop(nonce, None)
+        if p is not None:
+            nonces = self._pending_by.get(p.address, [])
+            if nonce in nonces:
+                nonces.remove(nonce)
+            if not nonces:
+                self._pending_by.pop(p.address, None)
+        return p
 
     def _new_session(self, peer: Peer, now: float) -> str:
         while self._sessions and (len(self._sessions) >= MAX_SESSIONS
@@ -170,7 +204,7 @@ class Guard:
 
     async def _confirm(self, request: web.Request) -> web.Response:
         c = await self._body(request, AuthConfirm)
-        p = self._pending.pop(c.nonce, None)
+        p = self._take(c.nonce)
         if p is None:
             raise self._refuse(request, "a confirm for no pending challenge (a replay, or too late)")
         if p.expires < self.clock():
@@ -185,10 +219,10 @@ class Guard:
             signed = False
         if not signed:
             raise self._refuse(request, "the signature does not match the peer's certificate")
-        bound = self.bound.setdefault(c.agent_id, p.client_fp)
-        if bound != p.client_fp:
-            raise self._refuse(request, f"agent {c.agent_id} proved identity {bound[:12]} before, not "
-                                        f"{p.client_fp[:12]} (its state folder was replaced?)")
+        if c.agent_id != id_of(p.client_fp):
+            log.warning("refused %s: it claims agent id %s, but its identity %s proves agent %s (a key holder "
+                        "posing as another agent?)", request.remote, c.agent_id, p.client_fp[:12], id_of(p.client_fp))
+            raise self._refuse(request, f"agent id {c.agent_id} is not the one its identity proves")
         now = self.clock()
         token = self._new_session(Peer(c.agent_id, p.client_fp), now)
         log.debug("authenticated agent %s (identity %s) from %s", c.agent_id, p.client_fp[:12], request.remote)

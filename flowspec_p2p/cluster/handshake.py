@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 from collections.abc import Mapping
 from typing import Annotated
@@ -75,7 +76,7 @@ class AuthSession(FrozenModel):
     v: int = AUTH_VERSION
     token: Hex64
     agent_id: str = Field(min_length=1, max_length=64)
-    ttl_s: float
+    ttl_s: float = Field(gt=0, le=86400.0, allow_inf_nan=False)
 
 
 def new_nonce() -> str:
@@ -141,5 +142,7 @@ class AdvertSeal:
             age = now - float(props.get("ts") or "")
         except ValueError:
             raise ProtocolError("malformed timestamp") from None
+        if not math.isfinite(age):  # "nan" and "inf" parse as floats, and NaN passes every comparison
+            raise ProtocolError("malformed timestamp (not a finite number)")
         if abs(age) > self.max_age_s:
             raise ProtocolError(f"sealed {age:.0f} s ago (limit {self.max_age_s:.0f} s): is either clock wrong?")

@@ -2,7 +2,8 @@
 
 Both are made on the agent's first start and kept in its state folder::
 
-    <state dir>/agent_id       the agent's id (12 hex digits)
+    <state dir>/agent_id       the agent's id: with an identity (every keyed agent), the first ID_HEX hex digits of
+                               its fingerprint (``id_of``); in the open mode of --insecure, 12 random hex digits
     <state dir>/identity.key   the private key (PEM, owner-only permissions)
     <state dir>/identity.crt   the self-signed certificate (PEM)
     <state dir>/lock           held while an agent runs: one agent per state folder
@@ -11,6 +12,11 @@ An identity is named by its *fingerprint*: the SHA-256 of the certificate's DER 
 server presents the certificate in TLS; peers pin the fingerprint an agent proved in the handshake (handshake.py).
 The certificate names no host and no agent (its subject is a constant): a stranger that connects learns nothing
 but a public key.
+
+An agent's id is *self-certifying*: it is derived from the identity's fingerprint, so only the holder of that
+identity's private key can prove it (guard.py refuses a handshake whose agent id is not its certificate's). A holder
+of the cluster key can make identities at will, but never one whose id is another agent's: that would take a
+second preimage of ID_HEX * 4 = 96 bits of SHA-256.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ ID_FILE = "agent_id"
 CERT_SUBJECT = "flowspec_p2p agent"
 CERT_DAYS = 3650
 MAX_CERT_BYTES = 8192
+ID_HEX = 24  # hex digits of the fingerprint that make an agent's id (96 bits)
 
 
 @dataclass(frozen=True, repr=False)
@@ -55,6 +62,11 @@ class Identity:
     @cached_property
     def fingerprint(self) -> str:
         return fingerprint_of_pem(self.cert_pem)
+
+    @property
+    def agent_id(self) -> str:
+        """The id this identity proves (``id_of`` its fingerprint)."""
+        return id_of(self.fingerprint)
 
     @classmethod
     def generate(cls) -> Identity:
@@ -149,9 +161,22 @@ def verify_signature(cert_pem: bytes, signature: bytes, data: bytes) -> bool:
     return True
 
 
-def agent_id(state: Path) -> str:
-    """The id kept in ``state``, made there on first use."""
+def id_of(fingerprint: str) -> str:
+    """The agent id an identity with this fingerprint proves."""
+    return fingerprint[:ID_HEX]
+
+
+def agent_id(state: Path, identity: Identity | None = None) -> str:
+    """The agent's id: ``identity``'s (written to ``state`` for tools that read it), else (open mode) the one kept in
+    ``state``, made there on first use."""
     path = state / ID_FILE
+    if identity is not None:
+        aid = identity.agent_id
+        with contextlib.suppress(OSError):
+            if path.read_text().strip() == aid:
+                return aid
+        path.write_text(aid + "\n")
+        return aid
     try:
         aid = path.read_text().strip()
         if aid:

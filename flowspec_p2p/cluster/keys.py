@@ -7,10 +7,13 @@ Where an agent gets it (``resolve``), first match wins:
 
     --cluster-key-file PATH          a file holding the text form (``flowspec keygen --out PATH`` writes one)
     $FLOWSPEC_CLUSTER_KEY            the text form itself
-    --secret / $FLOWSPEC_SECRET      a passphrase (the older way): the key is PBKDF2-HMAC-SHA256 of it
+    --secret / $FLOWSPEC_SECRET      a passphrase (the older way): the key is scrypt of it, salted with the cluster's
+                                     name (a guessable passphrase stays guessable: every sealed advert lets anyone
+                                     who hears it try guesses offline; `flowspec keygen` makes a key that is not)
     <state dir>/cluster.key          kept from an earlier start
     (the leader only) a new key      made on its first start, written to <state dir>/cluster.key with owner-only
-                                     permissions; the leader prints the one line a member needs
+                                     permissions; the leader prints the one line a member needs to its terminal
+                                     only (never to a log that journald or docker keep: there, the file's path)
 
 ``--insecure`` runs without a key (today's open mode, for a lab); the agent warns at every start.
 """
@@ -25,19 +28,23 @@ import logging
 import os
 import secrets
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from ..config import AgentConfig
-from ..env import CLUSTER_KEY, KEY_FILE
+from ..env import CLUSTER_KEY, KEY_FILE, LEADER_IDENTITY
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "fsk1-"
 KEY_BYTES = 32
-SECRET_SALT = b"flowspec_p2p cluster key from a passphrase v1"
-SECRET_ITERATIONS = 200_000
+SECRET_SALT = b"flowspec_p2p cluster key from a passphrase v2\0"  # + the cluster's name
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**15, 8, 1  # 32 MiB and ~0.1 s per guess (RFC 7914's interactive setting, doubled)
+SECRET_WARNING = ("--secret derives the cluster key from a passphrase: anyone who hears a sealed advert of this "
+                  "cluster can try guesses offline. `flowspec keygen` makes a key that cannot be guessed.")
 
 
 @dataclass(frozen=True, repr=False)
@@ -52,9 +59,12 @@ class ClusterKey:
         return cls(secrets.token_bytes(KEY_BYTES))
 
     @classmethod
-    def from_secret(cls, secret: str) -> ClusterKey:
-        """The key of a passphrase (``--secret``): PBKDF2-HMAC-SHA256, a fixed salt, SECRET_ITERATIONS rounds."""
-        return cls(hashlib.pbkdf2_hmac("sha256", secret.encode(), SECRET_SALT, SECRET_ITERATIONS, KEY_BYTES))
+    def from_secret(cls, secret: str, cluster: str) -> ClusterKey:
+        """The key of a passphrase (``--secret``) for cluster ``cluster``: scrypt (memory-hard), salted with the
+        cluster's name, so one table of guesses serves no two clusters."""
+        salt = SECRET_SALT + cluster.encode()
+        return cls(hashlib.scrypt(secret.encode(), salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P, dklen=KEY_BYTES,
+                                  maxmem=128 * SCRYPT_R * SCRYPT_N * 2))
 
     @classmethod
     def parse(cls, text: str, where: str = "the cluster key") -> ClusterKey:
@@ -109,14 +119,17 @@ def read_key(path: Path) -> ClusterKey:
     return ClusterKey.parse(text, str(path))
 
 
-def member_line(key: ClusterKey) -> str:
-    """What a member needs: the environment line that gives it the key."""
-    return f"export {CLUSTER_KEY}={key.text}"
+def member_line(key: ClusterKey, leader_identity: str = "") -> str:
+    """What a member needs: the environment line that gives it the key (and, from a leader, the identity of the
+    leader it may join: cluster/member.py)."""
+    pin = f" {LEADER_IDENTITY}={leader_identity}" if leader_identity else ""
+    return f"export {CLUSTER_KEY}={key.text}{pin}"
 
 
-def resolve(cfg: AgentConfig) -> ClusterKey | None:
+def resolve(cfg: AgentConfig, leader_identity: str = "", terminal: TextIO | None = None) -> ClusterKey | None:
     """The agent's cluster key (see the module docstring), or None with ``--insecure``. Raises ConfigError when a
-    member has none."""
+    member has none. ``leader_identity``: a leader's fingerprint, printed in the line its members need; a new key is
+    written to ``terminal`` (default: stderr when it is a terminal), never to the log."""
     if cfg.insecure:
         return None
     if cfg.cluster_key_file is not None:
@@ -124,7 +137,8 @@ def resolve(cfg: AgentConfig) -> ClusterKey | None:
     if cfg.cluster_key is not None:
         return ClusterKey.parse(cfg.cluster_key.get_secret_value(), f"${CLUSTER_KEY}")
     if cfg.secret is not None:
-        return ClusterKey.from_secret(cfg.secret.get_secret_value())
+        log.warning(SECRET_WARNING)
+        return ClusterKey.from_secret(cfg.secret.get_secret_value(), cfg.cluster)
     stored = cfg.state_path / KEY_FILE
     if stored.exists():
         key = read_key(stored)
@@ -137,7 +151,10 @@ def resolve(cfg: AgentConfig) -> ClusterKey | None:
             f"(the leader keeps it in its state folder, {KEY_FILE}); --insecure joins an open cluster instead")
     key = ClusterKey.generate()
     write_key(stored, key)
-    log.warning("made cluster key %s in %s (owner-only). On every other device of cluster %r, before "
-                "`flowspec agent --cluster %s`:\n\n    %s\n", key.key_id, stored, cfg.cluster, cfg.cluster,
-                member_line(key))
+    pin = f" {LEADER_IDENTITY}={leader_identity}" if leader_identity else ""
+    if terminal is not None or sys.stderr.isatty():
+        (terminal or sys.stderr).write(f"\nOn every other device of cluster {cfg.cluster!r}, before `flowspec agent "
+                                       f"--cluster {cfg.cluster}`:\n\n    {member_line(key, leader_identity)}\n\n")
+    log.warning("made cluster key %s in %s (owner-only). Every other device of cluster %r needs its text: "
+                "export %s=\"$(cat %s)\"%s", key.key_id, stored, cfg.cluster, CLUSTER_KEY, stored, pin)
     return key

@@ -10,11 +10,13 @@ The engine behind ``flowspec cluster up`` and the benchmarks' emulated edge clus
         c.kill(2); c.wait_ready()   # a member vanishes; the cluster re-plans
 
 Agent 0 is the leader (it loads the model and serves the API); the others hold no model copy and fetch their layers
-from it. Every agent gets ``max(1, physical cores // n)`` compute threads unless told otherwise, the same compute score
+from it. Every agent serves the API, agent i on ``api_port + i`` (a member forwards to the leader; ``api_urls()``).
+Every agent gets ``max(1, physical cores // n)`` compute threads unless told otherwise, the same compute score
 (measured once here: agents on one host share its cores, so separate micro-benchmarks would only measure who ran
 first), its own state folder, and a fresh cluster key (``FLOWSPEC_CLUSTER_KEY``: strangers cannot join; every
-link is TLS), unless ``insecure``. Children run in their own session, so Ctrl-C reaches only this process, which
-stops them in order; on Linux they also die with it.
+link is TLS), unless ``insecure``. With ``netns`` every agent runs on a host of its own: a network namespace on a
+private bridge (netns.py), reached over that LAN only. Children run in their own session, so Ctrl-C reaches only
+this process, which stops them in order; on Linux they also die with it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ..types import Settings
 from .control import TIMELINE_PATH
 from .identity import Identity
 from .keys import ClusterKey
+from .netns import Netns
 from .pinning import AuthClient
 
 log = logging.getLogger(__name__)
@@ -86,6 +89,9 @@ class ClusterOptions(Settings):
     verbose: int = 1  # agents' -v count (their logs go to <state_root>/agent<i>.log)
     ready_timeout_s: float = 600.0
     extra_args: tuple[str, ...] = ()
+    # each agent on a host of its own: a network namespace on a private bridge (netns.py; needs root), the leader's
+    # API on its LAN address (open: the bridge is this machine's own), instead of every agent on loopback
+    netns: bool = False
 
 
 @dataclass
@@ -138,13 +144,14 @@ class LocalCluster:
         self.key: ClusterKey | None = None
         if not o.insecure:
             self.key = (ClusterKey.parse(o.cluster_key) if o.cluster_key else
-                        ClusterKey.from_secret(o.secret) if o.secret else ClusterKey.generate())
+                        ClusterKey.from_secret(o.secret, self.name) if o.secret else ClusterKey.generate())
         self._identity = Identity.generate()  # this controller's, for GET /control/timeline
         self._own_root = o.state_root is None
         self.root = Path(o.state_root or tempfile.mkdtemp(prefix="flowspec-cluster-"))
         self.root.mkdir(parents=True, exist_ok=True)
         self.threads = o.threads or max(1, env.physical_cores() // n)
         self.gflops = o.gflops
+        self.net = Netns(n) if o.netns else None
         self.agents = [self._agent(i) for i in range(n)]
         self.api_url: str | None = None
 
@@ -153,13 +160,21 @@ class LocalCluster:
     def _agent(self, i: int) -> AgentProcess:
         o = self.options
         state = self.root / f"agent{i}"
+        address = "127.0.0.1" if self.net is None else self.net.address(i)
         args = [sys.executable, "-m", "flowspec_p2p", *(["-" + "v" * o.verbose] if o.verbose else []), "agent",
-                "--cluster", self.name, "--name", f"agent{i}", "--interface", "127.0.0.1",
+                "--cluster", self.name, "--name", f"agent{i}", "--interface", address,
                 "--state-dir", str(state), "--threads", str(self.threads)]
         flags = {"--link-mbps": o.link_mbps, "--link-latency-ms": o.link_latency_ms, "--slowdown": o.slowdown,
                  "--engine": o.engine}
+        # every agent serves the API (a member forwards to the leader, and resumes a reply when the leader is lost):
+        # agent i on api_port + i (any free port when api_port is 0)
+        # (with netns: on the agent's own LAN address, open: the bridge is this machine's own private one)
+        api_host = o.api_host if self.net is None else address
+        args += ["--api-host", api_host, "--api-port", str(o.api_port + i if o.api_port else 0)]
+        if self.net is not None:
+            args.append("--api-insecure")
         if i == 0:
-            args += ["--leader", "--api-host", o.api_host, "--api-port", str(o.api_port)]
+            args += ["--leader"]
             if o.model is not None:
                 args += ["--model", str(o.model)]
             if o.draft is not None:
@@ -191,20 +206,25 @@ class LocalCluster:
         env = self.agent_environment()
         with contextlib.suppress(OSError):
             (a.state_dir / "agent.json").unlink()
+        if self.net is not None:
+            args = self.net.command(a.index, args)
         with open(a.log_path, "ab") as logf:
             a.popen = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=logf, stdin=subprocess.DEVNULL,
                                        env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.info("started agent%d (pid %d)%s", a.index, a.popen.pid, " as leader" if a.leader else "")
 
-    def start(self) -> LocalCluster:
-        """Start every agent and wait until the leader serves a plan that knows all of them."""
+    def start(self, wait: bool = True) -> LocalCluster:
+        """Start every agent and (``wait``) wait until the leader serves a plan that knows all of them."""
         if self.gflops is None:
             self.gflops = _measure_gflops(self.threads)
             log.info("compute score for every agent: %.3g GFLOP/s (%d thread(s) each)", self.gflops, self.threads)
         try:
+            if self.net is not None:
+                self.net.up()
             for a in self.agents:
                 self._launch(a)
-            self.wait_ready()
+            if wait:
+                self.wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -243,6 +263,10 @@ class LocalCluster:
             return view
         return None
 
+    def api_urls(self) -> list[str | None]:
+        """Each agent's API URL (None until it runs)."""
+        return [(a.info() or {}).get("api_url") for a in self.agents]
+
     def view(self) -> dict:
         """The leader's GET /cluster."""
         with urllib.request.urlopen(self.api_url + "/cluster", timeout=HTTP_TIMEOUT_S) as r:
@@ -255,10 +279,8 @@ class LocalCluster:
 
     async def _timelines(self, since: float | None) -> list[dict]:
         query = "" if since is None else f"?since={since!r}"
-        if self.key is None:
-            session = aiohttp.ClientSession()
-        else:  # the agents serve it to holders of the key only
-            session = AuthClient(self.key, self._identity, f"controller-{os.getpid()}").open()
+        # the agents serve it to holders of the key only
+        session = aiohttp.ClientSession() if self.key is None else AuthClient(self.key, self._identity).open()
         out = []
         async with session:
             for a in self.agents:
@@ -287,6 +309,16 @@ class LocalCluster:
             if wait:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     a.popen.wait(STOP_TIMEOUT_S)
+
+    def unplug(self, index: int) -> None:
+        """(--netns) Agent ``index``'s host vanishes: its link is cut, then it is killed with its namespace."""
+        if self.net is None:
+            raise FlowSpecError("only a cluster of separate hosts (netns) can unplug one")
+        self.net.unplug(index)
+        a = self.agents[index]
+        if a.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                a.popen.wait(STOP_TIMEOUT_S)
 
     def wait_exit(self, index: int, timeout_s: float = STOP_TIMEOUT_S) -> None:
         a = self.agents[index]
@@ -317,6 +349,8 @@ class LocalCluster:
                     time.sleep(0.5)
                 a.popen.kill()
                 a.popen.wait()
+        if self.net is not None:
+            self.net.down()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from ..errors import ConfigError, FlowSpecError, PeerGone, ProtocolError
 from .control import CONTROL_PATH, INFO_PATH, ControlMessage, PeerInfo, agent_url, decode_message, encode_message
+from .gate import Gate, GatedSite
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,15 @@ class ControlClient:
         return info
 
 
-async def bind(runner: web.AppRunner, hosts: list[str], port: int, ssl_context: ssl.SSLContext | None = None
-               ) -> int:
+async def bind(runner: web.AppRunner, hosts: list[str], port: int, ssl_context: ssl.SSLContext | None = None, *,
+               gate: Gate | None = None, reuse_port: bool = False) -> int:
     """Start a TCP site (TLS with ``ssl_context``) on each host, all on one port (the first site picks it when
-    ``port`` is 0)."""
+    ``port`` is 0); with ``gate``, its connections pass through it (gate.py)."""
     for host in hosts:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+        if gate is not None:
+            site = GatedSite(runner, host, port, gate=gate, ssl_context=ssl_context, reuse_port=reuse_port)
+        else:
+            site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port or None)
         try:
             await site.start()
         except OSError as e:

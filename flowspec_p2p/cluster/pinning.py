@@ -16,6 +16,8 @@ every one after.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -66,16 +68,18 @@ class Pins:
 
     def expect(self, host: str, port: int, identity: str) -> Pin | None:
         """Agent address ``host:port`` must present ``identity`` from now on. -> the pin it replaces"""
-        old = self._pins.get((host, port))
+        key = _normal(host, port)
+        old = self._pins.get(key)
         if identity:
-            self._pins[(host, port)] = Pin(identity, True)
+            self._pins[key] = Pin(identity, True)
         return old
 
     def restore(self, host: str, port: int, pin: Pin | None) -> None:
+        key = _normal(host, port)
         if pin is None:
-            self._pins.pop((host, port), None)
+            self._pins.pop(key, None)
         else:
-            self._pins[(host, port)] = pin
+            self._pins[key] = pin
 
     def learn(self, address: Address, identity: str) -> None:
         if address not in self._pins:
@@ -87,8 +91,16 @@ class Pins:
             del self._pins[address]
 
 
+def _normal(host: str, port: int) -> Address:
+    host = host.strip("[]").rstrip(".").lower()
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(host))
+    return (host, port)
+
+
 def _address(url) -> Address:
-    return (url.raw_host or "", url.port or 443)
+    """A URL's (host, port) as pins key it: host names in lower case, IP addresses canonical (control.check_host)."""
+    return _normal(url.raw_host or "", url.port or 443)
 
 
 class PinningConnector(aiohttp.TCPConnector):
@@ -124,13 +136,14 @@ class Session:
 
 class AuthClient:
     """Authenticates agent ``agent_id`` (``identity``, holding ``key``) to the agents it talks to. ``open()`` makes
-    the ClientSession every request of the agent goes through."""
+    the ClientSession every request of the agent goes through. The id is the identity's own (identity.id_of) unless
+    given: servers refuse any other, so only a test passes one."""
 
-    def __init__(self, key: ClusterKey, identity: Identity, agent_id: str, pins: Pins | None = None, *,
+    def __init__(self, key: ClusterKey, identity: Identity, agent_id: str | None = None, pins: Pins | None = None, *,
                  clock: Callable[[], float] = time.monotonic):
         self.key = key
         self.identity = identity
-        self.agent_id = agent_id
+        self.agent_id = agent_id or identity.agent_id
         self.pins = pins or Pins()
         self.clock = clock
         self.sessions: dict[Address, Session] = {}
@@ -145,7 +158,7 @@ class AuthClient:
 
     def identity_at(self, host: str, port: int) -> str | None:
         """The identity the agent at ``host:port`` proved in this client's session with it."""
-        s = self.sessions.get((host, port))
+        s = self.sessions.get(_normal(host, port))
         return s.identity if s is not None else None
 
     async def middleware(self, req: aiohttp.ClientRequest, handler) -> aiohttp.ClientResponse:

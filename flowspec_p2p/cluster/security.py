@@ -10,6 +10,9 @@
 
 The pins learn where each agent is from authenticated statements only: a member's Hello (at the leader), the
 leader's plan (at a member, once it accepted it), and leadership claims the claimant confirmed.
+
+Ids are self-certifying (identity.py): a keyed agent's id is derived from its certificate, so an authenticated
+sender's id *is* its identity, and no holder of the key can speak, plan or link in another agent's name.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import aiohttp
 from aiohttp import web
 
 from ..config import AgentConfig
+from ..env import LEADER_IDENTITY
 from ..errors import ProtocolError
 from . import keys
 from .control import ControlMessage, Hello, PeerInfo, PlanUpdate, claimed_sender
+from .gate import Gate
 from .guard import Guard, Peer
 from .handshake import AdvertSeal
-from .identity import Identity
+from .identity import Identity, agent_id
 from .net import ControlClient
 from .pinning import AuthClient
 
@@ -42,21 +47,26 @@ class Security:
         self.agent_id = agent_id
         self.key = key
         self.identity = identity
-        self.guard = Guard(key, identity, agent_id) if key is not None else None
+        self.gate = Gate("agent server")  # connection limits of the agent server (gate.py)
+        self.guard = Guard(key, identity, agent_id, vouch=self.gate.vouch) if key is not None else None
         self.auth = AuthClient(key, identity, agent_id) if key is not None else None
         self.seal = AdvertSeal(key) if key is not None else None
 
     @classmethod
-    def load(cls, cfg: AgentConfig, agent_id: str) -> Security:
-        """The agent's key (made on a leader's first start) and identity (made on any agent's first start)."""
-        key = keys.resolve(cfg)
-        if key is None:
+    def load(cls, cfg: AgentConfig) -> Security:
+        """The agent's key (made on a leader's first start), identity (made on any agent's first start) and id
+        (derived from the identity; in the open mode the one kept in the state folder)."""
+        if cfg.insecure:
             log.warning(INSECURE_WARNING)
-            return cls(agent_id)
+            return cls(agent_id(cfg.state_path))
         identity = Identity.load_or_create(cfg.state_path)
+        key = keys.resolve(cfg, identity.fingerprint if cfg.leader else "")
+        assert key is not None
         log.info("cluster key %s; this agent's identity %s (TLS on every agent link)", key.key_id,
                  identity.fingerprint[:12])
-        return cls(agent_id, key, identity)
+        if cfg.leader:
+            log.info("members that should join only this leader: %s=%s", LEADER_IDENTITY, identity.fingerprint)
+        return cls(agent_id(cfg.state_path, identity), key, identity)
 
     @property
     def secure(self) -> bool:
@@ -71,7 +81,7 @@ class Security:
         return self.identity.server_context() if self.identity is not None else None
 
     def middlewares(self) -> list:
-        return [self.guard.middleware] if self.guard is not None else []
+        return [self.guard.middleware] if self.guard is not None else [self.gate.vouch_all]
 
     def install(self, app: web.Application) -> None:
         if self.guard is not None:

@@ -165,7 +165,8 @@ class StageHost:
     def prepare(self, update: PlanUpdate, report: Callable[[StageStatus], object]) -> None:
         """Start loading this agent's range of ``update`` (a newer call cancels an older one's load);
         ``report`` gets the "loaded"/"failed" StageStatus (it may be a coroutine function)."""
-        assert self._tg is not None, "StageHost.run() is not running"
+        if self._tg is None:
+            raise FlowSpecError("this agent's stage is stopping")
         if self._prepare_task is not None and not self._prepare_task.done():
             self._prepare_task.cancel()
         self._prepare_task = self._tg.create_task(self._prepare(update, report), name=f"prepare-{update.epoch}")
@@ -188,9 +189,12 @@ class StageHost:
             log.error("epoch %d: cannot load layers %s: %s: %s", update.epoch, node and node.layers,
                       type(e).__name__, e)
             status = StageStatus(agent_id=self.agent_id, epoch=update.epoch, state="failed", detail=str(e))
-        result = report(status)
-        if asyncio.iscoroutine(result):
-            await result
+        try:  # the report goes to the leader: its fault (gone, refusing) is logged, never this agent's end
+            result = report(status)
+            if asyncio.iscoroutine(result):
+                await result
+        except (PeerGone, ProtocolError) as e:
+            log.warning("epoch %d: could not report %s: %s", update.epoch, status.state, e)
 
     async def _load(self, update: PlanUpdate, node: RingNode | None) -> Prepared:
         if node is None:
@@ -248,7 +252,10 @@ class StageHost:
             index = [n.agent_id for n in u.ring].index(self.agent_id) + 1
             wire = wire_torch_dtype(u.wire_dtype)
             inbox = TapQueue(self.tap)
-            core = StageCore(p.shard, index=index, capacity=u.context, wire_dtype=wire, caches=u.max_requests)
+            # off the event loop: the requests' KV caches are made and touched here (GBs on a large model), and
+            # heartbeats must go on meanwhile
+            core = await asyncio.to_thread(StageCore, p.shard, index=index, capacity=u.context, wire_dtype=wire,
+                                           caches=u.max_requests)
             worker = StageWorker(core, inbox=inbox, device=self.device(), name=f"stage{index}")
             if self.leader_inbox is None:
                 pred = u.predecessor_id(self.agent_id)
@@ -281,7 +288,8 @@ class StageHost:
             assert self.leader_inbox is not None
             return QueueSender(self.leader_inbox, target)
         hello = RingHello(protocol=PROTOCOL_VERSION, cluster=self.cluster, epoch=u.epoch, sender=self.agent_id)
-        return await connect_with_retry(ws_url(nxt.url), hello, self.session, events, self.link, wire)
+        return await connect_with_retry(ws_url(nxt.url), hello, self.session, events, self.link, wire,
+                                        wanted=lambda: self.prepared is not None and self.prepared.epoch == u.epoch)
 
     async def release(self) -> None:
         async with self._lock:
@@ -345,14 +353,19 @@ def _cache_bytes(worker: StageWorker) -> int:
 
 
 async def connect_with_retry(url: str, hello: RingHello, session: aiohttp.ClientSession, events: asyncio.Queue | None,
-                             link: LinkEmulation, wire: torch.dtype) -> Link:
-    """Open a ring link, retrying while the successor has not switched to ``hello.epoch`` yet."""
+                             link: LinkEmulation, wire: torch.dtype, *,
+                             wanted: Callable[[], bool] = lambda: True) -> Link:
+    """Open a ring link, retrying while the successor has not switched to ``hello.epoch`` yet -- and while
+    ``wanted()``: a newer plan supersedes the epoch (its successor may have switched past it already)."""
     deadline = time.monotonic() + LINK_CONNECT_TIMEOUT_S
     pause = LINK_RETRY_S
     while True:
         try:
             return await Link.connect(url, hello, session=session, events=events, emulation=link, float_dtype=wire)
         except (PeerGone, ProtocolError) as e:
+            if not wanted():
+                raise PeerGone(f"the ring link to {url} for epoch {hello.epoch} is not wanted any more (a newer "
+                               f"plan came): {e}") from e
             if time.monotonic() + pause > deadline:
                 raise PeerGone(f"cannot open the ring link to {url} for epoch {hello.epoch}: {e}") from e
             await asyncio.sleep(pause)

@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"the cluster key (default ${env.CLUSTER_KEY}, else the state folder's cluster.key; the "
                    "leader makes one there on its first start; `flowspec keygen` makes one; a --secret passphrase "
                    "derives one instead)")
+    p.add_argument("--leader-identity", default=None, metavar="FINGERPRINT",
+                   help=f"(member) join only the leader with this identity (and the successors its plans name); its "
+                   f"leader prints it next to the key (default ${env.LEADER_IDENTITY}, else the first leader found)")
     p.add_argument("--insecure", action="store_true", default=None,
                    help="no cluster key: an open cluster (plain http; anyone on the network may join). Lab only")
     p.add_argument("--api-key", default=None,
@@ -88,7 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flowspec-config", default=None, metavar="JSON",
                    help="(leader) FlowSpec settings that differ from the defaults, as JSON of FlowSpecConfig fields, "
                    "e.g. '{\"segment_cap\": 1, \"in_flight\": 8}' (see flowspec_p2p/decoding/flowspec.py)")
-    p.add_argument("--memory-mb", type=float, default=None, help="offer this much memory instead of measuring")
+    p.add_argument("--memory-mb", type=float, default=None,
+                   help="memory this agent offers for the model: weights, KV cache, activations (its own runtime "
+                   "comes on top; the planner leaves 5%% of it free). Default: 80%% of what is available at start")
     p.add_argument("--gflops", type=float, default=None, help="use this compute score instead of measuring")
     p.add_argument("--link-mbps", type=float, default=None, help="emulate this link bandwidth (Mbit/s)")
     p.add_argument("--link-latency-ms", type=float, default=None, help="emulate this one-way link latency")
@@ -106,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "api_host": args.api_host, "api_port": args.api_port, "state_dir": args.state_dir, "threads": args.threads,
         "cache_max_gb": args.cache_max_gb, "engine": args.engine, "max_requests": args.max_requests,
         "secret": args.secret, "cluster_key_file": args.cluster_key_file, "insecure": args.insecure,
+        "leader_identity": args.leader_identity,
         "api_key": args.api_key, "api_insecure": args.api_insecure, "api_cors": args.api_cors,
         "wire_dtype": args.wire_dtype, "decoding": args.decoding,
         "flowspec": config_mod.json_object(args.flowspec_config, "--flowspec-config"),

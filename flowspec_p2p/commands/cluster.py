@@ -36,7 +36,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "over mDNS, planned and loaded the model, print where the API is, and run until Ctrl-C "
                          "(SIGINT/SIGTERM), which stops every agent cleanly.")
     _common(up)
-    up.add_argument("--api-port", type=int, default=8000, help="leader API port (default 8000; 0 = any)")
+    up.add_argument("--api-port", type=int, default=8000,
+                    help="the leader's API port; agent i serves its API on PORT + i (a member forwards to the "
+                    "leader, and a reply streaming through it survives the leader's loss). Default 8000; 0 = any")
+    up.add_argument("--netns", action="store_true",
+                    help="each agent on a host of its own: a network namespace with its own LAN interface on a "
+                    "private bridge (a 10.x.y.0/24 made for it, removed at exit; needs root and iproute2); each "
+                    "agent's API answers on its LAN address, the leader's at the printed URL")
     up.set_defaults(func=run_up)
     rec = csub.add_parser("recovery", help="measure how fast the cluster serves again after an agent leaves",
                           description="Start N agents; then, RUNS times each: stop the last member gracefully, "
@@ -93,7 +99,7 @@ def _options(args: argparse.Namespace) -> ClusterOptions:
                               slowdown=args.slowdown, stages=args.stages, leader_layers=args.leader_layers,
                               context=args.context, wire_dtype=args.wire_dtype, state_root=args.state_dir,
                               decoding=args.decoding, engine=args.engine, max_requests=args.max_requests,
-                              insecure=args.insecure,
+                              insecure=args.insecure, netns=getattr(args, "netns", False),
                               flowspec=json_object(args.flowspec_config, "--flowspec-config"))
     except ValidationError as e:
         raise ConfigError(f"invalid cluster options: {e}") from None
@@ -126,6 +132,9 @@ def run_up(args: argparse.Namespace) -> int:
         out = sys.stdout
         out.write(f"cluster {cluster.name!r}: {args.n} agents, serving at {url}\n")
         out.write((view.get("plan_text") or "") + "\n")
+        others = [u for u in cluster.api_urls()[1:] if u]
+        if others:
+            out.write(f"  every agent serves the API (through it, a reply outlives the leader): {', '.join(others)}\n")
         out.write(f"\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                   "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
                   "\"max_tokens\": 64, \"temperature\": 0}'\n\n"

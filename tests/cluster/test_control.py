@@ -50,3 +50,45 @@ def test_messages_name_their_senders_and_urls_say_whether_the_agent_speaks_tls()
     assert claimed_sender(Ack()) == (None, None)
     assert ME.url == "http://127.0.0.1:4242"
     assert keyed.url == "https://127.0.0.1:4242"
+
+
+def test_no_float_of_a_control_message_or_an_advert_seal_may_be_nan_or_infinite():
+    from flowspec_p2p.cluster.handshake import AdvertSeal
+    from flowspec_p2p.cluster.keys import ClusterKey
+
+    hello = encode_message(Hello(peer=ME)).decode()
+    for bad in ("NaN", "Infinity", "-Infinity"):
+        with pytest.raises(ProtocolError, match="malformed"):
+            decode_message(hello.replace('"started":0.0', f'"started":{bad}'))
+        with pytest.raises(ProtocolError, match="malformed"):
+            decode_message(f'{{"kind": "status", "v": 1, "agent_id": "a", "epoch": 1, "state": "loaded", '
+                           f'"load_s": {bad}}}')
+    seal = AdvertSeal(ClusterKey.generate())
+    for ts in ("nan", "inf", "-inf"):
+        props = seal.seal({"id": "a"}, 4000, now=1000.0)
+        props["ts"] = ts
+        props["p"] = seal._proof(props, 4000)  # a holder of the key sealing a NaN timestamp
+        with pytest.raises(ProtocolError, match="not a finite number"):
+            seal.check(props, 4000, now=1000.0)
+
+
+def test_host_names_have_one_spelling():
+    assert PeerInfo(**{**ME.model_dump(), "host": "Leader.LAN."}).host == "leader.lan"
+    assert PeerInfo(**{**ME.model_dump(), "host": "::FFFF:7F00:1"}).host == "::ffff:7f00:1"
+    from flowspec_p2p.cluster.pinning import Pins
+
+    pins = Pins()
+    pins.expect("Leader.LAN", 4000, "a" * 64)
+    assert pins.get(("leader.lan", 4000)).identity == "a" * 64
+
+
+async def test_every_agent_endpoint_answers_503_until_the_agent_is_ready(tmp_path):
+    from aiohttp import web
+
+    from flowspec_p2p.agent import Agent
+    from flowspec_p2p.config import AgentConfig
+
+    agent = Agent(AgentConfig(state_dir=tmp_path, insecure=True))  # built, not started
+    for handler in (agent._http_info, agent._http_control):
+        with pytest.raises(web.HTTPServiceUnavailable):
+            await handler(None)

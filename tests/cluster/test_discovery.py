@@ -104,7 +104,7 @@ class StaleSeal(AdvertSeal):
 async def test_sealed_adverts_are_found_and_unproven_foreign_or_stale_ones_ignored_and_logged_once(caplog):
     key = ClusterKey.generate()
     qa, qb, qx = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
-    a, b = peer("a", identity="a" * 64), peer("b", identity="b" * 64)
+    a, b = peer("a" * 24, identity="a" * 64), peer("b" * 24, identity="b" * 64)  # ids their identities prove
     da = Discovery(a, qa, addresses=LOOPBACK, interfaces=LOOPBACK, seal=AdvertSeal(key))
     db = Discovery(b, qb, addresses=LOOPBACK, interfaces=LOOPBACK, seal=AdvertSeal(key))
     other = AdvertSeal(ClusterKey.generate())
@@ -123,7 +123,7 @@ async def test_sealed_adverts_are_found_and_unproven_foreign_or_stale_ones_ignor
         await asyncio.sleep(1.0)
         assert sum("mDNS: ignoring" in r.message for r in caplog.records) == logged
     ids = {ev.info.id for ev in _drain(qa) if isinstance(ev, PeerSeen)}
-    assert ids == {"b"}
+    assert ids == {"b" * 24}
     why = {name.split(".")[0]: reason for name, reason in da.ignored.items()}
     assert why.keys() == {"t-other-key", "t-unsealed", "t-stale"}
     assert "does not match" in why["t-other-key"]
@@ -138,14 +138,17 @@ def _drain(q: asyncio.Queue) -> list:
     return out
 
 
+REAL, FORGED = "1" * 24, "2" * 24  # ids their identities ("1" * 64, "2" * 64) prove
+
+
 async def test_leadership_claims_and_removals_count_only_when_the_claimant_confirms_them():
     key = ClusterKey.generate()
-    real, forged = peer("real", role="leader", identity="1" * 64), peer("forged", role="leader", identity="2" * 64)
+    real, forged = peer(REAL, role="leader", identity="1" * 64), peer(FORGED, role="leader", identity="2" * 64)
     asked = []
 
     async def confirm(claim: PeerInfo) -> PeerInfo | None:
         asked.append(claim.id)
-        return claim if claim.id == "real" else None
+        return claim if claim.id == REAL else None
 
     q = asyncio.Queue()
     me = Discovery(peer("m"), q, addresses=LOOPBACK, interfaces=LOOPBACK, seal=AdvertSeal(key), confirm=confirm)
@@ -154,13 +157,13 @@ async def test_leadership_claims_and_removals_count_only_when_the_claimant_confi
     async with running(me):
         async with running(*both):
             ev = await next_event(q, PeerSeen)
-            assert ev.info.id == "real"
+            assert ev.info.id == REAL
             await asyncio.sleep(1.0)
         await asyncio.sleep(1.0)  # both are removed; "real" still confirms it is there, so it stays
     events = _drain(q)
-    assert not [e for e in events if isinstance(e, PeerSeen) and e.info.id == "forged"]
+    assert not [e for e in events if isinstance(e, PeerSeen) and e.info.id == FORGED]
     assert not [e for e in events if isinstance(e, PeerLost)]
-    assert {"real", "forged"} <= set(asked)
+    assert {REAL, FORGED} <= set(asked)
 
 
 async def test_static_peers_work_without_multicast(monkeypatch):

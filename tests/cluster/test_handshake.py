@@ -40,8 +40,13 @@ def test_keys_round_trip_in_text_and_files_readable_by_their_owner_only(tmp_path
     for bad in ("nope", "fsk1-!!!", "fsk1-" + "A" * 10):
         with pytest.raises(ConfigError, match="not a cluster key"):
             ClusterKey.parse(bad)
-    assert ClusterKey.from_secret("correct horse battery") == ClusterKey.from_secret("correct horse battery")
-    assert ClusterKey.from_secret("correct horse battery") != ClusterKey.from_secret("wrong horse battery")
+    assert ClusterKey.from_secret("correct horse battery", "home") == ClusterKey.from_secret("correct horse battery",
+                                                                                            "home")
+    assert ClusterKey.from_secret("correct horse battery", "home") != ClusterKey.from_secret("wrong horse battery",
+                                                                                            "home")
+    # salted with the cluster's name: one table of guesses serves no two clusters
+    assert ClusterKey.from_secret("correct horse battery", "home") != ClusterKey.from_secret("correct horse battery",
+                                                                                            "office")
     path = tmp_path / "k" / "cluster.key"
     keys.write_key(path, key)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -66,11 +71,17 @@ def test_keygen_writes_an_owner_only_key_and_prints_the_member_line(tmp_path, ca
     assert ClusterKey.parse(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_a_leader_makes_its_key_on_first_start_and_prints_the_line_members_need(tmp_path, caplog):
+def test_a_leader_makes_its_key_on_first_start_and_prints_the_line_members_need_to_its_terminal_only(tmp_path,
+                                                                                                      caplog):
+    import io
+
     leader = AgentConfig(leader=True, state_dir=tmp_path / "lead", cluster="home")
-    key = keys.resolve(leader)
+    terminal = io.StringIO()
+    key = keys.resolve(leader, "f" * 64, terminal=terminal)
+    assert f"export FLOWSPEC_CLUSTER_KEY={key.text} FLOWSPEC_LEADER_IDENTITY={'f' * 64}" in terminal.getvalue()
     line = next(r.message for r in caplog.records if "made cluster key" in r.message)
-    assert f"export FLOWSPEC_CLUSTER_KEY={key.text}" in line
+    assert key.text not in caplog.text  # the log (journald, docker logs) gets the file's path, never the key
+    assert str(tmp_path / "lead" / keys.KEY_FILE) in line
     assert stat.S_IMODE((tmp_path / "lead" / keys.KEY_FILE).stat().st_mode) == 0o600
     caplog.clear()
     assert keys.resolve(leader) == key  # later starts keep it, and print it no more
@@ -178,13 +189,15 @@ async def raw_handshake(http, url: str, key: ClusterKey, me: Identity, agent_id:
         return r.status, body
 
 
-async def test_a_holder_of_the_key_gets_a_session_and_is_known_by_its_id(key, server):
-    client = AuthClient(key, Identity.generate(), "member-1")
+async def test_a_holder_of_the_key_gets_a_session_and_is_known_by_the_id_its_identity_proves(key, server):
+    me = Identity.generate()
+    client = AuthClient(key, me)
     async with client.open() as http, http.get(server.url + "/who") as r:
         assert r.status == 200
-        assert (await r.json()) == {"agent_id": "member-1"}
+        assert (await r.json()) == {"agent_id": me.agent_id}
+    assert me.agent_id == me.fingerprint[:24]
     assert client.identity_at("127.0.0.1", server.port) == server.identity.fingerprint
-    async with AuthClient(key, Identity.generate(), "member-2").open() as http:
+    async with AuthClient(key, Identity.generate()).open() as http:
         with pytest.raises(ProtocolError, match="plain http"):  # a keyed agent sends nothing in the clear
             await http.get(f"http://127.0.0.1:{server.port}/who")
 
@@ -199,7 +212,7 @@ async def test_strangers_and_forged_tokens_get_401_and_learn_nothing(key, server
             async with http.get(server.url + path) as r:
                 assert r.status in (401, 404, 405), path
     with pytest.raises(ProtocolError, match="does not hold this cluster's key"):  # the stranger's own client
-        async with AuthClient(ClusterKey.generate(), Identity.generate(), "x").open() as http:
+        async with AuthClient(ClusterKey.generate(), Identity.generate()).open() as http:
             await http.get(server.url + "/who")
     async with raw_session() as http:  # a stranger that sends a proof anyway
         status, _ = await raw_handshake(http, server.url, ClusterKey.generate(), Identity.generate(), "x")
@@ -210,25 +223,30 @@ async def test_strangers_and_forged_tokens_get_401_and_learn_nothing(key, server
     assert server.served == 0
 
 
-async def test_a_replayed_or_late_confirm_and_a_forged_signature_are_refused(key, server, monkeypatch):
+async def test_a_replayed_or_late_confirm_a_forged_signature_and_another_agents_id_are_refused(key, server,
+                                                                                                monkeypatch, caplog):
     me = Identity.generate()
     async with raw_session() as http:
-        status, body = await raw_handshake(http, server.url, key, me, "m")
+        status, body = await raw_handshake(http, server.url, key, me, me.agent_id)
         assert status == 200
         async with http.post(server.url + CONFIRM_PATH, data=body) as r:  # the same confirm again
             assert r.status == 401
             assert await r.text() == REFUSAL
-        status, _ = await raw_handshake(http, server.url, key, me, "m", signer=Identity.generate())
+        status, _ = await raw_handshake(http, server.url, key, me, me.agent_id, signer=Identity.generate())
         assert status == 401  # the right key, but not the certificate's owner
-        status, _ = await raw_handshake(http, server.url, key, Identity.generate(), "m")
-        assert status == 401  # agent m proved another identity before
+        other = Identity.generate()  # a holder of the key claiming me's id, before or after me: never first-come
+        status, _ = await raw_handshake(http, server.url, key, other, me.agent_id)
+        assert status == 401
+        assert f"claims agent id {me.agent_id}" in caplog.text
+        status, _ = await raw_handshake(http, server.url, key, me, "member-1")  # any id but its own
+        assert status == 401
         monkeypatch.setattr(guard_mod, "CHALLENGE_TTL_S", -1.0)
-        status, _ = await raw_handshake(http, server.url, key, me, "m")
+        status, _ = await raw_handshake(http, server.url, key, me, me.agent_id)
         assert status == 401  # too late
 
 
 async def test_a_wrong_certificate_behind_a_pinned_address_is_refused_before_any_request(key, server, tmp_path):
-    client = AuthClient(key, Identity.generate(), "m")
+    client = AuthClient(key, Identity.generate())
     client.pins.expect("127.0.0.1", server.port, Identity.generate().fingerprint)
     async with client.open() as http:
         with pytest.raises(ProtocolError, match="presents certificate"):
@@ -240,7 +258,7 @@ async def test_a_wrong_certificate_behind_a_pinned_address_is_refused_before_any
 async def test_a_restarted_server_is_authenticated_again_and_a_replaced_one_only_where_not_pinned(key, server,
                                                                                                  server_identity,
                                                                                                  tmp_path):
-    client = AuthClient(key, Identity.generate(), "m")
+    client = AuthClient(key, Identity.generate())
     async with client.open() as http:
         assert (await http.get(server.url + "/who")).status == 200
         await server.stop()
@@ -289,7 +307,7 @@ async def test_garbage_handshakes_get_400_with_a_logged_reason_and_the_server_ke
             async with http.post(server.url + path, data=body) as r:
                 assert r.status in (400, 401, 413), (path, body[:40])
     assert "malformed handshake message" in caplog.text
-    client = AuthClient(key, Identity.generate(), "m")
+    client = AuthClient(key, Identity.generate())
     async with client.open() as http, http.get(server.url + "/who") as r:
         assert r.status == 200
 
@@ -298,6 +316,32 @@ async def test_a_peer_that_authenticates_again_and_again_holds_few_sessions(key,
     me = Identity.generate()
     async with raw_session() as http:
         for _ in range(10):
-            status, _ = await raw_handshake(http, server.url, key, me, "poller")
+            status, _ = await raw_handshake(http, server.url, key, me, me.agent_id)
             assert status == 200
     assert len(server.guard._sessions) == guard_mod.SESSIONS_PER_PEER
+
+
+async def test_a_challenge_flood_from_one_address_evicts_only_its_own_challenges(key, server_identity):
+    """Pending challenges are bounded per remote address: a flood keeps PENDING_PER_ADDRESS of its own, and a
+    challenge another address holds survives it."""
+    from types import SimpleNamespace
+
+    guard = guard_mod.Guard(key, server_identity, server_identity.agent_id)
+
+    def request(remote: str):
+        hello = AuthHello(cert=Identity.generate().cert_pem.decode(), nonce=new_nonce()).model_dump_json().encode()
+
+        class Content:
+            async def read(self, n):
+                return hello
+
+        return SimpleNamespace(remote=remote, content_length=len(hello), content=Content(), method="POST",
+                               path=CHALLENGE_PATH)
+
+    await guard._challenge(request("10.0.0.2"))
+    honest = next(iter(guard._pending))
+    for _ in range(guard_mod.MAX_PENDING + 50):
+        await guard._challenge(request("10.0.0.9"))
+    assert honest in guard._pending
+    assert len(guard._pending_by["10.0.0.9"]) == guard_mod.PENDING_PER_ADDRESS
+    assert len(guard._pending) == guard_mod.PENDING_PER_ADDRESS + 1

@@ -36,7 +36,7 @@ from flowspec_p2p.errors import PeerGone, ProtocolError
 from flowspec_p2p.pipeline.messages import PROTOCOL_VERSION
 from flowspec_p2p.pipeline.transport import CLOSE_REFUSED, Link, RingHello
 
-from ..agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, until
+from ..agent_fixtures import complete, make_fixture, parts_fixture, quick_timing_fixture, running, serving, start, until
 from ..ring_fixtures import ByteTokenizer
 
 __all__ = ["make_fixture", "parts_fixture", "quick_timing_fixture"]
@@ -87,35 +87,70 @@ async def test_a_stranger_without_the_key_reads_nothing_and_forges_nothing(make,
             with pytest.raises(aiohttp.ClientError):
                 await http.get(lead.replace("https", "http") + INFO_PATH)
         with pytest.raises(ProtocolError, match="does not hold this cluster's key"):  # another key's client
-            async with AuthClient(ClusterKey.generate(), Identity.generate(), "stranger").open() as http:
+            async with AuthClient(ClusterKey.generate(), Identity.generate()).open() as http:
                 await http.get(lead + INFO_PATH)
         assert leader.security.guard.refused >= len(reads) // 2
         await still_serving(leader, member, epoch, parts)
 
 
-async def test_a_holder_of_the_key_cannot_speak_for_another_agent(make, parts):
+async def test_a_holder_of_the_key_cannot_speak_for_another_agent(make, parts, caplog):
     leader, member = two_stages(make)
-    async with running(leader, member):
+    async with running(leader, member) as tasks:
         await until(serving(leader, 1))
         epoch = leader.coordinator.update.epoch
         lead, mem = leader.info.url, member.info.url
-        insider = AuthClient(leader.security.key, Identity.generate(), "insider")
-        me = member.info.model_copy(update={"id": "insider", "identity": insider.identity.fingerprint})
+        insider = AuthClient(leader.security.key, Identity.generate())
+        me = member.info.model_copy(update={"id": insider.agent_id, "identity": insider.identity.fingerprint})
         update = leader.coordinator.update
         forged = [(lead, Bye(agent_id=member.id)), (lead, Heartbeat(agent_id=member.id, epoch=epoch, state="idle")),
                   (lead, Hello(peer=member.info)),  # its id and identity, not ours
                   (mem, update.model_copy(update={"epoch": epoch + 1})),  # a plan naming the leader
                   (mem, update.model_copy(update={"epoch": epoch + 1, "leader": me})),  # naming ourselves
-                  (mem, Activate(epoch=epoch + 1)), (mem, Bye(agent_id=leader.id))]
+                  (mem, Activate(epoch=epoch + 1)), (mem, Bye(agent_id=leader.id)), (mem, Bye(agent_id=me.id))]
         async with insider.open() as http:
             for url, msg in forged:
                 async with http.post(url + CONTROL_PATH, data=encode_message(msg)) as r:
                     assert r.status == 403, (msg.kind, await r.text())
-            for sender in (leader.id, "insider"):  # the member's planned predecessor is the leader
+            for sender in (leader.id, insider.agent_id):  # the member's planned predecessor is the leader
                 hello = RingHello(protocol=PROTOCOL_VERSION, cluster=leader.cfg.cluster, epoch=epoch, sender=sender)
                 with pytest.raises(ProtocolError, match=f"code {CLOSE_REFUSED}"):
                     await Link.connect(ws_url(mem), hello, session=http)
+        for victim in (leader, member):  # claiming another agent's id: the handshake itself is refused
+            for url in (lead, mem):
+                posing = AuthClient(leader.security.key, Identity.generate(), victim.id)
+                with pytest.raises(ProtocolError, match="refused this agent's proof"):
+                    async with posing.open() as http:
+                        await http.get(url + INFO_PATH)
+        assert f"claims agent id {leader.id}" in caplog.text
+        assert f"claims agent id {member.id}" in caplog.text
+        assert not any(t.done() for t in tasks.values())
         await still_serving(leader, member, epoch, parts)
+
+
+async def test_an_older_leader_claim_neither_ends_the_leader_nor_takes_a_member_that_was_given_its_leader(
+        make, parts, caplog):
+    """A holder of the key starts an older leader of the cluster (its claim is real: sealed, confirmed). The
+    leader keeps serving, and a member told its leader's identity ($FLOWSPEC_LEADER_IDENTITY) never joins the
+    impostor."""
+    impostor = Agent(make("impostor", leader=True), tokenizer=ByteTokenizer())
+    leader = Agent(make("lead", leader=True), tokenizer=ByteTokenizer())
+    async with running(impostor) as tasks:
+        await until(lambda: impostor.started.is_set())
+        await start(tasks, leader)
+        await until(lambda: leader.started.is_set())
+        member = Agent(make("m", leader_identity=leader.security.fingerprint))
+        await start(tasks, member)
+        await until(serving(leader, 1))
+        await until(lambda: f"another leader of cluster {leader.cfg.cluster!r} claims to lead: agent {impostor.id}"
+                    in caplog.text)
+        assert impostor.info.started < leader.info.started
+        assert member.member.leader.id == leader.id
+        assert not impostor.coordinator.membership.members
+        assert not any(t.done() for t in tasks.values())
+        await still_serving(leader, member, leader.coordinator.update.epoch, parts)
+        member.stop()
+        leader.stop()
+    assert f"ignoring leader {impostor.id}" in caplog.text
 
 
 async def test_a_wrong_certificate_behind_a_members_address_is_refused(make):

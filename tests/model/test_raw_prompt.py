@@ -75,28 +75,32 @@ def _args(prompt: str, **kw) -> argparse.Namespace:
 
 @pytest.mark.parametrize("flags", [[], ["--raw"]])
 def test_generate_continues_a_template_less_models_prompt_as_plain_text_with_bos(tiny_llama, monkeypatch, capsys,
-                                                                                flags):
+                                                                                caplog, flags):
     src = open_source(tiny_llama)
     shard = TorchShard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=torch.float64)
     tok = _tokenizer(post_bos=False, add_bos=True)  # a base model: no chat template
-    monkeypatch.setattr(load_module, "load_model", lambda *a, **k: types.SimpleNamespace(shard=shard, tokenizer=tok))
+    source = types.SimpleNamespace(path=tiny_llama / "model.safetensors")
+    monkeypatch.setattr(load_module, "load_model",
+                        lambda *a, **k: types.SimpleNamespace(shard=shard, tokenizer=tok, source=source))
     assert generate_cmd.run(_args("w7 w9 w11", flags=flags)) == 0
     out = capsys.readouterr()
     ids, _ = generate_ids(ARDecoder(shard), [1, 7, 9, 11], SamplingParams(), 6, tok.stop_ids)
     assert out.out == tok.decode(ids) + "\n"
-    assert ("no chat template" in out.err) == (not flags)  # the note, unless --raw asked for it
+    assert ("no chat template" in caplog.text) == (not flags)  # the note, unless --raw asked for it
 
 
-def test_generate_applies_the_chat_template_when_there_is_one(tiny_llama, monkeypatch, capsys):
+def test_generate_applies_the_chat_template_when_there_is_one(tiny_llama, monkeypatch, capsys, caplog):
     src = open_source(tiny_llama)
     shard = TorchShard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=torch.float64)
     tok = _tokenizer(post_bos=False, add_bos=True, template="<bos> w5 {{ messages[0]['content'] }} w6")
-    monkeypatch.setattr(load_module, "load_model", lambda *a, **k: types.SimpleNamespace(shard=shard, tokenizer=tok))
+    source = types.SimpleNamespace(path=tiny_llama / "model.safetensors")
+    monkeypatch.setattr(load_module, "load_model",
+                        lambda *a, **k: types.SimpleNamespace(shard=shard, tokenizer=tok, source=source))
     assert generate_cmd.run(_args("w7")) == 0
     out = capsys.readouterr()
     ids, _ = generate_ids(ARDecoder(shard), [1, 5, 7, 6], SamplingParams(), 6, tok.stop_ids)
     assert out.out == tok.decode(ids) + "\n"
-    assert "no chat template" not in out.err
+    assert "no chat template" not in caplog.text
 
 
 def test_a_user_prompt_is_templated_where_there_is_a_template_and_raw_elsewhere():

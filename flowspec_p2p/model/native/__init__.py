@@ -7,8 +7,9 @@ Glossary:
   batch invariance  a row's result is bit-identical whether computed alone or among any other rows, on any
                thread count: what lets a draft tree be verified exactly against autoregressive decoding.
 
-`library()` builds the C sources on first use (into CACHE_DIR or the argument), self-tests and loads them; it is
-None, with one logged warning, where that fails (callers then keep torch). Everything else needs it.
+`library()` loads the library built into the package at install time (setup.py), or in a source checkout builds the
+C sources on first use (into CACHE_DIR or the argument), self-tests it; it is None, with one logged warning, where
+that fails (callers then keep torch). Everything else needs it.
 """
 
 from __future__ import annotations

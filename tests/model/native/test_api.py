@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from flowspec_p2p import env
 from flowspec_p2p.model import native
 from flowspec_p2p.model.native import QMatrix, WeightArena, _build, _lib
 
@@ -20,16 +21,17 @@ from .reference import random_gguf
 def test_library_is_none_with_one_warning_when_no_compiler(lib, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with caplog.at_level(logging.WARNING, logger="flowspec_p2p.model.native._lib"):
-        assert _lib._load_or_none(tmp_path) is None
+        assert _lib._load_or_none(tmp_path, packaged=False) is None
     assert len(caplog.records) == 1
     assert "no-such-compiler-here" in caplog.records[0].getMessage()
 
 
 def test_build_is_cached_by_digest(lib):
     """The session's library() already built into the cache: building again finds it, compiles nothing."""
-    first = _build.build(_lib.CACHE_DIR)
+    folder = _lib.CACHE_DIR or _lib.default_cache_dir()
+    first = _build.build(folder, env.compiler())
     mtime = first.stat().st_mtime_ns
-    assert _build.build(_lib.CACHE_DIR) == first
+    assert _build.build(folder, env.compiler()) == first
     assert first.stat().st_mtime_ns == mtime
     assert first.name.startswith("libfsnative-")
     assert not list(first.parent.glob(".build-*/lib.so"))
