@@ -30,6 +30,8 @@ COMMAND_MODULES = [
     "flowspec_p2p.commands.load",
     "flowspec_p2p.commands.models",
     "flowspec_p2p.commands.service",
+    "flowspec_p2p.commands.model",
+    "flowspec_p2p.commands.bench_scale",
 ]
 
 

@@ -43,7 +43,12 @@ class LinkLost(PeerGone):
 
 
 class PlanInfeasible(FlowSpecError):
-    """No assignment of layers to the available devices fits their memory."""
+    """No assignment of layers to the available devices fits their memory. ``short_bytes``: how much memory is
+    missing (planner.shortfall), where the planner could tell."""
+
+    def __init__(self, message: str, *, short_bytes: int | None = None):
+        super().__init__(message)
+        self.short_bytes = short_bytes
 
 
 class NotReady(FlowSpecError):

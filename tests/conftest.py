@@ -14,9 +14,11 @@ from flowspec_p2p import env
 # arithmetic (a 64x64 matmul: 45 us at 1 thread, ~9 ms at 2 on a loaded 2-core host).
 torch.set_num_threads(1)
 
-# The models folder (where scripts/bootstrap.sh pulled the default model) stays put in tests that point
-# FLOWSPEC_CACHE_DIR at a temporary folder, and in the agents they start.
+# The models folder (where scripts/bootstrap.sh pulled the default model) and the compiled engine stay put in tests
+# that point FLOWSPEC_CACHE_DIR at a temporary folder, and in the agents they start (else each such test compiles the
+# engine again: 30-60 s on 2 busy cores).
 os.environ.setdefault(env.MODELS_DIR, str(env.models_dir()))
+os.environ.setdefault(env.NATIVE_DIR, str(env.native_dir()))
 
 TINY_ARCHS = ("llama", "qwen2", "mistral", "llama-untied", "llama3-rope")
 
@@ -91,3 +93,17 @@ def default_model():
     from flowspec_p2p.model.load import load_model
 
     return load_model(None, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def synth_model(tmp_path_factory) -> Path:
+    """A small synthetic GGUF (model/synth.py): Llama-3.1-8B's architecture and Q4_K_M block mix at 16 layers of
+    hidden 256 (MLP 2048: the layers outweigh the LM head, so a planner splits them), tied embeddings, the default
+    model's tokenizer (~24 MB)."""
+    from flowspec_p2p.model import synth
+
+    out = tmp_path_factory.mktemp("synth") / "synth-llama-16x256.gguf"
+    shape, label = synth.resolve_shape("llama-3.1-8b", None, layers=16, hidden=256, intermediate=2048, heads=4,
+                                       kv_heads=2, head_dim=64, context=2048, tied=True)
+    synth.write(out, shape, "Q4_K_M", label=label, progress=False)
+    return out

@@ -4,7 +4,8 @@
     POST /v1/completions        prompt (text, or token ids) -> the same
     GET  /v1/models             the model this cluster serves, under each of its names (catalog.py)
     /api/...                    the Ollama-compatible routes (ollama.py): chat, generate, tags, show, ps, version
-    GET  /health                200 {"status": "ok"} when a pipeline is ready, else 503 {"status": "not_ready"}
+    GET  /health                200 {"status": "ok"} when a pipeline is ready, else 503 {"status": "not_ready"} (with
+                                ``no_plan``: why, when no plan fits the members, e.g. "no plan: short by 812 MB: ...")
     GET  /cluster               what the control plane knows (``cluster_view()``: members with id, role,
                                 address, pid, capabilities; the plan; per-stage counters) + the leader's state
     GET  /metrics               Prometheus text format (metrics.py)
@@ -254,8 +255,16 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     leader = request.app[LEADER]
     ok = leader.ready
-    return web.json_response({"status": "ok" if ok else "not_ready", "modes": leader.available_modes(),
-                              "default_mode": leader.default_mode()}, status=200 if ok else 503)
+    body = {"status": "ok" if ok else "not_ready", "modes": leader.available_modes(),
+            "default_mode": leader.default_mode()}
+    view = request.app[CLUSTER_VIEW]
+    if not ok and view is not None:  # say why, where the control plane knows: e.g. "no plan: short by 812 MB: ..."
+        known = view()
+        if inspect.isawaitable(known):
+            known = await known
+        if known.get("no_plan"):
+            body["no_plan"] = known["no_plan"]
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def cluster(request: web.Request) -> web.Response:

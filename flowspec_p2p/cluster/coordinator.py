@@ -50,7 +50,7 @@ from .control import (
 from .membership import Heard, Joined, Left, Membership, Planned, Tick
 from .net import Net
 from .planner import plan_requests
-from .plans import ModelSizes, Plan, PlanOptions, diff, render
+from .plans import ModelSizes, Plan, PlanOptions, diff, parallel_stations, render
 from .replica import choose_standby
 from .stage_host import StageHost, connect_with_retry, ws_url
 from .view import cluster_view, plan_stages
@@ -131,6 +131,7 @@ class Coordinator:
         self.transition: Transition | None = None
         self.planning = False  # a plan is being computed (or its transition set up)
         self.broken: str | None = None  # why the serving pipeline is unusable
+        self.no_plan: str | None = None  # why the latest planning found no plan ("no plan: short by N MB: ...")
         self.broken_at = 0.0
         self.ring_starts: dict[str, float] = {}
         self.statuses: dict[str, StageStatus] = {}
@@ -313,7 +314,7 @@ class Coordinator:
                 new, self.requests = await asyncio.to_thread(
                     partial(plan_requests, requests=self.cfg.max_requests), membership_mod.devices(self.membership),
                     self.model, self.options)
-                infeasible = None
+                infeasible = self.no_plan = None
                 if self._can_keep(new):
                     self.plan = new
                 else:
@@ -321,25 +322,13 @@ class Coordinator:
             except PlanInfeasible as e:
                 if str(e) != infeasible:
                     log.error("no plan: %s", e)
-                infeasible = str(e)
+                infeasible, self.no_plan = str(e), f"no plan: {e}"
             except (ArithmeticError, ValueError, KeyError, TypeError) as e:  # the planner must not end the leader
                 if str(e) != infeasible:
                     log.exception("no plan: the planner failed on these members")
                 infeasible = str(e)
             finally:
                 self.planning = False
-
-    def _parallel(self, u: PlanUpdate) -> int:
-        """How many of the ring's compute stations (its stages and the leader) can work at once: one per device,
-        but on a device that several share no more than its cores (the leader knows its own host's; an emulated
-        cluster's agents count as devices of their own)."""
-        hosts: dict[str, int] = {}
-        stations = [n.host for n in u.ring] + ([] if any(n.agent_id == self.id for n in u.ring) else [self.info.host])
-        for h in stations:
-            hosts[h] = hosts.get(h, 0) + 1
-        if self.cfg.emulation.enabled:
-            return len(stations)
-        return sum(min(n, env.physical_cores()) if h == self.info.host else n for h, n in hosts.items())
 
     def _can_keep(self, new: Plan) -> bool:
         if self.plan is None or self.broken is not None or self.transition is not None:
@@ -478,7 +467,10 @@ class Coordinator:
         info = {"plan": [f"{s.agent_id} {s.layers}" for s in u.plan.stages],
                 "emulation": self.stage_host.link.describe()}
         await self.leader.set_pipeline(Pipeline(sender, takes="tokens", epoch=u.epoch, stages=len(u.ring), info=info,
-                                                parallel=self._parallel(u),
+                                                parallel=parallel_stations(
+                                                    [n.host for n in u.ring], self.info.host,
+                                                    any(n.agent_id == self.id for n in u.ring),
+                                                    self.cfg.emulation.enabled, env.physical_cores()),
                                                 max_requests=u.max_requests))
         now = time.monotonic()
         took = now - t.started

@@ -19,7 +19,8 @@ MAX_SLOWDOWN = 1e4
 class DeviceProfile(FrozenModel):
     """Every number is finite and in a physical range: a peer's profile feeds the planner's arithmetic."""
 
-    memory_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)
+    memory_bytes: int = Field(ge=0, le=MAX_MEMORY_BYTES)  # offered for the model (--memory-mb), runtime aside
+    runtime_bytes: int | None = Field(default=None, ge=0, le=MAX_MEMORY_BYTES)  # the agent before any weights
     gflops: float = Field(ge=MIN_GFLOPS, le=MAX_GFLOPS, allow_inf_nan=False)
     threads: int = Field(ge=1, le=MAX_THREADS)
     link_mbps: float | None = Field(default=None, gt=0, le=MAX_LINK_MBPS, allow_inf_nan=False)

@@ -14,8 +14,9 @@ from it. Every agent serves the API, agent i on ``api_port + i`` (a member forwa
 Every agent gets ``max(1, physical cores // n)`` compute threads unless told otherwise, the same compute score
 (measured once here: agents on one host share its cores, so separate micro-benchmarks would only measure who ran
 first), its own state folder, and a fresh cluster key (``FLOWSPEC_CLUSTER_KEY``: strangers cannot join; every
-link is TLS), unless ``insecure``. Children run in their own session, so Ctrl-C reaches only this process, which
-stops them in order; on Linux they also die with it.
+link is TLS), unless ``insecure``. With ``netns`` every agent runs on a host of its own: a network namespace on a
+private bridge (netns.py), reached over that LAN only. Children run in their own session, so Ctrl-C reaches only
+this process, which stops them in order; on Linux they also die with it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..types import Settings
 from .control import TIMELINE_PATH
 from .identity import Identity
 from .keys import ClusterKey
+from .netns import Netns
 from .pinning import AuthClient
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,9 @@ class ClusterOptions(Settings):
     verbose: int = 1  # agents' -v count (their logs go to <state_root>/agent<i>.log)
     ready_timeout_s: float = 600.0
     extra_args: tuple[str, ...] = ()
+    # each agent on a host of its own: a network namespace on a private bridge (netns.py; needs root), the leader's
+    # API on its LAN address (open: the bridge is this machine's own), instead of every agent on loopback
+    netns: bool = False
 
 
 @dataclass
@@ -146,6 +151,7 @@ class LocalCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.threads = o.threads or max(1, env.physical_cores() // n)
         self.gflops = o.gflops
+        self.net = Netns(n) if o.netns else None
         self.agents = [self._agent(i) for i in range(n)]
         self.api_url: str | None = None
 
@@ -154,14 +160,19 @@ class LocalCluster:
     def _agent(self, i: int) -> AgentProcess:
         o = self.options
         state = self.root / f"agent{i}"
+        address = "127.0.0.1" if self.net is None else self.net.address(i)
         args = [sys.executable, "-m", "flowspec_p2p", *(["-" + "v" * o.verbose] if o.verbose else []), "agent",
-                "--cluster", self.name, "--name", f"agent{i}", "--interface", "127.0.0.1",
+                "--cluster", self.name, "--name", f"agent{i}", "--interface", address,
                 "--state-dir", str(state), "--threads", str(self.threads)]
         flags = {"--link-mbps": o.link_mbps, "--link-latency-ms": o.link_latency_ms, "--slowdown": o.slowdown,
                  "--engine": o.engine}
         # every agent serves the API (a member forwards to the leader, and resumes a reply when the leader is lost):
         # agent i on api_port + i (any free port when api_port is 0)
-        args += ["--api-host", o.api_host, "--api-port", str(o.api_port + i if o.api_port else 0)]
+        # (with netns: on the agent's own LAN address, open: the bridge is this machine's own private one)
+        api_host = o.api_host if self.net is None else address
+        args += ["--api-host", api_host, "--api-port", str(o.api_port + i if o.api_port else 0)]
+        if self.net is not None:
+            args.append("--api-insecure")
         if i == 0:
             args += ["--leader"]
             if o.model is not None:
@@ -195,20 +206,25 @@ class LocalCluster:
         env = self.agent_environment()
         with contextlib.suppress(OSError):
             (a.state_dir / "agent.json").unlink()
+        if self.net is not None:
+            args = self.net.command(a.index, args)
         with open(a.log_path, "ab") as logf:
             a.popen = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=logf, stdin=subprocess.DEVNULL,
                                        env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.info("started agent%d (pid %d)%s", a.index, a.popen.pid, " as leader" if a.leader else "")
 
-    def start(self) -> LocalCluster:
-        """Start every agent and wait until the leader serves a plan that knows all of them."""
+    def start(self, wait: bool = True) -> LocalCluster:
+        """Start every agent and (``wait``) wait until the leader serves a plan that knows all of them."""
         if self.gflops is None:
             self.gflops = _measure_gflops(self.threads)
             log.info("compute score for every agent: %.3g GFLOP/s (%d thread(s) each)", self.gflops, self.threads)
         try:
+            if self.net is not None:
+                self.net.up()
             for a in self.agents:
                 self._launch(a)
-            self.wait_ready()
+            if wait:
+                self.wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -294,6 +310,16 @@ class LocalCluster:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     a.popen.wait(STOP_TIMEOUT_S)
 
+    def unplug(self, index: int) -> None:
+        """(--netns) Agent ``index``'s host vanishes: its link is cut, then it is killed with its namespace."""
+        if self.net is None:
+            raise FlowSpecError("only a cluster of separate hosts (netns) can unplug one")
+        self.net.unplug(index)
+        a = self.agents[index]
+        if a.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                a.popen.wait(STOP_TIMEOUT_S)
+
     def wait_exit(self, index: int, timeout_s: float = STOP_TIMEOUT_S) -> None:
         a = self.agents[index]
         if a.popen is not None:
@@ -323,6 +349,8 @@ class LocalCluster:
                     time.sleep(0.5)
                 a.popen.kill()
                 a.popen.wait()
+        if self.net is not None:
+            self.net.down()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 

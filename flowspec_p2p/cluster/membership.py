@@ -150,8 +150,8 @@ def needs_replan(state: Membership, now: float) -> bool:
 
 def device(info: PeerInfo, *, leader: bool = False) -> Device:
     p = info.profile
-    return Device(id=info.id, memory_bytes=p.memory_bytes, gflops=p.gflops, link_mbps=p.link_mbps,
-                  latency_ms=p.latency_ms, leader=leader)
+    return Device(id=info.id, memory_bytes=p.memory_bytes, runtime_bytes=p.runtime_bytes, gflops=p.gflops,
+                  link_mbps=p.link_mbps, latency_ms=p.latency_ms, leader=leader)
 
 
 def devices(state: Membership) -> list[Device]:

@@ -24,6 +24,14 @@ because a stage's capacity (time and memory) only shrinks with a shorter remaini
 over the finitely many candidate busy times. The cheapest candidate wins; ties go to fewer stages, then ids.
 A device left out gets a reason (memory, or the cost of the best plan that would include it). A single device
 wins whenever it is cheaper than any split, which on a fast leader with enough memory is common.
+
+Memory: a device offers ``memory_bytes`` for the model (``--memory-mb``; its agent's own runtime comes on top). The
+planner counts against it the weights as the engine holds them (describe_model asks the engine, tensor by tensor),
+the KV cache of ``kv_requests`` requests over ``context`` tokens on its layers, and the activations, and leaves
+``headroom`` of each offer free. ``Stage.memory_bytes`` is that count and ``Stage.expected_rss`` adds the agent's
+runtime (``runtime_bytes``, measured by the agent): what the stage's resident set should be (bench/scale.py checks
+it). When nothing fits, PlanInfeasible says by how much (``shortfall``): the least extra memory, spread as the
+closest plan would need it, that makes a plan fit.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from collections.abc import Sequence
 
 from ..errors import PlanInfeasible
 from ..types import LayerRange
-from .plans import MB, Device, Excluded, ModelSizes, Plan, PlanOptions, Stage
+from .plans import DEFAULT_RUNTIME_BYTES, MB, Device, Excluded, ModelSizes, Plan, PlanOptions, Stage
 
 ROUND_TRIP_WEIGHT = 0.25  # share of the round trip that pipelined decoding cannot hide (verification points)
 EXHAUSTIVE_MAX_DEVICES = 8  # beyond this many devices, only prefixes of a few orderings are tried
@@ -46,6 +54,10 @@ ACTIVATION_FACTOR = 24  # working-set floats per token per hidden unit (qkv, MLP
 # ------------------------------------------------------------------------------------------ the costs
 
 
+def runtime_bytes(d: Device) -> int:
+    return DEFAULT_RUNTIME_BYTES if d.runtime_bytes is None else d.runtime_bytes
+
+
 class _Costs:
     """Per-device cost functions for one (model, options). All times in seconds."""
 
@@ -55,6 +67,7 @@ class _Costs:
         self.kv_per_layer = model.kv_bytes_per_token * model.context * opts.kv_requests
         self.act = ACTIVATION_FACTOR * self.t * model.hidden_size * model.dtype_bytes
         self.prefix = [0, *itertools.accumulate(model.layer_bytes)]  # prefix sums of layer bytes
+        self.headroom = opts.headroom
 
     def leader_work_s(self, d: Device) -> float:
         return self.t * (self.m.head_flops + self.m.draft_flops) / (d.gflops * 1e9)
@@ -85,8 +98,12 @@ class _Costs:
     def range_bytes(self, start: int, end: int) -> int:
         return self.prefix[end] - self.prefix[start] + (end - start) * self.kv_per_layer
 
+    def usable(self, d: Device) -> int:
+        """Bytes of ``d``'s offer the plan may use: all but the headroom."""
+        return int(d.memory_bytes * (1.0 - self.headroom))
+
     def fits(self, d: Device, start: int, end: int, embed: bool, head: bool) -> bool:
-        return self.fixed_bytes(d, embed, head) + self.range_bytes(start, end) <= d.memory_bytes
+        return self.fixed_bytes(d, embed, head) + self.range_bytes(start, end) <= self.usable(d)
 
 
 class _Candidate:
@@ -218,8 +235,10 @@ def _subsets(devices: Sequence[Device], leader: Device, opts: PlanOptions):
                     yield combo
 
 
-def plan(devices: Sequence[Device], model: ModelSizes, options: PlanOptions | None = None) -> Plan:
-    """Choose the stages. Deterministic: the same devices (in any order), model and options give the same plan."""
+def plan(devices: Sequence[Device], model: ModelSizes, options: PlanOptions | None = None, *,
+         explain: bool = True) -> Plan:
+    """Choose the stages. Deterministic: the same devices (in any order), model and options give the same plan.
+    Raises PlanInfeasible, saying by how much memory falls short unless ``explain`` is False (quicker)."""
     opts = options or PlanOptions()
     devices = sorted(devices, key=lambda d: d.id)
     if len({d.id for d in devices}) != len(devices):
@@ -232,11 +251,10 @@ def plan(devices: Sequence[Device], model: ModelSizes, options: PlanOptions | No
     leader = leaders[0]
     c = _Costs(model, opts)
     need = c.leader_extra_bytes() + c.act
-    if need > leader.memory_bytes:
-        raise PlanInfeasible(
-            f"the leader {leader.id} needs {need / MB:.0f} MB for the embedding, LM head and draft head "
-            f"but offers {leader.memory_bytes / MB:.0f} MB"
-        )
+    if need > c.usable(leader):
+        _infeasible(devices, model, opts, explain,
+                    f"the leader {leader.id} needs {need / MB:.0f} MB for the embedding, LM head and draft head "
+                    f"and {opts.headroom:.0%} headroom, but offers {leader.memory_bytes / MB:.0f} MB")
     best: _Candidate | None = None
     best_with: dict[str, float] = {}
     for combo in _subsets(devices, leader, opts):
@@ -251,11 +269,57 @@ def plan(devices: Sequence[Device], model: ModelSizes, options: PlanOptions | No
     if best is None:
         total = sum(d.memory_bytes for d in devices)
         want = f" in exactly {opts.stages} stages" if opts.stages else ""
-        raise PlanInfeasible(
-            f"{model.name} ({model.num_layers} layers, {model.context}-token context) does not fit{want} on "
-            f"{len(devices)} device(s) offering {total / MB:.0f} MB in all"
-        )
+        _infeasible(devices, model, opts, explain,
+                    f"{model.name} ({model.num_layers} layers, {model.context}-token context, KV for "
+                    f"{opts.kv_requests} request(s)) does not fit{want} on {len(devices)} device(s) offering "
+                    f"{total / MB:.0f} MB in all")
     return _build(c, model, opts, best, leader, devices, best_with)
+
+
+def _infeasible(devices: Sequence[Device], model: ModelSizes, opts: PlanOptions, explain: bool, what: str):
+    """Raise PlanInfeasible: ``what`` went wrong and, when ``explain``, by how much memory (``shortfall``)."""
+    short = shortfall(devices, model, opts) if explain else None
+    if short is None:
+        raise PlanInfeasible(what)
+    n, needs = short
+    raise PlanInfeasible(f"short by {math.ceil(n / MB)} MB: {what}; the closest plan needs "
+                         + ", ".join(f"{math.ceil(b / MB)} MB more on {a}" for a, b in needs.items())
+                         + "; give agents more --memory-mb, add agents, or lower --context/--max-requests",
+                         short_bytes=n)
+
+
+def shortfall(devices: Sequence[Device], model: ModelSizes, opts: PlanOptions) -> tuple[int, dict[str, int]] | None:
+    """How much memory is missing for any plan: the smallest offer added to every device alike (to a MB) that lets
+    a plan fit, and what that plan then needs beyond each device's real offer. -> (bytes in all, {agent: bytes}),
+    or None when more memory would not help (a forced stage count beyond the devices)."""
+    c = _Costs(model, opts)
+    need = sum(model.layer_bytes) + model.num_layers * c.kv_per_layer + c.leader_extra_bytes() + model.embed_bytes
+    need += len(devices) * (c.act + model.norm_bytes)
+    hi = math.ceil(need / (1.0 - opts.headroom) / MB) + 1  # MB every device could add: enough for one to hold it all
+
+    def attempt(mb: int) -> Plan | None:
+        more = [d.model_copy(update={"memory_bytes": d.memory_bytes + mb * MB}) for d in devices]
+        try:
+            return plan(more, model, opts, explain=False)
+        except PlanInfeasible:
+            return None
+
+    if attempt(hi) is None:
+        return None
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if attempt(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    best = attempt(lo)
+    offered = {d.id: d.memory_bytes for d in devices}
+    counted = {s.agent_id: s.memory_bytes for s in best.stages}
+    counted.setdefault(best.leader_id, best.leader_memory_bytes)
+    needs = {a: math.ceil(b / (1.0 - opts.headroom) - offered[a]) for a, b in counted.items()}
+    needs = {a: b for a, b in needs.items() if b > 0}
+    return sum(needs.values()), needs
 
 
 def plan_requests(devices: Sequence[Device], model: ModelSizes, options: PlanOptions | None = None, *,
@@ -268,7 +332,7 @@ def plan_requests(devices: Sequence[Device], model: ModelSizes, options: PlanOpt
         return plan(devices, model, opts.model_copy(update={"kv_requests": requests})), requests
     for n in range(most, 1, -1):
         try:
-            return plan(devices, model, opts.model_copy(update={"kv_requests": n})), n
+            return plan(devices, model, opts.model_copy(update={"kv_requests": n}), explain=False), n
         except PlanInfeasible:
             continue
     return plan(devices, model, opts.model_copy(update={"kv_requests": 1})), 1
@@ -283,7 +347,7 @@ def _build(c: _Costs, model: ModelSizes, opts: PlanOptions, best: _Candidate, le
         embed, head = i == 0, i == k - 1
         mem = c.fixed_bytes(d, embed, head) + c.range_bytes(start, start + n)
         stages.append(Stage(agent_id=d.id, layers=LayerRange(start=start, end=start + n), embed=embed, head=head,
-                            memory_bytes=mem, busy_ms=round(busy * 1e3, 4)))
+                            memory_bytes=mem, busy_ms=round(busy * 1e3, 4), runtime_bytes=runtime_bytes(d)))
         start += n
     chosen = {d.id for d in best.order}
     excluded = []
@@ -291,8 +355,9 @@ def _build(c: _Costs, model: ModelSizes, opts: PlanOptions, best: _Candidate, le
         if d.id in chosen or d.leader:
             continue
         one = c.fixed_bytes(d, False, False) + c.range_bytes(0, 1)
-        if one > d.memory_bytes:
-            reason = f"memory: one layer needs {one / MB:.0f} MB, it offers {d.memory_bytes / MB:.0f} MB"
+        if one > c.usable(d):
+            reason = (f"memory: one layer needs {one / MB:.0f} MB, it offers {d.memory_bytes / MB:.0f} MB "
+                      f"({opts.headroom:.0%} kept free)")
         elif d.id in best_with:
             reason = (f"would slow the pipeline: best plan with it costs {best_with[d.id] * 1e3:.2f} ms "
                       f"per step vs {best.cost * 1e3:.2f} ms")
@@ -314,4 +379,6 @@ def _build(c: _Costs, model: ModelSizes, opts: PlanOptions, best: _Candidate, le
         cost_ms=round(best.cost * 1e3, 4),
         tokens_per_step=opts.tokens_per_step,
         excluded=tuple(excluded),
+        kv_requests=opts.kv_requests,
+        headroom=opts.headroom,
     )

@@ -4,6 +4,7 @@ Words as in planner.py's glossary."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -16,13 +17,18 @@ if TYPE_CHECKING:
     from ..model.engine import Engine
 
 MB = 1024 * 1024
+# what an agent process holds before any weights (Python, torch, the engine, its servers), where the device does not
+# say (agents measure their own: DeviceProfile.runtime_bytes): part of a stage's expected resident set
+DEFAULT_RUNTIME_BYTES = 320 * MB
+HEADROOM = 0.05  # share of each device's offer a plan leaves free (allocator slack, page tables, the OS's caches)
 
 
 class Device(FrozenModel):
     """What the planner knows of a device (from its advertised profile)."""
 
     id: PeerId
-    memory_bytes: int = Field(ge=0)  # offered for weights + KV cache + activations
+    memory_bytes: int = Field(ge=0)  # offered for weights + KV cache + activations (its runtime comes on top)
+    runtime_bytes: int | None = Field(default=None, ge=0)  # its own memory before weights (None: DEFAULT_RUNTIME_BYTES)
     gflops: float = Field(gt=0)  # measured decoder-block throughput (after any emulated slowdown)
     link_mbps: float | None = Field(default=None, gt=0)  # its link to the LAN; None = DEFAULT_LINK_MBPS
     latency_ms: float = Field(default=0.0, ge=0)  # one-way latency of its link
@@ -57,6 +63,7 @@ class PlanOptions(Settings):
     stages: int | None = Field(default=None, ge=1)  # exactly this many layer-holding stages (benchmarks)
     leader_layers: Literal["auto", "always", "never"] = "auto"  # may the leader also be stage 1?
     kv_requests: int = Field(default=1, ge=1)  # concurrent requests whose KV each stage must hold
+    headroom: float = Field(default=HEADROOM, ge=0.0, lt=1.0)  # share of each device's offer left free
 
 
 class Stage(FrozenModel):
@@ -64,8 +71,14 @@ class Stage(FrozenModel):
     layers: LayerRange
     embed: bool
     head: bool
-    memory_bytes: int
+    memory_bytes: int  # what the planner counts against the agent's offer: weights + KV + activations
     busy_ms: float
+    runtime_bytes: int = 0  # the agent's own memory before weights
+
+    @property
+    def expected_rss(self) -> int:
+        """The agent's resident set once it serves this stage, as the planner counts it."""
+        return self.runtime_bytes + self.memory_bytes
 
 
 class Excluded(FrozenModel):
@@ -86,6 +99,8 @@ class Plan(FrozenModel):
     cost_ms: float
     tokens_per_step: int
     excluded: tuple[Excluded, ...] = ()
+    kv_requests: int = 1  # requests in flight whose KV every stage holds
+    headroom: float = 0.0  # share of each device's offer the plan left free
 
     def stage_of(self, agent_id: PeerId) -> Stage | None:
         return next((s for s in self.stages if s.agent_id == agent_id), None)
@@ -183,6 +198,18 @@ def diff(old: Plan | None, new: Plan) -> list[Change]:
     return changes
 
 
+def parallel_stations(ring_hosts: Sequence[str], leader_host: str, leader_in_ring: bool, emulated: bool,
+                      leader_cores: int) -> int:
+    """How many of a ring's compute stations (its stages and the leader) can work at once: one per device, but on
+    the leader's host, which several may share, no more than its cores (the leader knows only its own host's); an
+    emulated cluster's agents count as devices of their own."""
+    stations = [*ring_hosts, *([] if leader_in_ring else [leader_host])]
+    if emulated:
+        return len(stations)
+    hosts = Counter(stations)
+    return sum(min(n, leader_cores) if h == leader_host else n for h, n in hosts.items())
+
+
 def _neighbours(p: Plan, aid: str) -> tuple[str, str]:
     ring = [p.leader_id, *p.agents, p.leader_id]
     i = ring.index(aid, 1)
@@ -196,6 +223,8 @@ def render(p: Plan, devices: Sequence[Device] = ()) -> str:
         f"plan for {p.model}: {p.num_layers} layers on {len(p.stages)} stage(s), leader {p.leader_id}",
         f"  per {p.tokens_per_step}-token step: bottleneck {p.bottleneck_ms:.3f} ms, round trip "
         f"{p.round_trip_ms:.3f} ms, cost {p.cost_ms:.3f} ms; leader head+draft work {p.leader_work_ms:.3f} ms",
+        f"  memory counted against each offer: weights, KV for {p.kv_requests} request(s), activations; "
+        f"{p.headroom:.0%} of each offer left free",
         f"  {'#':>2}  {'agent':<20} {'layers':<10} {'roles':<12} {'memory MB':>16} {'busy ms':>9}",
     ]
     for i, s in enumerate(p.stages, 1):

@@ -1,7 +1,11 @@
 """What a device can offer, measured when its agent starts: free memory, decoder-block throughput, threads.
 
-    memory_bytes   MEMORY_FRACTION of the memory available now without swapping (psutil: ``MemAvailable`` on Linux,
-                   free + inactive pages on macOS, the available physical memory on Windows), or a configured cap
+    memory_bytes   what the agent offers for the model (weights, KV cache, activations): MEMORY_FRACTION of the
+                   memory available now without swapping (psutil: ``MemAvailable`` on Linux, free + inactive pages
+                   on macOS, the available physical memory on Windows), or a configured offer (``--memory-mb``)
+    runtime_bytes  the agent process's own memory before any weights (its resident set once the benchmark ran, plus
+                   RUNTIME_MARGIN for the servers and buffers a running agent adds): the planner adds it to a
+                   stage's count for the resident set it expects
     gflops         effective GFLOP/s of one decoder block of the model (or of REFERENCE_CONFIG when the agent
                    has no model copy yet) on a BENCH_TOKENS-token segment over a BENCH_CONTEXT-token cache, on the
                    agent's engine, median of BENCH_REPEATS runs, divided by the emulated compute slowdown. The planner
@@ -26,7 +30,8 @@ from .device import DeviceProfile
 
 log = logging.getLogger(__name__)
 
-MEMORY_FRACTION = 0.8  # of the available memory, leaving room for the OS, the Python runtime and other programs
+MEMORY_FRACTION = 0.8  # of the available memory, leaving room for the OS and other programs
+RUNTIME_MARGIN = 48 << 20  # bytes a running agent holds beyond its resident set at the measurement
 BENCH_TOKENS = 16  # a FlowSpec segment
 BENCH_CONTEXT = 128  # tokens already in the KV cache
 BENCH_REPEATS = 5
@@ -76,13 +81,18 @@ def measure(model: ModelConfig | None = None, *, threads: int | None = None, mem
         set_threads(threads)
     threads = torch.get_num_threads()
     measured = memory_bytes is None and gflops is None
-    if memory_bytes is None:
-        memory_bytes = int(available_memory_bytes() * MEMORY_FRACTION)
     if gflops is None:
         t0 = time.perf_counter()
         raw = benchmark_block(model or REFERENCE_CONFIG, engine=engine)
         gflops = _round(raw / slowdown)
         log.info("micro-benchmark: %.2f GFLOP/s per block (%d threads, slowdown %g) in %.2f s", gflops, threads,
                  slowdown, time.perf_counter() - t0)
+    if memory_bytes is None:
+        memory_bytes = int(available_memory_bytes() * MEMORY_FRACTION)
     return DeviceProfile(memory_bytes=memory_bytes, gflops=gflops, threads=threads, link_mbps=link_mbps,
-                         latency_ms=latency_ms, slowdown=slowdown, measured=measured)
+                         latency_ms=latency_ms, slowdown=slowdown, measured=measured, runtime_bytes=runtime_bytes())
+
+
+def runtime_bytes() -> int:
+    """This process's own memory (its resident set now, RUNTIME_MARGIN added): what an agent holds before weights."""
+    return int(psutil.Process().memory_info().rss) + RUNTIME_MARGIN

@@ -252,7 +252,10 @@ class StageHost:
             index = [n.agent_id for n in u.ring].index(self.agent_id) + 1
             wire = wire_torch_dtype(u.wire_dtype)
             inbox = TapQueue(self.tap)
-            core = StageCore(p.shard, index=index, capacity=u.context, wire_dtype=wire, caches=u.max_requests)
+            # off the event loop: the requests' KV caches are made and touched here (GBs on a large model), and
+            # heartbeats must go on meanwhile
+            core = await asyncio.to_thread(StageCore, p.shard, index=index, capacity=u.context, wire_dtype=wire,
+                                           caches=u.max_requests)
             worker = StageWorker(core, inbox=inbox, device=self.device(), name=f"stage{index}")
             if self.leader_inbox is None:
                 pred = u.predecessor_id(self.agent_id)

@@ -8,6 +8,7 @@
     stages       the ring in order: agent, layers, address, and the counters its heartbeats carry (the leader's own
                  stage: read directly)
     transition   a re-plan in progress (phase, trigger, who has loaded and who is ready)
+    no_plan      why no plan fits the members now ("no plan: short by N MB: ..."), else None
     recoveries   the plan history, newest last: each epoch put into service, what triggered it (a takeover: "took
                  over from leader ..."), its leader and standby, how long detecting, planning, loading and switching
                  took, when (unix time) and its stages (``plan_stages``)
@@ -55,6 +56,7 @@ def cluster_view(c: Coordinator) -> dict:
         "transition": None if t is None else {"epoch": t.epoch, "phase": t.phase, "trigger": t.trigger,
                                               "loaded": sorted(t.loaded), "ready": sorted(t.ready)},
         "broken": c.broken,
+        "no_plan": c.no_plan,  # why no plan fits the members (memory short by how much), while none does
         "pending": c.membership.changed_at is not None or c.planning,
         "recoveries": c.recoveries,
         "emulation": c.cfg.emulation.model_dump(),

@@ -3,15 +3,20 @@
     GET /weights/manifest?start=A&end=B&embed=0|1&norm=0|1   -> Manifest: config, per tensor size + SHA-256
                                                                  + storage info, and the range fingerprint
     GET /weights/tensor/{name}                                -> the tensor's *stored* bytes (quantised GGUF
-                                                                 blocks stay quantised: ~6x smaller than float32)
+                                                                 blocks stay quantised: ~6x smaller than float32);
+                                                                 ``Range: bytes=N-`` -> 206 and the rest from N
 
 A stage needs its layers, the token embedding if it is stage 1, and the final norm if it is the last stage
 (``stage_tensor_names``); the LM head stays on the leader (as in FlowSpec), so the last stage neither fetches nor
-holds it. The fetching side (``fetch_range``) checks each tensor's bytes against its SHA-256, recomputes the range
-fingerprint from those digests and compares it with the one the plan names (weights.range_fingerprint), and keeps
-every verified tensor under ``<state dir>/tensors/<sha256>.bin`` (content-addressed: a re-plan that hands a member
-a range it held before costs no transfer). The result is a ``FetchedSource``: a WeightSource over the cache,
-from which the plan's engine builds the shard as from a local file.
+holds it. The server sends a tensor from its memory-mapped file a chunk at a time, each chunk's pages dropped once
+sent, so serving a 4 GB model never holds more than a few chunks of it.
+
+The fetching side (``fetch_range``) recomputes the range fingerprint from the manifest's digests and compares it
+with the one the plan names (weights.range_fingerprint), then streams each missing tensor into the cache
+(weight_cache.py: ``<state dir>/tensors/<sha256>.bin``, hashed on the way, resumed with a range request where an
+earlier fetch stopped, verified before use), showing its progress (bytes, rate, time left) on a terminal and in the
+log. The result is a ``FetchedSource``: a WeightSource over the memory-mapped cache, from which the plan's engine
+builds the shard as from a local file.
 """
 
 from __future__ import annotations
@@ -21,43 +26,49 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
+import re
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
-import torch
 from aiohttp import web
-from pydantic import Field
+from pydantic import Field, ValidationError
 from tqdm import tqdm
 
 from ..errors import PeerGone, WeightsError
 from ..model.arch import ModelConfig
-from ..model.weights import (
-    NORM,
-    ROPE_FREQS,
-    fingerprint,
-    gguf_tensor_from_raw,
-    safetensors_dtype,
-    shard_tensor_names,
-    tensor_digest,
-)
+from ..model.weights import NORM, ROPE_FREQS, fingerprint, shard_tensor_names, tensor_digest
 from ..types import FrozenModel, LayerRange
+from .weight_cache import (  # noqa: F401 - FetchedSource, tensor_from_raw and trim_cache are this module's API too
+    SHA256_HEX,
+    FetchedSource,
+    PartFile,
+    bin_path,
+    cached,
+    remove_partial,
+    tensor_from_raw,
+    trim_cache,
+)
 
 log = logging.getLogger(__name__)
 
 MANIFEST_PATH = "/weights/manifest"
 TENSOR_PATH = "/weights/tensor/{name}"
-CHUNK_BYTES = 1 << 20
-FETCH_CONCURRENCY = 4
-FETCH_TIMEOUT_S = 300.0
+CHUNK_BYTES = 1 << 20  # bytes the server sends at a time
+READ_BYTES = 4 << 20  # bytes the fetching side hashes and writes at a time
+FETCH_CONCURRENCY = 4  # tensors fetched at once
+CONNECT_TIMEOUT_S = 30.0
+STALL_TIMEOUT_S = 60.0  # a fetch that receives nothing for this long fails (it resumes on the next try)
+PROGRESS_LOG_S = 5.0  # a fetch logs its progress this often
+_RANGE = re.compile(r"^bytes=(\d+)-$")
 
 
 class TensorEntry(FrozenModel):
     name: str
     nbytes: int = Field(ge=0)
-    sha256: str
+    sha256: str = Field(pattern=SHA256_HEX.pattern)  # 64 hex digits: the cache's file name
     info: dict  # WeightSource.raw_info: how to turn the stored bytes into a tensor
 
 
@@ -104,8 +115,9 @@ def stage_fingerprint(source, layers: LayerRange, *, embed: bool, norm: bool) ->
 
 class WeightServer:
     """Serves a WeightSource. Digests are computed once per tensor and kept. A tensor's file pages are dropped
-    from this process's memory after hashing (tensor_digest) or sending it (``source.release``, where the source
-    has one): the leader serves every member's layers, and a whole model's pages would otherwise stay resident."""
+    from this process's memory after hashing (tensor_digest) and, chunk by chunk, as it is sent (``source.release``,
+    where the source has one): the leader serves every member's layers, and a whole model's pages would otherwise
+    stay resident."""
 
     def __init__(self, source):
         self.source = source
@@ -118,10 +130,10 @@ class WeightServer:
             d = self._digests[name] = tensor_digest(self.source, name)
         return d
 
-    def _drop(self, name: str) -> None:
+    def _drop(self, name: str, start: int = 0, end: int | None = None) -> None:
         release = getattr(self.source, "release", None)
         if release is not None:
-            release(name)
+            release(name, start, end)
 
     def range_fingerprint(self, layers: LayerRange, *, embed: bool, norm: bool) -> str:
         names = covered_names(self.source, layers, embed=embed, norm=norm)
@@ -162,122 +174,48 @@ class WeightServer:
         name = request.match_info["name"]
         if name not in self.source.names():
             raise web.HTTPNotFound(text=f"no tensor {name!r}")
-        data = self.source.raw_bytes(name)
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "X-Sha256": self.digest(name)})
-        resp.content_length = len(data)
+        data = memoryview(self.source.raw_bytes(name)).cast("B")  # a view of the mapped file: nothing read yet
+        total = len(data)
+        start = 0
+        asked = request.headers.get("Range")
+        if asked is not None:
+            m = _RANGE.match(asked.strip())
+            if m is None or int(m.group(1)) > total:
+                raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{total}"})
+            start = int(m.group(1))
+        headers = {"Content-Type": "application/octet-stream", "X-Sha256": await asyncio.to_thread(self.digest, name),
+                   "Accept-Ranges": "bytes"}
+        if asked is not None:
+            headers["Content-Range"] = f"bytes {start}-{total - 1}/{total}"
+        resp = web.StreamResponse(status=206 if asked is not None else 200, headers=headers)
+        resp.content_length = total - start
         await resp.prepare(request)
+
+        def read(a: int) -> bytes:  # one chunk paged in and copied, its pages dropped at once (off the event loop:
+            b = min(total, a + CHUNK_BYTES)  # a slow disk must not hold up heartbeats)
+            chunk = bytes(data[a:b])
+            self._drop(name, a, b)
+            return chunk
+
+        offsets = range(start, total, CHUNK_BYTES)
+        ahead = None
         try:
-            for a in range(0, len(data), CHUNK_BYTES):
-                await resp.write(bytes(data[a : a + CHUNK_BYTES]))
+            ahead = asyncio.ensure_future(asyncio.to_thread(read, offsets[0])) if offsets else None
+            for i in range(len(offsets)):
+                chunk = await ahead
+                ahead = asyncio.ensure_future(asyncio.to_thread(read, offsets[i + 1])) if i + 1 < len(offsets) \
+                    else None
+                await resp.write(chunk)  # while the next chunk is read
+                self.served_bytes += len(chunk)
         finally:
-            self._drop(name)
+            if ahead is not None:  # a read in flight ends before the view goes (a client gone mid-tensor)
+                await asyncio.gather(ahead, return_exceptions=True)
+            data.release()
         await resp.write_eof()
-        self.served_bytes += len(data)
         return resp
 
 
 # ------------------------------------------------------------------------------------------------ fetching
-
-
-def tensor_from_raw(config: ModelConfig, name: str, info: dict, raw: bytes | memoryview) -> torch.Tensor:
-    """Turn stored bytes (as WeightSource.raw_bytes gave them, described by raw_info) into a float tensor.
-    Storage info that does not describe the bytes raises WeightsError."""
-    try:
-        return _tensor_from_raw(config, name, info, raw)
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise WeightsError(f"tensor {name}: storage info {info!r} does not describe its bytes ({e})") from None
-
-
-def _tensor_from_raw(config: ModelConfig, name: str, info: dict, raw: bytes | memoryview) -> torch.Tensor:
-    if info.get("format") == "gguf":
-        return gguf_tensor_from_raw(config, name, info, raw)
-    if info.get("format") == "safetensors":
-        dtype = safetensors_dtype(info["dtype"])
-        if dtype is None:
-            raise WeightsError(f"tensor {name} has unsupported dtype {info['dtype']}")
-        if len(raw) == 0:
-            return torch.empty(info["shape"], dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(info["shape"])
-    raise WeightsError(f"tensor {name}: unknown storage format {info.get('format')!r}")
-
-
-class FetchedSource:
-    """A WeightSource over verified, cached tensor files (only the tensors of one range)."""
-
-    def __init__(self, manifest: Manifest, files: dict[str, Path]):
-        self.config = manifest.config
-        self.path = next(iter(files.values())).parent if files else Path(".")
-        self.manifest = manifest
-        self._entries = {t.name: t for t in manifest.tensors}
-        self._files = files
-
-    def names(self) -> list[str]:
-        return list(self._entries)
-
-    def raw_bytes(self, name: str) -> memoryview:
-        try:
-            return memoryview(self._files[name].read_bytes())
-        except KeyError:
-            raise WeightsError(f"tensor {name!r} was not fetched") from None
-
-    def raw_info(self, name: str) -> dict:
-        return self._entries[name].info
-
-    def load(self, name: str) -> torch.Tensor:
-        return tensor_from_raw(self.config, name, self.raw_info(name), self.raw_bytes(name))
-
-
-def _cached(path: Path, sha256: str) -> bool:
-    if not path.is_file():
-        return False
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
-            h.update(chunk)
-    if h.hexdigest() != sha256:
-        return False
-    os.utime(path)  # used now: the modification time orders the cache, least recently used first
-    return True
-
-
-def remove_partial(folder: Path) -> int:
-    """Delete the partial files (``*.part<pid>``) a fetch left behind (a killed agent; another process's, or this
-    one's older than FETCH_TIMEOUT_S: never a write in progress here). -> how many."""
-    n = 0
-    mine = f".part{os.getpid()}"
-    for p in folder.glob("*.part*"):
-        with contextlib.suppress(OSError):
-            if p.suffix == mine and time.time() - p.stat().st_mtime < FETCH_TIMEOUT_S:
-                continue
-            p.unlink()
-            n += 1
-    if n:
-        log.info("removed %d partial weight file(s) in %s", n, folder)
-    return n
-
-
-def trim_cache(folder: Path, max_bytes: int, keep: set[Path]) -> int:
-    """Delete cached tensor files, least recently used first, until the folder holds at most ``max_bytes`` (the
-    files in ``keep``, the range being served, stay whatever their size). -> bytes freed."""
-    entries = []
-    for p in folder.glob("*.bin"):
-        with contextlib.suppress(OSError):
-            st = p.stat()
-            entries.append((st.st_mtime, p, st.st_size))
-    total = sum(size for _, _, size in entries)
-    freed = 0
-    for _, p, size in sorted(entries, key=lambda e: e[0]):
-        if total - freed <= max_bytes:
-            break
-        if p in keep:
-            continue
-        with contextlib.suppress(OSError):
-            p.unlink()
-            freed += size
-    if freed:
-        log.info("weight cache: dropped %.1f MB of least recently used tensors (bound %.1f MB)", freed / 1e6,
-                 max_bytes / 1e6)
-    return freed
 
 
 def verify_manifest(manifest: Manifest, expected_fingerprint: str | None) -> None:
@@ -299,6 +237,38 @@ def verify_manifest(manifest: Manifest, expected_fingerprint: str | None) -> Non
                            f"{expected_fingerprint or manifest.fingerprint}")
 
 
+class Progress:
+    """A fetch's progress: a bar on a terminal (bytes, rate, time left), a log line every PROGRESS_LOG_S, and the
+    caller's ``progress(done, total)``."""
+
+    def __init__(self, layers: LayerRange, total: int, progress: Callable[[int, int], None] | None):
+        self.layers, self.total, self.callback = layers, total, progress
+        self.done = 0
+        self.t0 = self.logged = time.monotonic()
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"fetching layers {layers}",
+                        disable=None if total else True, leave=False)
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        self.bar.update(n)
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+        now = time.monotonic()
+        if now - self.logged >= PROGRESS_LOG_S:
+            self.logged = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            log.info("fetching layers %s: %.0f of %.0f MB (%.0f%%), %.1f MB/s, %.0f s left", self.layers,
+                     self.done / 1e6, self.total / 1e6, 100 * self.done / max(self.total, 1), rate / 1e6,
+                     (self.total - self.done) / max(rate, 1e-9))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# part files being fetched in this process -> [their lock, how many fetches want them]: one writer each
+_FETCHING: dict[Path, list] = {}
+
+
 async def fetch_range(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -312,42 +282,40 @@ async def fetch_range(
     cache_max_bytes: int | None = None,
 ) -> tuple[FetchedSource, int]:
     """Fetch (or find in the cache) exactly the tensors of a range; verify them. -> (source, bytes transferred).
-    A progress bar (bytes, rate, time left) goes to stderr when it is a terminal; ``progress(done, total)`` is
-    called as bytes arrive. Partial files of earlier fetches are removed first; with ``cache_max_bytes`` the cache
-    is trimmed afterwards, least recently used first, never below this range's tensors (trim_cache)."""
+    Progress goes to a terminal's bar and the log; ``progress(done, total)`` is called as bytes arrive (``total``:
+    the bytes still missing when the fetch began, resumed parts included). Tensors an interrupted fetch left
+    partly are resumed where they stopped; with ``cache_max_bytes`` the cache is trimmed afterwards, least recently
+    used first, never below this range's tensors (trim_cache)."""
     params = {"start": str(layers.start), "end": str(layers.end), "embed": "1" if embed else "0",
               "norm": "1" if norm else "0"}
-    timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=STALL_TIMEOUT_S)
     try:
         async with session.get(base_url + MANIFEST_PATH, params=params, timeout=timeout) as r:
             if r.status != 200:
                 raise WeightsError(f"{base_url} refused the manifest of {layers}: {r.status} {await r.text()}")
-            manifest = Manifest.model_validate_json(await r.read())
+            body = await r.read()
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
         raise PeerGone(f"cannot reach the weight server {base_url}: {e or type(e).__name__}") from e
+    try:
+        manifest = Manifest.model_validate_json(body)
+    except ValidationError as e:  # e.g. a digest that is no SHA-256 (it would become a file name)
+        raise WeightsError(f"{base_url} sent a malformed manifest of {layers}: {e.errors()[0]['msg']} at "
+                           f"{'.'.join(map(str, e.errors()[0]['loc']))}") from None
     verify_manifest(manifest, expected_fingerprint)
     folder = cache_dir / "tensors"
     folder.mkdir(parents=True, exist_ok=True)
     await asyncio.to_thread(remove_partial, folder)
-    files = {t.name: folder / f"{t.sha256}.bin" for t in manifest.tensors}
-    missing = await asyncio.to_thread(lambda: [t for t in manifest.tensors if not _cached(files[t.name], t.sha256)])
+    files = {t.name: bin_path(folder, t.sha256) for t in manifest.tensors}
+    unique = list({t.sha256: t for t in manifest.tensors}.values())  # equal tensors (norms of ones) share a file
+    missing = await asyncio.to_thread(lambda: [t for t in unique if not cached(files[t.name], t.sha256)])
     total = sum(t.nbytes for t in missing)
-    transferred = 0
     sem = asyncio.Semaphore(FETCH_CONCURRENCY)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"fetching layers {layers}",
-               disable=None if total else True, leave=False)
-
-    def arrived(n: int) -> None:
-        nonlocal transferred
-        transferred += n
-        bar.update(n)
-        if progress is not None:
-            progress(transferred, total)
+    arrived = Progress(layers, total, progress)
 
     async def one(entry: TensorEntry) -> None:
         async with sem:
-            await _download(session, f"{base_url}/weights/tensor/{entry.name}", entry, files[entry.name], timeout,
-                            arrived)
+            url = f"{base_url}/weights/tensor/{urllib.parse.quote(entry.name, safe='')}"
+            await _download(session, url, entry, folder, timeout, arrived)
 
     t0 = time.perf_counter()
     try:
@@ -357,43 +325,95 @@ async def fetch_range(
     except ExceptionGroup as eg:  # report the first failure as itself
         raise eg.exceptions[0] from None
     finally:
-        bar.close()
+        arrived.close()
     took = time.perf_counter() - t0
     if cache_max_bytes is not None:
         await asyncio.to_thread(trim_cache, folder, cache_max_bytes, set(files.values()))
+    transferred = arrived.done
     log.info("range %s: %d tensors, %.1f MB, %.1f MB transferred in %.2f s (%.1f MB/s)", layers, len(files),
              manifest.nbytes / 1e6, transferred / 1e6, took, transferred / 1e6 / max(took, 1e-9))
     return FetchedSource(manifest, files), transferred
 
 
-async def _download(session: aiohttp.ClientSession, url: str, entry: TensorEntry, path: Path,
+async def _blocking(fn, *args):
+    """``fn(*args)`` on a worker thread. A cancelled caller still waits for it to end, so no two threads ever touch
+    one part file."""
+    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await fut
+        raise
+
+
+async def _download(session: aiohttp.ClientSession, url: str, entry: TensorEntry, folder: Path,
                     client_timeout: aiohttp.ClientTimeout, arrived: Callable[[int], None]) -> int:
-    buf = bytearray()
+    """Stream one tensor into its part file (from where an earlier fetch stopped), verify it, put it in place.
+    -> bytes transferred"""
+    part = PartFile(folder, entry.sha256, entry.nbytes)
+    held = _FETCHING.setdefault(part.path, [asyncio.Lock(), 0])
+    held[1] += 1
     try:
-        async with session.get(url, timeout=client_timeout) as r:
-            if r.status != 200:
+        async with held[0]:
+            try:
+                return await _stream_into(session, url, entry, part, client_timeout, arrived)
+            finally:
+                await _blocking(part.close)
+    finally:
+        held[1] -= 1
+        if not held[1]:
+            del _FETCHING[part.path]
+
+
+async def _flush(part: PartFile, chunks: list[bytes], arrived: Callable[[int], None]) -> int:
+    n = sum(len(c) for c in chunks)
+    if n:
+        await _blocking(part.write_all, chunks)
+        arrived(n)
+    return n
+
+
+async def _stream_into(session: aiohttp.ClientSession, url: str, entry: TensorEntry, part: PartFile,
+                       client_timeout: aiohttp.ClientTimeout, arrived: Callable[[int], None]) -> int:
+    have = await _blocking(part.open)
+    got = 0
+    if have == entry.nbytes:  # complete, but not yet renamed when the last fetch stopped
+        await _blocking(part.finish)
+        return 0
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    try:
+        async with session.get(url, timeout=client_timeout, headers=headers) as r:
+            if r.status == 200 and have:  # a server without ranges: the whole tensor again
+                await _blocking(part.restart)
+            elif r.status == 206:
+                want = f"bytes {have}-{entry.nbytes - 1}/{entry.nbytes}"
+                if r.headers.get("Content-Range") != want:
+                    raise WeightsError(f"{url}: asked for {want}, got {r.headers.get('Content-Range')!r}")
+            elif r.status != 200:
                 raise WeightsError(f"{url}: {r.status} {await r.text()}")
-            async for chunk in r.content.iter_chunked(CHUNK_BYTES):
-                buf += chunk
-                arrived(len(chunk))
-                if len(buf) > entry.nbytes:
-                    raise WeightsError(f"tensor {entry.name}: more than the {entry.nbytes} bytes announced")
+            pending: list[bytes] = []  # what arrived since the last write: about READ_BYTES, never copied
+            size = 0
+            try:
+                while part.have + size < entry.nbytes:
+                    chunk = await r.content.readany()
+                    if not chunk:
+                        raise PeerGone(f"fetching {entry.name} from {url}: the connection closed after "
+                                       f"{part.have + size} of {entry.nbytes} bytes")
+                    pending.append(chunk)
+                    size += len(chunk)
+                    if size >= READ_BYTES:
+                        got += await _flush(part, pending, arrived)
+                        pending, size = [], 0
+            finally:  # keep what came, for the next try to resume from
+                got += await _flush(part, pending, arrived)
+            if await r.content.read(1):
+                raise WeightsError(f"tensor {entry.name}: more than the {entry.nbytes} bytes announced")
     except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        raise PeerGone(f"fetching {entry.name} from {url} failed: {e or type(e).__name__}") from e
-    digest = hashlib.sha256(buf).hexdigest()
-    if digest != entry.sha256:
-        raise WeightsError(f"tensor {entry.name}: SHA-256 mismatch (got {digest[:16]}..., expected "
-                           f"{entry.sha256[:16]}...): refusing tampered or corrupt weights")
-    await asyncio.to_thread(_write_atomic, path, bytes(buf))
-    return len(buf)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(f".part{os.getpid()}")
+        raise PeerGone(f"fetching {entry.name} from {url} failed after {part.have} of {entry.nbytes} bytes: "
+                       f"{e or type(e).__name__}") from e
     try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError as e:  # a full disk: no partial file stays behind, and the load fails with the reason
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise WeightsError(f"cannot store {path.name}: {e}") from e
+        await _blocking(part.finish)
+    except WeightsError as e:
+        raise WeightsError(f"tensor {entry.name}: {e}") from None
+    return got

@@ -91,7 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flowspec-config", default=None, metavar="JSON",
                    help="(leader) FlowSpec settings that differ from the defaults, as JSON of FlowSpecConfig fields, "
                    "e.g. '{\"segment_cap\": 1, \"in_flight\": 8}' (see flowspec_p2p/decoding/flowspec.py)")
-    p.add_argument("--memory-mb", type=float, default=None, help="offer this much memory instead of measuring")
+    p.add_argument("--memory-mb", type=float, default=None,
+                   help="memory this agent offers for the model: weights, KV cache, activations (its own runtime "
+                   "comes on top; the planner leaves 5%% of it free). Default: 80%% of what is available at start")
     p.add_argument("--gflops", type=float, default=None, help="use this compute score instead of measuring")
     p.add_argument("--link-mbps", type=float, default=None, help="emulate this link bandwidth (Mbit/s)")
     p.add_argument("--link-latency-ms", type=float, default=None, help="emulate this one-way link latency")

@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--api-port", type=int, default=8000,
                     help="the leader's API port; agent i serves its API on PORT + i (a member forwards to the "
                     "leader, and a reply streaming through it survives the leader's loss). Default 8000; 0 = any")
+    up.add_argument("--netns", action="store_true",
+                    help="each agent on a host of its own: a network namespace with its own LAN interface on a "
+                    "private bridge (a 10.x.y.0/24 made for it, removed at exit; needs root and iproute2); each "
+                    "agent's API answers on its LAN address, the leader's at the printed URL")
     up.set_defaults(func=run_up)
     rec = csub.add_parser("recovery", help="measure how fast the cluster serves again after an agent leaves",
                           description="Start N agents; then, RUNS times each: stop the last member gracefully, "
@@ -95,7 +99,7 @@ def _options(args: argparse.Namespace) -> ClusterOptions:
                               slowdown=args.slowdown, stages=args.stages, leader_layers=args.leader_layers,
                               context=args.context, wire_dtype=args.wire_dtype, state_root=args.state_dir,
                               decoding=args.decoding, engine=args.engine, max_requests=args.max_requests,
-                              insecure=args.insecure,
+                              insecure=args.insecure, netns=getattr(args, "netns", False),
                               flowspec=json_object(args.flowspec_config, "--flowspec-config"))
     except ValidationError as e:
         raise ConfigError(f"invalid cluster options: {e}") from None

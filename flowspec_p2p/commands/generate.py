@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from . import add_engine_argument
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -97,10 +100,14 @@ def run(args: argparse.Namespace) -> int:
     from ..model.generate import stream_text
     from ..model.load import load_model, set_threads
     from ..model.sampling import SamplingParams
+    from ..model.synth import is_synthetic
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     set_threads(args.threads)
     lm = load_model(args.model, dtype=parse_dtype(args.dtype), engine=args.engine, quantize=args.quantize)
+    if is_synthetic(lm.source):
+        log.warning("%s is a synthetic model (random weights, `flowspec model synth`): its text is meaningless",
+                    lm.source.path.name)
     tok = lm.tokenizer
     if args.raw:
         prompt = tok.encode(args.prompt)

@@ -136,6 +136,24 @@ def parse_gguf(buf: mmap.mmap, path: Path) -> tuple[dict, list[GGUFTensor]]:
     return meta, tensors
 
 
+def metadata_spans(buf: mmap.mmap, path: Path) -> list[tuple[str, int, int]]:
+    """Every metadata entry of a GGUF file as (key, start, end): the byte span of the whole encoded entry (key, type,
+    value), so a writer can copy entries verbatim (model/synth.py copies the tokenizer's)."""
+    cur = _Cursor(buf, path)
+    if buf[:4] != b"GGUF":
+        raise WeightsError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    cur.pos = 4
+    _, _, n_kv = cur.unpack("<IQQ")
+    spans = []
+    for _ in range(n_kv):
+        start = cur.pos
+        key = cur.string()
+        (vtype,) = cur.unpack("<I")
+        cur.value(vtype, keep=False)
+        spans.append((key, start, cur.pos))
+    return spans
+
+
 DEQUANT_CHUNK_BLOCKS = 1 << 16  # 2M weights (8 MB of float32) per step
 
 

@@ -22,6 +22,7 @@ import logging
 import mmap
 import re
 import struct
+import weakref
 from pathlib import Path
 from typing import Protocol
 
@@ -268,9 +269,23 @@ def open_source(path: str | Path | None = None) -> GGUFSource | SafetensorsSourc
 DIGEST_WINDOW = 4 << 20  # bytes of a tensor hashed at a time
 
 
+_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # source -> {name: digest}, computed once
+
+
 def tensor_digest(source: WeightSource, name: str) -> str:
-    """SHA-256 of a tensor's stored bytes. A GGUF file's pages are dropped from memory again a window at a time as
-    they are hashed, so fingerprinting a model never holds more than a window of it."""
+    """SHA-256 of a tensor's stored bytes, computed once per open source (a leader's model fingerprint and its weight
+    server's manifests share them: a 4 GB model is hashed once). A GGUF file's pages are dropped from memory again a
+    window at a time as they are hashed, so fingerprinting a model never holds more than a window of it."""
+    try:
+        known = _DIGESTS.setdefault(source, {})
+    except TypeError:  # a source that cannot be weakly referenced: hashed each time
+        known = {}
+    if name not in known:
+        known[name] = _digest(source, name)
+    return known[name]
+
+
+def _digest(source: WeightSource, name: str) -> str:
     raw = memoryview(source.raw_bytes(name)).cast("B")
     release = getattr(source, "release", None)
     h = hashlib.sha256()

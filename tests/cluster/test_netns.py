@@ -123,8 +123,10 @@ def test_readme_across_real_devices_with_the_cluster_key(hosts, tmp_path):
     leader = Device(lead_ns, tmp_path / "leader", ["agent", "--leader", "--cluster", "home", "--api-port", "8000"])
     devices = [leader]
     try:
-        # not on a terminal, the key line names the key's file (the key itself goes to a terminal only)
-        line = wait_for(lambda: re.search(r'export FLOWSPEC_CLUSTER_KEY="\$\(cat (\S+)\)"', leader.text()),
+        # not on a terminal, the key line names the key's file (the key itself goes to a terminal only), and the
+        # leader's identity, which the member pins
+        line = wait_for(lambda: re.search(r'export FLOWSPEC_CLUSTER_KEY="\$\(cat (\S+)\)"'
+                                          r" FLOWSPEC_LEADER_IDENTITY=([0-9a-f]+)", leader.text()),
                         START_TIMEOUT_S, "the leader's key line", devices)
         stored = tmp_path / "leader/.cache/flowspec_p2p/agent/cluster.key"
         assert Path(line.group(1)) == stored
@@ -132,7 +134,8 @@ def test_readme_across_real_devices_with_the_cluster_key(hosts, tmp_path):
         key = stored.read_text().strip()
         assert key.startswith("fsk1-")
         assert key not in leader.text()
-        member = Device(member_ns, tmp_path / "member", ["agent", "--cluster", "home"], {env.CLUSTER_KEY: key})
+        member = Device(member_ns, tmp_path / "member", ["agent", "--cluster", "home"],
+                        {env.CLUSTER_KEY: key, env.LEADER_IDENTITY: line.group(2)})
         stranger = Device(member_ns, tmp_path / "stranger", ["agent", "--cluster", "home"],
                           {env.CLUSTER_KEY: ClusterKey.generate().text})
         devices += [member, stranger]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowspec_p2p.cluster import planner
+from flowspec_p2p.cluster import planner, plans
 from flowspec_p2p.cluster.planner import plan
 from flowspec_p2p.cluster.plans import Device, ModelSizes, PlanOptions, diff, render
 from flowspec_p2p.errors import PlanInfeasible
@@ -170,3 +170,39 @@ def test_the_plan_holds_kv_for_as_many_requests_as_memory_allows():
     assert planner.plan_requests(tight, model, requests=2)[1] == 2
     with pytest.raises(PlanInfeasible):
         planner.plan_requests(tight, model, requests=8)
+
+
+def test_the_headroom_is_left_free_and_stated_and_each_agents_runtime_added_to_its_expected_rss():
+    model = smol(context=256)
+    c = planner._Costs(model, PlanOptions())
+    need = c.leader_extra_bytes() + c.act + sum(model.layer_bytes) + model.num_layers * c.kv_per_layer
+    exact = Device(id="d0", memory_bytes=need, runtime_bytes=300 * MB, gflops=10, leader=True)
+    p = plan([exact], model, PlanOptions(headroom=0.0))
+    assert p.stages[0].memory_bytes == need
+    assert p.stages[0].expected_rss == need + 300 * MB  # what the agent's resident set should be
+    with pytest.raises(PlanInfeasible, match="short by"):
+        plan([exact], model)  # the default 5% headroom does not fit
+    roomy = exact.model_copy(update={"memory_bytes": int(need / 0.95) + MB, "runtime_bytes": None})
+    p = plan([roomy], model)
+    assert (p.headroom, p.kv_requests) == (0.05, 1)
+    assert p.stages[0].runtime_bytes == plans.DEFAULT_RUNTIME_BYTES  # a device that does not say
+    assert "5% of each offer left free" in render(p, [roomy])
+
+
+def test_no_plan_says_by_how_much_memory_falls_short_and_that_much_more_fits():
+    model = smol(context=2048)
+    devices = [dev(i, 100 + 20 * i, 10, leader=i == 0) for i in range(3)]
+    with pytest.raises(PlanInfeasible, match=r"^short by \d+ MB: ") as e:
+        plan(devices, model)
+    short, needs = planner.shortfall(devices, model, PlanOptions())
+    assert e.value.short_bytes == short == sum(needs.values()) > 0
+    assert f"short by {-(-short // MB)} MB" in str(e.value)
+    more = [d.model_copy(update={"memory_bytes": d.memory_bytes + needs.get(d.id, 0)}) for d in devices]
+    check_invariants(plan(more, model), more, model)  # exactly that much more fits
+    less = [d.model_copy(update={"memory_bytes": d.memory_bytes + max(0, needs.get(d.id, 0) - 2 * MB)})
+            for d in devices]
+    with pytest.raises(PlanInfeasible):
+        plan(less, model)
+    with pytest.raises(PlanInfeasible, match=r"^short by \d+ MB: the leader d0 needs .*the closest plan needs") as e:
+        planner.plan_requests([dev(0, 50, 10, leader=True)], model)
+    assert e.value.short_bytes > 0

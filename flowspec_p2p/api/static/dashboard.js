@@ -101,8 +101,10 @@ function renderHeader(state) {
   let text = "serving", cls = "ok";
   if (c.transition) { text = `re-planning (${c.transition.phase})`; cls = "warn"; }
   else if (c.broken) { text = "pipeline broken"; cls = "bad"; }
+  else if (c.no_plan && !ready) { text = c.no_plan.split(":").slice(0, 2).join(":"); cls = "bad"; }
   else if (!ready) { text = "planning"; cls = "warn"; }
   status.textContent = text;
+  status.title = c.no_plan || "";
   status.className = `pill ${cls}`;
   $("#cluster-name").textContent = c.cluster ? `· cluster ${c.cluster}` : "";
   $("#epoch").textContent = c.epoch ?? "–";
@@ -200,7 +202,7 @@ function renderPlan(state) {
   const plan = state.cluster && state.cluster.plan;
   if (!plan) {
     fill($("#plan-bar"));
-    $("#plan-summary").textContent = "no plan yet";
+    $("#plan-summary").textContent = (state.cluster && state.cluster.no_plan) || "no plan yet";
     return;
   }
   fill($("#plan-bar"), planSegments(plan.stages, plan.num_layers, true));
