@@ -293,14 +293,14 @@ class Agent(Net, Roles):
         self.api_url = f"http://{cfg.api_host}:{port}"
 
     def leader_url(self) -> str | None:
-        """proxy.LeaderLink: the agent URL of this agent's leader (its own while it leads)."""
+        """resume.LeaderLink: the agent URL of this agent's leader (its own while it leads)."""
         if self.coordinator is not None:
             return self.info.url
         leader = self.member.leader if self.member is not None else None
         return leader.url if leader is not None else None
 
     async def leader_change(self, url: str | None, timeout_s: float | None) -> str | None:
-        """proxy.LeaderLink: wait until this agent's leader is another than ``url``."""
+        """resume.LeaderLink: wait until this agent's leader is another than ``url``."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 while self.leader_url() == url:  # noqa: ASYNC110 - the role changes in several places

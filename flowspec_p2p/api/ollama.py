@@ -87,6 +87,10 @@ class _Request(BaseModel):
     decoding: str | None = Field(None, min_length=1, max_length=32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # for an agent relaying the request (proxy.py), as on the OpenAI routes: each part carries "token_ids", and
+    # "resume_ids" are the reply's ids already sent, which this reply continues after (failover)
+    relay_ids: bool = False
+    resume_ids: list[int] | None = Field(None, max_length=1 << 20)
 
     def refusals(self) -> list[tuple[str, bool, str]]:
         return [("format", self.format not in (None, ""), "structured output (JSON mode, schemas) is not supported"),
@@ -172,7 +176,8 @@ def to_body(req: _Request, leader: Leader) -> OllamaBody:
               "seed": None if seed is None or (isinstance(seed, int) and seed < 0) else seed,
               "stop": options.get("stop"), "stream": req.stream, "decoding": req.decoding,
               "max_tokens": leader.settings.max_context if predict is None or predict < 0 else predict,
-              "logprobs_top": (req.top_logprobs or 0) if req.logprobs else None}
+              "logprobs_top": (req.top_logprobs or 0) if req.logprobs else None,
+              "relay_ids": req.relay_ids or None, "resume_ids": req.resume_ids}
     try:
         return OllamaBody(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
@@ -224,6 +229,8 @@ class _OllamaJob(Job):
         out["done"] = False
         if logprobs and self.ledger.logprobs is not None:
             out["logprobs"] = chat_logprobs(logprobs, self.leader.tokenizer.decode)["content"]
+        if self.body.relay_ids:
+            out["token_ids"] = self.take_ids()  # for the agent relaying this reply (proxy.py)
         return out
 
     def last(self, text: str = "", logprobs: list[TokenLogprob] | None = None) -> dict:
@@ -231,10 +238,10 @@ class _OllamaJob(Job):
         out = {**self.part(text, logprobs), "done": True, "done_reason": self.finish_reason,
                "total_duration": int((time.perf_counter() - self.t0) * NS), "load_duration": 0,
                "prompt_eval_count": len(self.prompt) - led.cached_tokens,
-               "prompt_eval_duration": int(led.prefill_s * NS), "eval_count": led.new_tokens,
+               "prompt_eval_duration": int(led.prefill_s * NS), "eval_count": led.new_tokens + len(self.resume),
                "eval_duration": int(led.decode_s * NS)}
         if self.kind == "text":
-            out["context"] = self.prompt + self.token_ids
+            out["context"] = self.prompt + self.resume + self.token_ids
         out["stats"] = self.stats_dict()
         return out
 

@@ -15,7 +15,8 @@ the standby; a Bye that names none is a cluster stopping on purpose: nobody take
 leader's plan named, keeps its stage (the new plan mostly keeps its range), and asks to join every
 SUCCESSOR_RETRY_S until the standby leads (the leader that said Bye is not joined again until it restarts). A
 closed ring link to the leader, or the standby's word (or, to the standby, a member's), makes a member probe its
-leader at once instead of waiting for the heartbeats.
+leader at once instead of waiting for the heartbeats. While the standby does not lead (it finds the leader there),
+a member rechecks the leader it found lost every RECHECK_S and joins it again when it answers: it was slow.
 
 Trust. A member joins only leaders whose identity it trusts (``trusted``): the one it was told
 (``--leader-identity`` / $FLOWSPEC_LEADER_IDENTITY, printed next to the key by the leader), else the first leader
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 SEARCH_WAKE_S = 1.0  # without a leader, look at the candidates at least this often
 PROBE_TIMEOUT_S = 1.0  # a leader suspected gone (its ring link closed) must answer GET /control/info within this
 SUCCESSOR_RETRY_S = 0.2  # how often the lost leader's standby is asked to take this member, until it leads
+RECHECK_S = 1.0  # ... and how often, meanwhile, whether the leader found lost answers after all
 TAKEOVER_WAIT_S = 60.0  # ... for at most this long (a standby still fetching its replica gets ready meanwhile)
 
 
@@ -89,6 +91,7 @@ class MemberControl:
         self._left_on_purpose = False
         self._handed_over = False  # the last leader's Bye named its standby
         self._departed: tuple[str, float] | None = None  # (id, start) of the last leader that said Bye: not rejoined
+        self._lost: tuple[PeerInfo, float] | None = None  # the leader found lost, and when it was last rechecked
         self._distrusted: set[str] = set()  # leaders ignored (logged once each)
         self._wake = asyncio.Event()
 
@@ -248,6 +251,7 @@ class MemberControl:
             if not isinstance(reply, Welcome):
                 if self._successor is not None and self._successor[0] == leader.id:
                     log.debug("standby %s does not lead yet: %s", leader.id, why)
+                    await self._recheck_lost()
                     await self._sleep(SUCCESSOR_RETRY_S)
                     continue
                 log.warning("cannot join leader %s: %s", leader.id, why)
@@ -288,8 +292,23 @@ class MemberControl:
             self.trusted.add(standby.identity)
         self.candidates[standby.id] = standby.model_copy(update={"role": "leader"})
         self._successor = (standby.id, time.monotonic() + TAKEOVER_WAIT_S)
+        self._lost = None if self._handed_over else (lost, 0.0)
         self.net.spawn(self._tell(standby), name="tell-standby")
         return True
+
+    async def _recheck_lost(self) -> None:
+        """While the standby does not lead: does the leader that seemed lost answer after all (it was slow, not
+        gone: the standby, which probes it too, does not take over)? Then it is joined again."""
+        if self._lost is None or time.monotonic() - self._lost[1] < RECHECK_S:
+            return
+        lost = self._lost[0]
+        self._lost = (lost, time.monotonic())
+        info = await self.net.fetch_info(lost.host, lost.port, PROBE_TIMEOUT_S)
+        if info is not None and (info.id, info.started, info.role) == (lost.id, lost.started, "leader") \
+                and self._successor is not None:
+            log.warning("leader %s answers again (it was slow, not lost); joining it again", lost.id)
+            self.candidates[lost.id] = lost
+            self._successor = self._lost = None
 
     def _why(self) -> str:
         return "stopped" if self._handed_over else "lost"

@@ -63,7 +63,7 @@ def leader_app(chat: bool, *, breaks_after: int | None, seen: list, died=lambda:
 
 
 class Link:
-    """proxy.LeaderLink: the first leader until it dies, then the second."""
+    """resume.LeaderLink: the first leader until it dies, then the second."""
 
     def __init__(self, session: aiohttp.ClientSession):
         self.session, self.url = session, ""
@@ -123,3 +123,68 @@ async def test_a_reply_with_logprobs_moves_to_the_next_leader_whole(chat, stream
     assert text == "Hello world"
     assert got == (TOKENS if chat else [0, 2, 5, 9])
     assert [len(b.get("resume_ids") or []) for b in seen] == [0, 2]
+
+
+def ollama_leader(chat: bool, *, breaks_after: int | None, seen: list, died=lambda: None) -> web.Application:
+    """A leader's Ollama route under /relay: NDJSON parts of TOKENS[len(resume_ids):], the last one done."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        start = len(body.get("resume_ids") or [])
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        for n, i in enumerate(range(start, len(TOKENS))):
+            if breaks_after is not None and n == breaks_after:
+                died()
+                request.transport.close()
+                return resp
+            text = TOKENS[i]
+            part = {"model": "m", "done": False, "token_ids": [10 + i],
+                    "logprobs": [{"token": text, "logprob": -0.5, "bytes": [], "top_logprobs": []}],
+                    **({"message": {"role": "assistant", "content": text}} if chat else {"response": text})}
+            await resp.write(json.dumps(part).encode() + b"\n")
+        last = {"model": "m", "done": True, "done_reason": "length", "eval_count": len(TOKENS), "stats": {},
+                **({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})}
+        await resp.write(json.dumps(last).encode() + b"\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post(RELAY_PATH + "/{tail:.*}", handle)
+    return app
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["generate", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_an_ollama_reply_moves_to_the_next_leader_whole_with_its_seed(chat, stream):
+    """Ollama's default sampling (temperature 0.8, no seed) gets a seed at the member, the same on every attempt."""
+    seen: list = []
+    async with aiohttp.ClientSession() as session:
+        link = Link(session)
+        second = TestServer(ollama_leader(chat, breaks_after=None, seen=seen))
+        first = TestServer(ollama_leader(chat, breaks_after=2, seen=seen,
+                                         died=lambda: link.turn_to(str(second.make_url("")).rstrip("/"))))
+        await first.start_server()
+        await second.start_server()
+        link.turn_to(str(first.make_url("")).rstrip("/"))
+        body = {"model": "m", "stream": stream, "logprobs": True, "options": {"seed": -1},
+                **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+        async with TestClient(TestServer(create_proxy_app(link))) as client:
+            r = await client.post("/api/chat" if chat else "/api/generate", json=body)
+            assert r.status == 200
+            if stream:
+                parts = [json.loads(line) for line in (await r.text()).splitlines() if line.strip()]
+                assert parts[-1]["done"]
+                assert all("token_ids" not in p for p in parts)
+            else:
+                parts = [await r.json()]
+            text = "".join((p.get("message") or {}).get("content") or p.get("response") or "" for p in parts)
+            tokens = [e["token"] for p in parts for e in p.get("logprobs") or []]
+        await first.close()
+        await second.close()
+    assert text == "Hello world"
+    assert tokens == TOKENS
+    assert [len(b.get("resume_ids") or []) for b in seen] == [0, 2]
+    seeds = {b["options"]["seed"] for b in seen}
+    assert len(seeds) == 1
+    assert seeds.pop() >= 0

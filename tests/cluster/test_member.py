@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 import torch
 
+from flowspec_p2p.cluster import member as member_mod
 from flowspec_p2p.cluster import membership
 from flowspec_p2p.cluster.control import Ack, Bye, Hello, PeerInfo, Welcome
 from flowspec_p2p.cluster.device import DeviceProfile
@@ -136,3 +137,50 @@ async def test_a_ring_link_of_a_superseded_epoch_is_not_retried():
         with pytest.raises(PeerGone, match="not wanted any more"):
             await connect_with_retry(url, hello, session, None, LinkEmulation(), torch.float32, wanted=lambda: False)
     assert time.monotonic() - t0 < 1.0
+
+
+class SlowLeaderNet(FakeNet):
+    """The leader misses heartbeats for a while (busy, not gone); the standby, finding it there, does not lead."""
+
+    def __init__(self):
+        super().__init__()
+        self.slow = True
+
+    async def post(self, url, msg):
+        self.posts.append((url, msg))
+        if url == STANDBY.url:
+            return Ack()  # a member: it does not lead
+        if isinstance(msg, Hello):
+            return Welcome(leader=LEADER, epoch=1)
+        if self.slow:
+            raise PeerGone(f"{url} unreachable: timeout")
+        return Ack(epoch=1)
+
+    async def fetch_info(self, host, port, timeout_s=1.0):
+        self.probes.append(port)
+        return None if self.slow else LEADER
+
+
+async def test_a_member_rejoins_a_leader_it_found_lost_when_the_standby_does_not_take_over(monkeypatch):
+    monkeypatch.setattr(membership, "HEARTBEAT_INTERVAL_S", 0.05)
+    monkeypatch.setattr(membership, "HEARTBEAT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(member_mod, "RECHECK_S", 0.1)
+    net = SlowLeaderNet()
+    m = MemberControl(OTHER, net=net, stage_host=FakeStageHost())
+    m.peer_seen(LEADER)
+    m.last_update = SimpleNamespace(leader=LEADER, standby=STANDBY.id, standby_info=STANDBY, members=(STANDBY, OTHER))
+    task = await joined(m)
+    try:
+        async with asyncio.timeout(5):
+            while not any(url == STANDBY.url for url, _ in net.posts):  # noqa: ASYNC110 - it turned to the standby
+                await asyncio.sleep(0.01)
+        assert m.leader is None
+        net.slow = False  # the leader answers again
+        async with asyncio.timeout(5):
+            while m.leader is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        assert m.leader.id == LEADER.id
+        assert LEADER.port in net.probes
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -14,7 +14,8 @@ in one of three ways:
     term   the leader stops gracefully as under SIGTERM (Ctrl-C, ``systemctl restart``): it hands over to the standby
 
 The standby takes over, re-plans over the members and serves; the member's API resumes the reply on it from the
-ids already sent. Every reply must complete with the text of an undisturbed run (greedy, and seeded sampling at
+ids already sent (the requests of the "stop" cases go through Ollama's /api/generate, the others through
+/v1/completions). Every reply must complete with the text of an undisturbed run (greedy, and seeded sampling at
 T=1), with no 5xx, and its log-probabilities those of an undisturbed reply; the seconds from the leader's loss to
 the next token are reported (``failover`` in the stats, and printed). Then the old leader comes back -- thawed
 (stop), or started again on its state folder (kill, term) -- and must join the new leader as a member; the new
@@ -133,30 +134,55 @@ def fires_at(event: str, mode: str):
     return hit
 
 
-async def stream(api: str, mode: str, params: SamplingParams, on_chunk) -> tuple[str, list[dict], int, list[float]]:
-    body = {"prompt": "resume me", "max_tokens": N, "stream": True, "decoding": mode, "logprobs": 2,
-            "temperature": params.temperature, **({"seed": params.seed} if params.seed is not None else {})}
+def _openai(c: dict) -> dict:
+    choice = (c.get("choices") or [None])[0]
+    if choice is None:
+        return {"text": "", "token": False, "error": c.get("error"), "stats": c.get("stats"), "logprobs": {}}
+    return {"text": choice["text"], "token": bool(choice["text"] or choice["finish_reason"]), "error": None,
+            "stats": c.get("stats"), "logprobs": choice.get("logprobs") or {}}
+
+
+def _ollama(c: dict) -> dict:
+    lp = c.get("logprobs") or []
+    return {"text": c.get("response", ""), "token": bool(c.get("response") or c.get("done")), "error": c.get("error"),
+            "stats": c.get("stats"), "context": c.get("context"),
+            "logprobs": {"tokens": [e["token"] for e in lp], "token_logprobs": [e["logprob"] for e in lp]}}
+
+
+async def stream(api: str, mode: str, params: SamplingParams, on_chunk, *, ollama: bool = False):
+    """A streamed completion through OpenAI's /v1/completions or Ollama's /api/generate (raw: the same prompt ids)
+    -> (text, its chunks (text, token, error, stats, logprobs), status, each chunk's arrival)."""
+    seed = {"seed": params.seed} if params.seed is not None else {}
+    if ollama:
+        path, body = "/api/generate", {"prompt": "resume me", "raw": True, "decoding": mode, "logprobs": True,
+                                       "options": {"num_predict": N, "temperature": params.temperature, "top_k": 0,
+                                                   "top_p": 1.0, **seed}}
+    else:
+        path, body = "/v1/completions", {"prompt": "resume me", "max_tokens": N, "stream": True, "decoding": mode,
+                                         "logprobs": 2, "temperature": params.temperature, **seed}
     chunks, status, at = [], 0, []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s, \
-            s.post(api + "/v1/completions", json=body) as r:
+            s.post(api + path, json=body) as r:
         status = r.status
         async for raw in r.content:
             line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-                at.append(time.monotonic())
-                on_chunk(len(chunks))
-    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
-    return text, chunks, status, at
+            if ollama and line:
+                chunks.append(_ollama(json.loads(line)))
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(_openai(json.loads(line[6:])))
+            else:
+                continue
+            at.append(time.monotonic())
+            on_chunk(len(chunks))
+    return "".join(c["text"] for c in chunks), chunks, status, at
 
 
 def logprobs_of(chunks: list[dict]) -> dict:
     """A streamed completion's logprobs, joined."""
     out = {"tokens": [], "token_logprobs": [], "text_offset": []}
     for c in chunks:
-        lp = c["choices"][0].get("logprobs") if c.get("choices") else None
         for k in out:
-            out[k] += (lp or {}).get(k) or []
+            out[k] += c["logprobs"].get(k) or []
     return out
 
 
@@ -197,29 +223,33 @@ async def test_the_leader_failing_at_an_event_point_loses_no_reply_made_through_
 
             victim.core.handle = handle
         t0 = time.monotonic()
-        text, chunks, status, at = await stream(via.api_url, mode, params,
-                                                lambda n: fail() if event == "mid_stream" and n == 3 else None)
+        ollama = fault == "stop"  # through Ollama's /api/generate; the other faults through /v1/completions
+        text, chunks, status, at = await stream(via.api_url, mode, params, ollama=ollama,
+                                                on_chunk=lambda n: fail() if event == "mid_stream" and n == 3 else None)
         assert status == 200
         assert "t" in lost_at, "the event point came"
-        assert not any("error" in c for c in chunks), chunks[-1]
+        assert not any(c["error"] for c in chunks), chunks[-1]
         prompt = ByteTokenizer().encode("resume me")
-        assert text == ByteTokenizer().decode(parts.reference(prompt, N, params, stop_ids=ByteTokenizer.stop_ids))
+        reference = parts.reference(prompt, N, params, stop_ids=ByteTokenizer.stop_ids)
+        assert text == ByteTokenizer().decode(reference)
+        if ollama:
+            assert chunks[-1]["context"] == prompt + reference  # the resumed ids too
         # the next token the new leader decided: the one that ends the client's longest wait after the loss
         # (chunks the lost leader sent before it may still arrive first)
-        points = [lost_at["t"], *(t for t, c in zip(at, chunks, strict=True) if t > lost_at["t"] and c.get("choices")
-                                  and (c["choices"][0]["text"] or c["choices"][0]["finish_reason"]))]
+        points = [lost_at["t"], *(t for t, c in zip(at, chunks, strict=True) if t > lost_at["t"] and c["token"])]
         waits = [b - a for a, b in itertools.pairwise(points)]
         gap = points[waits.index(max(waits)) + 1] - lost_at["t"] if waits else 0.0
-        moved = chunks[-1].get("stats", {}).get("failover", {}).get("seconds", [])
+        moved = (chunks[-1]["stats"] or {}).get("failover", {}).get("seconds", [])
         log.warning("%s-%s-%s-%s: leader lost -> next token %.2f s at the client (the member's API resumed the "
                     "reply %s s after it saw the loss; target <= %.0f s); reply %.2f s", event, mode, sampling, fault,
                     gap, moved, LOSS_TO_TOKEN_TARGET_S, at[-1] - t0)
         assert gap <= LOSS_TO_TOKEN_TARGET_S
         # the log-probabilities went on too: those of an undisturbed reply (from the new leader), text offsets
         # counting on from the ones sent before the loss
-        again, chunks_again, _, _ = await stream(via.api_url, mode, params, lambda n: None)
+        again, chunks_again, _, _ = await stream(via.api_url, mode, params, lambda n: None, ollama=ollama)
         assert again == text
         got, want = logprobs_of(chunks), logprobs_of(chunks_again)
+        assert got["tokens"]
         assert got["tokens"] == want["tokens"]
         assert got["text_offset"] == want["text_offset"]
         assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-6)
