@@ -4,7 +4,8 @@ and refusals, in Ollama's shapes.
 
     POST /api/chat       messages -> chat template -> reply; NDJSON stream (Ollama's default) or one object with
                          ``"stream": false``; the last object has done_reason and Ollama's counters (nanoseconds)
-    POST /api/generate   prompt (+ system; ``raw``: no template; ``context``: the ids of an earlier reply) -> the
+    POST /api/generate   prompt (+ system; ``raw``, or a model without a chat template: no template, the BOS first
+                         where the tokenizer adds one; ``context``: the ids of an earlier reply, continued) -> the
                          same, ``context`` (prompt + reply ids) in the last object; an empty prompt: done_reason "load"
     GET  /api/tags       the served model under each of its names (catalog.py), as name:latest
     POST /api/show       its details, model_info, template and parameters
@@ -41,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..decoding.leader import Leader
 from ..errors import FlowSpecError
 from ..ledger import TokenLogprob
+from ..model.tokenizer import is_base
 from .access import JOB
 from .catalog import SERVED, ServedModel
 from .logprobs import chat_logprobs
@@ -200,8 +202,8 @@ def _prompt(leader: Leader, req: _Request) -> list[int]:
         raise ApiError(400, f"context: token ids must lie in [0, {vocab})", "invalid_request_error", "context")
     if not req.prompt:
         return before
-    if req.raw:
-        return before + tok.encode(req.prompt)
+    if req.raw or is_base(tok):  # as Ollama's default template ({{ .Prompt }}) does for a model without one
+        return before + (tok.encode(req.prompt) if before else tok.encode_raw(req.prompt))
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
         {"role": "user", "content": req.prompt}]
     return before + tok.chat(messages)

@@ -14,29 +14,12 @@ from flowspec_p2p.commands import generate as generate_cmd
 from flowspec_p2p.model import load as load_module
 from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.sampling import SamplingParams
-from flowspec_p2p.model.tokenizer import Tokenizer, _gguf_add_bos, is_base, user_prompt
+from flowspec_p2p.model.tokenizer import _gguf_add_bos, is_base, user_prompt
 from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
 
-WORDS = ["<pad>", "<bos>", "<eos>", *(f"w{i}" for i in range(3, 96))]
-
-
-def _backend(post_bos: bool):
-    import tokenizers
-    from tokenizers import models, pre_tokenizers, processors
-
-    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(["<pad>", "<bos>", "<eos>"])
-    if post_bos:
-        tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return tok
-
-
-def _tokenizer(post_bos: bool, add_bos: bool | None = None, template: str | None = None) -> Tokenizer:
-    return Tokenizer(_backend(post_bos), chat_template=template, special={"bos_token": "<bos>", "eos_token": "<eos>"},
-                     add_bos=add_bos)
+from ..ring_fixtures import word_tokenizer
 
 
 @pytest.mark.parametrize(("post_bos", "add_bos", "expected"), [
@@ -46,7 +29,7 @@ def _tokenizer(post_bos: bool, add_bos: bool | None = None, template: str | None
     (True, False, [7, 9]),
 ])
 def test_a_raw_prompt_starts_with_bos_as_the_tokenizer_metadata_says(post_bos, add_bos, expected):
-    tok = _tokenizer(post_bos, add_bos)
+    tok = word_tokenizer(post_bos, add_bos)
     assert tok.encode_raw("w7 w9") == expected
     assert tok.encode_raw("<bos> w7 w9") == [1, 7, 9]  # never twice
     assert tok.encode("w7 w9") == [7, 9]
@@ -78,7 +61,7 @@ def test_generate_continues_a_template_less_models_prompt_as_plain_text_with_bos
                                                                                 caplog, flags):
     src = open_source(tiny_llama)
     shard = TorchShard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=torch.float64)
-    tok = _tokenizer(post_bos=False, add_bos=True)  # a base model: no chat template
+    tok = word_tokenizer(post_bos=False, add_bos=True)  # a base model: no chat template
     source = types.SimpleNamespace(path=tiny_llama / "model.safetensors")
     monkeypatch.setattr(load_module, "load_model",
                         lambda *a, **k: types.SimpleNamespace(shard=shard, tokenizer=tok, source=source))
@@ -92,7 +75,7 @@ def test_generate_continues_a_template_less_models_prompt_as_plain_text_with_bos
 def test_generate_applies_the_chat_template_when_there_is_one(tiny_llama, monkeypatch, capsys, caplog):
     src = open_source(tiny_llama)
     shard = TorchShard.from_source(src, LayerRange(start=0, end=4), embed=True, head=True, dtype=torch.float64)
-    tok = _tokenizer(post_bos=False, add_bos=True, template="<bos> w5 {{ messages[0]['content'] }} w6")
+    tok = word_tokenizer(post_bos=False, add_bos=True, template="<bos> w5 {{ messages[0]['content'] }} w6")
     source = types.SimpleNamespace(path=tiny_llama / "model.safetensors")
     monkeypatch.setattr(load_module, "load_model",
                         lambda *a, **k: types.SimpleNamespace(shard=shard, tokenizer=tok, source=source))
@@ -104,8 +87,8 @@ def test_generate_applies_the_chat_template_when_there_is_one(tiny_llama, monkey
 
 
 def test_a_user_prompt_is_templated_where_there_is_a_template_and_raw_elsewhere():
-    base = _tokenizer(post_bos=False, add_bos=True)
-    chat = _tokenizer(post_bos=False, add_bos=True, template="w5 {{ messages[0]['content'] }} w6")
+    base = word_tokenizer(post_bos=False, add_bos=True)
+    chat = word_tokenizer(post_bos=False, add_bos=True, template="w5 {{ messages[0]['content'] }} w6")
     assert (is_base(base), is_base(chat)) == (True, False)
     assert user_prompt(base, "w7") == [1, 7]
     assert user_prompt(chat, "w7") == [5, 7, 6]
