@@ -7,7 +7,7 @@
              forward of every layer with a draft-tree mask (a ``TREE_FANOUT``-ary tree of n nodes), alone and
              followed by the LM head on the last row (what llama-bench's pp-n computes) or on every row (a
              verification that scores every node); llama.cpp's is pp-n at the same depth
-    memory   peak RSS of fresh processes: ``flowspec generate`` (ar, spec), llama-bench's tg-N, llama-cli decoding
+    memory   peak RSS of fresh processes: ``flowspec generate`` (ar, spec, auto), llama-bench's tg-N, llama-cli decoding
              the same N tokens, and the runtime baseline (python importing torch, transformers and this package)
 
 Interleaved: every repeat runs each thread count and, within it, each side in an order rotated by the repeat;
@@ -207,7 +207,7 @@ def measure(cfg: EngineBenchConfig, ours: Ours) -> dict:
 
 @dataclass(frozen=True)
 class MemoryJob:
-    name: str  # "baseline", "ours-ar", "ours-spec", "llama-bench", "llama-cli"
+    name: str  # "baseline", "ours-ar", "ours-spec", "ours-auto", "llama-bench", "llama-cli"
     threads: int | None
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
@@ -231,10 +231,12 @@ def memory_jobs(cfg: EngineBenchConfig, ours: Ours) -> list[MemoryJob]:
     depth = len(ours.prompt_ids)
     for t in cfg.threads:
         env = (("OMP_NUM_THREADS", str(t)),)
-        for mode in [m.removeprefix("ours-") for m in ours.decoders]:
+        # auto (generate's default) holds what spec holds and switches between the two: measured beside them
+        modes = [m.removeprefix("ours-") for m in ours.decoders] + (["auto"] if "ours-spec" in ours.decoders else [])
+        for mode in modes:
             argv = [py, "-m", "flowspec_p2p", "-q", "generate", cfg.prompt, "--mode", mode, "--max-tokens",
                     str(cfg.tokens + 1), "--threads", str(t), "--model", str(cfg.model)]
-            if mode == "spec":
+            if mode in ("spec", "auto"):
                 assert shape is not None
                 argv += ["--tree-tokens", str(shape.total_tokens), "--tree-depth", str(shape.depth),
                          "--tree-topk", str(shape.top_k), "--tree-lookup", str(shape.lookup_depth)] + (

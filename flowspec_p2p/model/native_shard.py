@@ -51,7 +51,9 @@ _HF = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "sel
        "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
        "down": "mlp.down_proj.weight"}
 QUANTIZE = ("Q8_0",)
-ROTARY_CHUNK = 1024  # positions the rotary tables grow by
+# the rotary tables' first size in positions (4 KB each for head_dim 256: Gemma 3's two pairs of tables take 1 MB at
+# first, not 4); they grow to twice their size or to what a forward needs, in multiples of it
+ROTARY_CHUNK = 256
 
 
 @functools.cache
@@ -290,9 +292,11 @@ class NativeShard:
     forward = __call__
 
     def _rotary_upto(self, positions: int) -> Rotary:
-        """The rotary tables, grown (in ROTARY_CHUNK steps, up to max_position) to cover ``positions``."""
-        if positions > self.rotary.cos.shape[0]:
-            size = min(self.max_position, -(-positions // ROTARY_CHUNK) * ROTARY_CHUNK)
+        """The rotary tables, grown (doubled, or more in ROTARY_CHUNK steps; up to max_position) to cover
+        ``positions``. A table's rows do not depend on its size, so growing it changes no result."""
+        have = self.rotary.cos.shape[0]
+        if positions > have:
+            size = min(self.max_position, max(2 * have, -(-positions // ROTARY_CHUNK) * ROTARY_CHUNK))
             self.rotary = Rotary(self.cfg, size, torch.float32, self.rope_freqs)
             if self.local:
                 self.rotary_local = Rotary(self.cfg, size, torch.float32, local=True)

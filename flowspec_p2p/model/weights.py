@@ -230,6 +230,12 @@ class GGUFSource:
         if b > a:
             self._mm.madvise(mmap.MADV_DONTNEED, a, b - a)
 
+    def release_all(self) -> None:
+        """Drop every file page of the mapping from this process's memory. Reading a tensor also maps the pages
+        around it that the kernel has cached (fault-around), which releasing that tensor's own range leaves
+        behind: hashing Gemma 3 270M's tensors in name order left 8 MB of them resident."""
+        self._mm.madvise(mmap.MADV_DONTNEED, 0, len(self._mm))
+
 
 def _unpermute_for(cfg: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
     """llama.cpp stores llama/mistral q/k rows interleaved for its rotary kernel; put them back."""
@@ -391,7 +397,11 @@ def fingerprint(config: ModelConfig, digests: dict[str, str]) -> str:
 
 def range_fingerprint(source: WeightSource, layers: LayerRange, *, embed: bool, head: bool) -> str:
     names = shard_tensor_names(source.config, layers, embed=embed, head=head)
-    return fingerprint(source.config, {n: tensor_digest(source, n) for n in names})
+    digests = {n: tensor_digest(source, n) for n in names}
+    release_all = getattr(source, "release_all", None)
+    if release_all is not None:  # the pages that hashing mapped beyond each tensor's own (GGUFSource.release_all)
+        release_all()
+    return fingerprint(source.config, digests)
 
 
 def model_fingerprint(source: WeightSource) -> str:

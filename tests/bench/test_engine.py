@@ -225,12 +225,12 @@ def test_memory_jobs_run_generate_in_each_mode_and_llama_cpp_at_each_thread_coun
                                    prompt_label="--prompt", rows=(1,), llama_bench=llama_bin / "llama-bench")
     jobs = engine.memory_jobs(cfg, tiny_ours)
     assert [(j.name, j.threads) for j in jobs] == [("baseline", None)] + [
-        (n, t) for t in (1, 2) for n in ("ours-ar", "ours-spec", "llama-bench", "llama-cli")]
-    spec = jobs[2].argv
-    assert spec[spec.index("--mode") + 1] == "spec"
-    assert spec[spec.index("--tree-tokens") + 1] == "6"
+        (n, t) for t in (1, 2) for n in ("ours-ar", "ours-spec", "ours-auto", "llama-bench", "llama-cli")]
+    for job, mode in ((jobs[2], "spec"), (jobs[3], "auto")):  # both with the decode part's tree
+        assert job.argv[job.argv.index("--mode") + 1] == mode
+        assert job.argv[job.argv.index("--tree-tokens") + 1] == "6"
     assert jobs[1].argv[jobs[1].argv.index("--max-tokens") + 1] == "17"  # the prefill's token + 16 decoded
-    cli_run = jobs[4].run()
+    cli_run = jobs[5].run()
     assert cli_run["name"] == "llama-cli"
     assert cli_run["returncode"] == 0
     assert cli_run["peak_mb"] > 0

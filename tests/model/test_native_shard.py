@@ -152,3 +152,19 @@ def test_head_rows_are_the_lm_heads_rows(tmp_path, monkeypatch, order):
     rows = shard.head_rows(ids)
     assert rows.rows == 75
     assert torch.equal(rows.matmul(x), shard.lm_head.matmul(x)[:, ids])
+
+
+def test_rotary_tables_start_small_and_grow_to_the_same_rows(tmp_path):
+    """The tables start at ROTARY_CHUNK positions and double (or jump to what a forward needs): the rows they hold
+    never depend on their size, so a grown table gives what a full-size one would."""
+    from flowspec_p2p.model.blocks import Rotary
+
+    src = open_source(write_random_gguf(tmp_path / "m.gguf", "Q8_0", max_position=4096))
+    ours = NativeShard.from_source(src, ALL, embed=True, head=True)
+    chunk = native_shard.ROTARY_CHUNK
+    assert ours.rotary.cos.shape[0] == chunk
+    sizes = [ours._rotary_upto(n).cos.shape[0] for n in (chunk, chunk + 1, 3 * chunk + 5, 4 * chunk, 4096)]
+    assert sizes == [chunk, 2 * chunk, 4 * chunk, 4 * chunk, 4096]
+    full = Rotary(src.config, 4096, torch.float32)
+    assert torch.equal(ours.rotary.cos, full.cos)
+    assert torch.equal(ours.rotary.sin, full.sin)

@@ -28,6 +28,8 @@ from flowspec_p2p.model.weights import (
 )
 from flowspec_p2p.types import LayerRange
 
+from ..gguf_fixtures import write_random_gguf
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
@@ -118,6 +120,30 @@ def test_changing_one_tensor_changes_only_the_fingerprints_that_cover_it(tmp_pat
         same = range_fingerprint(old, r, embed=False, head=False) == range_fingerprint(new, r, embed=False, head=False)
         assert same != changed, (start, end)
     assert model_fingerprint(old) != model_fingerprint(new)
+
+
+def _mapped_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+            ours = head[-1] == str(path)
+        elif ours and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_fingerprinting_a_gguf_file_leaves_none_of_its_pages_resident(tmp_path):
+    """Hashing maps the pages around each tensor too (the kernel's fault-around), which releasing the tensor's own
+    range leaves behind: range_fingerprint drops the whole mapping's pages after hashing."""
+    path = write_random_gguf(tmp_path / "m.gguf", "Q8_0", layers=4, vocab=2048).resolve()
+    source = GGUFSource(path)
+    model_fingerprint(source)
+    assert _mapped_kb(path) == 0
+    source.raw_bytes(EMBED).tobytes()  # the pages are read again when used
+    assert _mapped_kb(path) > 0
 
 
 # ---------------------------------------------------------------------------------------------- errors
