@@ -14,18 +14,13 @@
     the API on --api-port: the leader's own (api/app.py: the Leader, its decoding modes, dashboard, /metrics); a
     member's forwards every request to its leader (api/proxy.py), resuming a streamed reply on the next leader
 
-Roles. The leader (``--leader``) plans (coordinator.py), serves weights and the API; every other agent is a
-member (member.py) that joins the oldest leader of its cluster, heartbeats to it and hosts whatever stage the plan
-gives it. Another leader's claim never stops a leader: members follow their leader by identity (member.py).
-
-Failover. The plan names a standby; it fetches a replica of the model and loads the leader's parts ahead of need
-(cluster/replica.py, cluster/leading.py). When the leader is lost the standby takes over (``_take_over``): it
-becomes the leader in place -- its stage, its API port and its mDNS name stay, its role, API and advert change --
-and plans over the lost leader's members, which turn to it. A leader that comes back (restarted, or a frozen one
-that thaws) and finds the standby it named leading steps down and joins it (``_step_down``).
+Roles (roles.py): the leader plans, serves the weights and the API; every other agent is a member that hosts the
+stage its leader's plan gives it; the plan's standby gets ready to lead, and takes over when the leader is lost or
+stops. An agent changes role in place (``_roles`` runs the role in force until it changes).
 
 Stopping (``stop()``, SIGINT/SIGTERM in ``flowspec agent``): say Bye (a member to its leader, the leader to every
-member), then cancel everything; the mDNS record is withdrawn, links and servers close.
+member, naming its standby, which takes over as when the leader is lost), then cancel everything; the mDNS record
+is withdrawn, links and servers close.
 """
 
 from __future__ import annotations
@@ -38,14 +33,11 @@ import os
 import socket
 import time
 from functools import partial
-from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from .api.app import create_app
-from .api.catalog import served_model
-from .api.proxy import RELAY_PATH, create_proxy_app, forward
+from .api.proxy import RELAY_PATH, create_proxy_app, forward, not_leading
 from .cluster import replica as replica_mod
 from .cluster import weight_server as weight_server_mod
 from .cluster.control import (
@@ -54,9 +46,7 @@ from .cluster.control import (
     MAX_CONTROL_BYTES,
     TIMELINE_PATH,
     ControlMessage,
-    Hello,
     PeerInfo,
-    PlanUpdate,
     decode_message,
     encode_message,
 )
@@ -66,36 +56,27 @@ from .cluster.discovery import Discovery, PeerLost, PeerSeen, bindable, default_
 from .cluster.gate import KEEPALIVE_TIMEOUT_S, Gate, raise_fd_limit
 from .cluster.identity import state_lock as _locked
 from .cluster.leading import LeaderParts, load_leader_parts
-from .cluster.leading import modes as _modes
 from .cluster.member import MemberControl
 from .cluster.net import CONTROL_TIMEOUT_S, ControlClient, Net, bind
 from .cluster.profile import measure
 from .cluster.security import Security
-from .cluster.stage_host import StageHost, TapQueue
+from .cluster.stage_host import StageHost
 from .cluster.stage_metrics import install_stage_metrics
-from .cluster.telemetry import StageTimelines
-from .cluster.weight_server import WeightServer
 from .config import AgentConfig, split_host_port
-from .decoding.context import ThreadCompute
-from .decoding.leader import Leader
-from .decoding.settings import LeaderSettings
 from .errors import ConfigError, FlowSpecError, ProtocolError
 from .model.dtypes import TORCH_DTYPES
 from .model.load import get_engine, set_threads
-from .model.registry import aliases
 from .model.weights import model_fingerprint, open_source
-from .pipeline.codec import wire_dtype
-from .pipeline.emulation import ComputeEmulation, EmulatedCompute, LinkEmulation, device_for
+from .pipeline.emulation import ComputeEmulation, LinkEmulation, device_for
 from .pipeline.ring_server import RingServer
 from .pipeline.transport import LinkDown
+from .roles import Roles
 
 log = logging.getLogger(__name__)
 
 BYE_TIMEOUT_S = 1.5
 SHUTDOWN_TIMEOUT_S = 2.0  # open HTTP handlers (ring links, streamed responses) get this long to end
 STATE_FILE = "agent.json"
-SUCCESSION_FILE = "succession.json"  # the standby this agent named as leader (it steps down to it when it leads)
-STANDBY_DELAY_MAX_S = 120.0  # a standby fetches its replica once its stage serves, or after this
 LEADER_POLL_S = 0.05  # how often the API's proxy looks whether this agent's leader changed
 
 
@@ -107,7 +88,7 @@ class _RoleChanged(Exception):
     """Raised inside a role's TaskGroup to end it when the agent takes over or steps down."""
 
 
-class Agent(Net):
+class Agent(Net, Roles):
     def __init__(self, cfg: AgentConfig, *, profile: DeviceProfile | None = None, tokenizer=None):
         """``profile`` replaces the start-up measurement and ``tokenizer`` the model's own (tests)."""
         self.cfg = cfg
@@ -236,8 +217,7 @@ class Agent(Net):
             self._tg = None
             if self.leader is not None:
                 self.leader.close()
-            for api in [*self._old_apis, *([self._api[0]] if self._api else [])]:
-                await api.cleanup()
+            await self._close_apis()
             await runner.cleanup()
             with contextlib.suppress(OSError):
                 (self.cfg.state_path / STATE_FILE).unlink()
@@ -272,171 +252,14 @@ class Agent(Net):
                     if self.coordinator is not None:
                         tg.create_task(self.leader.run(), name="leader-demux")
                         tg.create_task(self.coordinator.run(), name="coordinator")
+                        # the replica's digests, while the members load their layers: the standby's ask waits less
+                        self.spawn(self.replica.prepare(), name="replica-digests")
                     else:
                         tg.create_task(self.member.run(), name="member")
                     await self._role_changed.wait()
                     raise _RoleChanged
             except* _RoleChanged:
                 pass
-
-    # ============================================================================================== roles
-
-    async def _become_leader(self, parts: LeaderParts, cfg: AgentConfig, *, takeover: PlanUpdate | None = None,
-                             successor: str = "") -> None:
-        """Lead with ``parts``: the Leader, the weight and replica servers, the coordinator, the leader's API."""
-        self.source, self.model_fp = parts.source, parts.fingerprint
-        settings = LeaderSettings(max_context=cfg.planning.context, wire_dtype=cfg.wire_dtype,
-                                  default_mode=cfg.decoding)
-        compute = ThreadCompute()
-        if cfg.emulation.slowdown > 1.0:
-            compute = EmulatedCompute(compute, cfg.emulation.slowdown)
-        leader = Leader(parts.head, parts.tokenizer, drafter=parts.drafter, settings=settings,
-                        modes=_modes(cfg.flowspec), model_id=parts.model_id, compute=compute)
-        leader.inbox = TapQueue(self._on_link_down)  # the ring's return path delivers here
-        self.weights = WeightServer(parts.source)
-        self.replica = replica_mod.ReplicaServer(Path(parts.source.path), parts.fingerprint, parts.draft_stem)
-        self.info = self.info.model_copy(update={"role": "leader", "model": parts.fingerprint})
-        coordinator = Coordinator(cfg, self.info, net=self, leader=leader, weights=self.weights,
-                                  stage_host=self.stage_host, ring=self.ring, session=self.session,
-                                  model=parts.model, model_config=parts.source.config, wire_dtype=wire_dtype,
-                                  takeover=takeover, successor=successor, on_successor=self._on_successor,
-                                  on_standby=self._record_successor)
-        app = create_app(leader, coordinator.view, run_leader=False, api_key=cfg.api_key_text, cors=cfg.api_cors,
-                         timelines=StageTimelines(coordinator, self.stage_host, self.session),
-                         served=served_model(parts.source, [parts.model_id, *aliases(parts.source.path)],
-                                             context=cfg.planning.context, digest=parts.fingerprint,
-                                             tokenizer=parts.tokenizer))
-        await self._serve_api(app, required=True)
-        self.info = self.info.model_copy(update={"api_url": self.api_url or ""})
-        coordinator.set_info(self.info)
-        self.ring.inbox = leader.inbox
-        self.stage_host.leader_inbox = leader.inbox
-        self.stage_host.shared = (parts.fingerprint, [parts.head])  # the leader's first stage shares the embedding
-        self.leader, self.coordinator, self.member = leader, coordinator, None
-
-    def _become_member(self, *, trusted=(), successor: PeerInfo | None = None) -> None:
-        self.info = self.info.model_copy(update={"role": "member", "api_url": self.api_url or ""})
-        self.member = MemberControl(self.info, net=self, stage_host=self.stage_host, trusted=trusted,
-                                    on_takeover=self._on_takeover, on_plan=self._on_plan)
-        if successor is not None:
-            self.member.peer_seen(successor)
-
-    def _on_plan(self, update: PlanUpdate) -> None:
-        """A member took its leader's plan: the plan's standby gets ready to lead."""
-        if update.standby != self.id or (self.standby is not None and self.standby.fingerprint == \
-                update.model_fingerprint):
-            return
-        if not self._preparing:
-            self._preparing = True
-            self.spawn(self._prepare_standby(update), name="standby")
-
-    async def _prepare_standby(self, update: PlanUpdate) -> None:
-        """Fetch a replica of the leader's model (unless this agent holds the same model) and load the leader's
-        parts from it, ahead of need."""
-        try:
-            # after this agent's own stage serves: the replica must not slow the leader while members load
-            async with asyncio.timeout(STANDBY_DELAY_MAX_S):
-                while (self.stage_host.active is None  # noqa: ASYNC110 - the stage host's state
-                       or self.stage_host.active.epoch < update.epoch):
-                    await asyncio.sleep(0.2)
-        except TimeoutError:
-            pass
-        t0 = time.perf_counter()
-        try:
-            draft = None
-            if self.source is not None and self.model_fp == update.model_fingerprint:
-                source = self.source
-            else:
-                got = await replica_mod.fetch_replica(self.session, update.leader.url, self.cfg.state_path,
-                                                      update.model_fingerprint)
-                source = await asyncio.to_thread(open_source, got.model)
-                fp = await asyncio.to_thread(model_fingerprint, source)
-                if fp != update.model_fingerprint:
-                    raise FlowSpecError(f"the replica is model {fp[:12]}, not the plan's "
-                                        f"{update.model_fingerprint[:12]}")
-                draft = got.draft
-            cfg = self._leading_config(update)
-            self.standby = await asyncio.to_thread(load_leader_parts, cfg, source, update.model_fingerprint,
-                                                   tokenizer=self._tokenizer, draft=draft)
-            log.info("standby: ready to lead (replica and the leader's parts loaded in %.2f s)",
-                     time.perf_counter() - t0)
-            if self.member is not None:
-                self.member.ready_to_lead()  # the leader may have been lost meanwhile
-        except (FlowSpecError, OSError) as e:
-            log.warning("standby: cannot get ready to lead: %s", e)
-        finally:
-            self._preparing = False
-
-    def _leading_config(self, update: PlanUpdate) -> AgentConfig:
-        """This agent's configuration to lead as the leader of ``update`` did."""
-        cfg = self.cfg
-        p = update.policy
-        # the stage count is the planner's again: the lost leader's may not fit the agents that are left
-        planning = cfg.planning if p is None else cfg.planning.model_copy(
-            update={"context": p.context, "stages": None, "leader_layers": p.leader_layers})
-        return cfg.model_copy(update={"leader": True, "dtype": update.dtype, "wire_dtype": update.wire_dtype,
-                                      "planning": planning, "decoding": p.decoding if p else cfg.decoding,
-                                      "max_requests": p.max_requests if p else cfg.max_requests})
-
-    def _on_takeover(self, update: PlanUpdate) -> bool:
-        """The leader of ``update`` is lost and this agent is its standby: take over when ready."""
-        parts = self.standby
-        if parts is None or parts.fingerprint != update.model_fingerprint:
-            log.error("leader %s is lost and this agent is its standby, but not ready to lead (its replica is "
-                      "still on its way); waiting for a leader", update.leader.id)
-            return False
-        self.spawn(self._take_over(update, parts), name="take-over")
-        return True
-
-    async def _take_over(self, update: PlanUpdate, parts: LeaderParts) -> None:
-        t0 = time.perf_counter()
-        lost = update.leader
-        log.warning("taking over from leader %s (%s), lost: this agent leads cluster %r now", lost.id, lost.name,
-                    self.cfg.cluster)
-        cfg = self._leading_config(update)
-        self.cfg = cfg
-        self.standby = None
-        await self._become_leader(parts, cfg, takeover=update)
-        self._role_changed.set()
-        await self.discovery.update(self.info)
-        self._write_state()
-        for m in update.members:  # tell the lost leader's members at once (they check on it themselves)
-            if m.id not in (self.id, lost.id):
-                self.spawn(self.post(m.url, Hello(peer=self.info)), name="invite")
-        log.info("took over in %.2f s; planning over the lost leader's members", time.perf_counter() - t0)
-
-    def _on_successor(self, info: PeerInfo) -> None:
-        """The standby this leader named leads now: it took over while this agent was gone or frozen."""
-        self.spawn(self._step_down(info), name="step-down")
-
-    async def _step_down(self, new_leader: PeerInfo) -> None:
-        if self.coordinator is None:
-            return
-        old = self.coordinator
-        await old.goodbye(f"stepping down: {new_leader.id} leads now")
-        await self.leader.set_pipeline(None)
-        self.coordinator = None
-        self.ring.inbox = self.stage_host.leader_inbox = None  # a member's stage owns its ring server again
-        self._become_member(trusted=(new_leader.identity,), successor=new_leader)
-        self._role_changed.set()
-        await self._serve_api(self._proxy_app(), required=False)
-        self.info = self.info.model_copy(update={"api_url": self.api_url or ""})
-        self.member.info = self.info
-        await self.discovery.update(self.info)
-        self._write_state()
-        with contextlib.suppress(OSError):
-            (self.cfg.state_path / SUCCESSION_FILE).unlink()
-
-    def _recorded_successor(self) -> str:
-        """The identity of the standby this agent named when it led before (it may lead now)."""
-        try:
-            return json.loads((self.cfg.state_path / SUCCESSION_FILE).read_text()).get("identity", "")
-        except (OSError, ValueError, AttributeError):
-            return ""
-
-    def _record_successor(self, identity: str) -> None:
-        with contextlib.suppress(OSError):
-            (self.cfg.state_path / SUCCESSION_FILE).write_text(json.dumps({"identity": identity}) + "\n")
 
     # ================================================================================================ API
 
@@ -470,14 +293,14 @@ class Agent(Net):
         self.api_url = f"http://{cfg.api_host}:{port}"
 
     def leader_url(self) -> str | None:
-        """proxy.LeaderLink: the agent URL of this agent's leader (its own while it leads)."""
+        """resume.LeaderLink: the agent URL of this agent's leader (its own while it leads)."""
         if self.coordinator is not None:
             return self.info.url
         leader = self.member.leader if self.member is not None else None
         return leader.url if leader is not None else None
 
     async def leader_change(self, url: str | None, timeout_s: float | None) -> str | None:
-        """proxy.LeaderLink: wait until this agent's leader is another than ``url``."""
+        """resume.LeaderLink: wait until this agent's leader is another than ``url``."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 while self.leader_url() == url:  # noqa: ASYNC110 - the role changes in several places
@@ -487,8 +310,8 @@ class Agent(Net):
     async def _http_relay(self, request: web.Request) -> web.StreamResponse:
         """A member's API forwards its clients' requests here (authenticated by the cluster's session): they go to
         this agent's own API while it leads."""
-        if self.coordinator is None or self._api is None:
-            raise web.HTTPServiceUnavailable(text="this agent does not lead the cluster")
+        if self.coordinator is None or self._api is None or self.coordinator.leaving:
+            return not_leading()
         host = self.cfg.api_host if self.cfg.api_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         headers = {"Authorization": f"Bearer {self.cfg.api_key_text}"} if self.cfg.api_key_text else None
         url = f"http://{host}:{self._api[1]}/{request.match_info['tail']}"
@@ -506,12 +329,24 @@ class Agent(Net):
         with contextlib.suppress(Exception):
             async with asyncio.timeout(BYE_TIMEOUT_S):
                 await self._goodbye()
+        await self._close_apis()  # while the role still runs: open replies get SHUTDOWN_TIMEOUT_S to finish
         raise _Stopped
 
+    async def _close_apis(self) -> None:
+        apis, self._old_apis = [*self._old_apis, *([self._api[0]] if self._api else [])], []
+        self._api = None
+        for api in apis:
+            await api.cleanup()
+
     async def _goodbye(self) -> None:
-        role = self.coordinator or self.member
-        if role is not None:
-            await role.goodbye()
+        """A member says Bye to its leader; the leader to every member, handing over to its standby."""
+        if self.coordinator is not None:
+            u = self.coordinator.update
+            if u is not None and u.standby:
+                log.info("stopping: handing over to the standby %s", u.standby)
+            await self.coordinator.goodbye(hand_over=True)
+        elif self.member is not None:
+            await self.member.goodbye()
 
     def spawn(self, coro, name: str | None = None) -> None:
         """Start a task owned by the agent's TaskGroup (dropped once the agent is stopping)."""
@@ -519,7 +354,9 @@ class Agent(Net):
         try:
             if self._tg is None:
                 raise RuntimeError("not running")
-            self._tg.create_task(wrapped, name=name)
+            task = self._tg.create_task(wrapped, name=name)
+            if hasattr(coro, "close"):  # a task cancelled before it started never awaited its coroutine
+                task.add_done_callback(lambda _: coro.close())
         except RuntimeError:  # the agent is stopping: drop the work
             wrapped.close()
             coro.close()

@@ -3,6 +3,7 @@
     FLOWSPEC_CACHE_DIR       caches: built kernels, tokenizers, trained draft heads, the tree tuning, training runs
                              (default $XDG_CACHE_HOME/flowspec_p2p, else ~/.cache/flowspec_p2p)
     FLOWSPEC_MODELS_DIR      where `flowspec models pull` keeps models and their registry (default <cache>/models)
+    FLOWSPEC_NATIVE_DIR      where a source checkout's native engine is compiled to (default <cache>/native)
     FLOWSPEC_STATE_DIR       an agent's state folder (its id, fetched weights), when the profile and flags set none
     FLOWSPEC_CLUSTER_KEY     the cluster key (fsk1-...; preferred over flags, which other users see in ``ps``)
     FLOWSPEC_SECRET          a passphrase the cluster key is derived from (the older way; preferred over --secret)
@@ -34,6 +35,7 @@ from pathlib import Path
 CACHE_DIR = "FLOWSPEC_CACHE_DIR"
 STATE_DIR = "FLOWSPEC_STATE_DIR"
 MODELS_DIR = "FLOWSPEC_MODELS_DIR"
+NATIVE_DIR = "FLOWSPEC_NATIVE_DIR"
 SECRET = "FLOWSPEC_SECRET"
 CLUSTER_KEY = "FLOWSPEC_CLUSTER_KEY"
 LEADER_IDENTITY = "FLOWSPEC_LEADER_IDENTITY"
@@ -71,6 +73,12 @@ def models_dir() -> Path:
     """Where pulled models and their registry live: $FLOWSPEC_MODELS_DIR, else cache_dir() / models."""
     explicit = os.environ.get(MODELS_DIR)
     return Path(explicit).expanduser() if explicit else cache_dir() / "models"
+
+
+def native_dir() -> Path:
+    """Where the native engine is compiled at run time: $FLOWSPEC_NATIVE_DIR, else cache_dir() / native."""
+    explicit = os.environ.get(NATIVE_DIR)
+    return Path(explicit).expanduser() if explicit else cache_dir() / "native"
 
 
 def spec_bench_dir() -> Path:

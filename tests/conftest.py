@@ -14,11 +14,16 @@ from flowspec_p2p import env
 # arithmetic (a 64x64 matmul: 45 us at 1 thread, ~9 ms at 2 on a loaded 2-core host).
 torch.set_num_threads(1)
 
-# The models folder (where scripts/bootstrap.sh pulled the default model) stays put in tests that point
-# FLOWSPEC_CACHE_DIR at a temporary folder, and in the agents they start.
+# The models folder (where scripts/bootstrap.sh pulled the default model) and the compiled engine stay put in tests
+# that point FLOWSPEC_CACHE_DIR at a temporary folder, and in the agents they start (else each such test compiles the
+# engine again: 30-60 s on 2 busy cores).
 os.environ.setdefault(env.MODELS_DIR, str(env.models_dir()))
+os.environ.setdefault(env.NATIVE_DIR, str(env.native_dir()))
 
-TINY_ARCHS = ("llama", "qwen2", "mistral", "llama-untied", "llama3-rope")
+TINY_ARCHS = ("llama", "qwen2", "mistral", "llama-untied", "llama3-rope", "qwen3", "gemma3", "phi3")
+# Phi-3's tiny LongRoPE: the long factors take over from this position (a 40-token forward stays on the short ones,
+# as transformers' whole-sequence forward does; decoding past it exercises the long ones)
+PHI3_ORIGINAL_CONTEXT = 40
 
 
 def tiny_hf_config(kind: str = "llama", **overrides):
@@ -49,6 +54,32 @@ def tiny_hf_config(kind: str = "llama", **overrides):
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         cfg = LlamaConfig(**{**common, "rope_parameters": rope, **overrides})
+    elif kind == "qwen3":
+        from transformers import Qwen3Config
+
+        cfg = Qwen3Config(**{**common, "head_dim": 16, **overrides})
+    elif kind == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        # a window of 8 keys on three of the four layers, local and global rotary bases, a query_pre_attn_scalar
+        # other than head_dim, logit soft-capping: every Gemma 3 option matters on a 40-token forward
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+        cfg = Gemma3TextConfig(**{**common, "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                                  "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                                                  "sliding_attention"], "rope_parameters": rope,
+                                  "final_logit_softcapping": 3.0, "pad_token_id": 0, **overrides})
+    elif kind == "phi3":
+        from transformers import Phi3Config
+
+        half = 8  # head_dim 16
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                "long_factor": [1.5 + 0.5 * i for i in range(half)],
+                "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT}
+        cfg = Phi3Config(**{**common, "tie_word_embeddings": False, "rope_parameters": rope, "sliding_window": 12,
+                            "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT, "pad_token_id": 0,
+                            **overrides})
     else:
         cfg = LlamaConfig(**{**common, **overrides})
     cfg._attn_implementation = "sdpa"  # eager attention softmaxes in float32; sdpa stays in float64

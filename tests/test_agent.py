@@ -172,8 +172,8 @@ def test_config_layers_profile_flags_and_environment(tmp_path):
 
 
 def test_the_leader_runs_flowspec_with_the_configured_settings_and_the_others_as_shipped():
-    from flowspec_p2p.agent import _modes
     from flowspec_p2p.cli import build_parser
+    from flowspec_p2p.cluster.leading import modes as _modes
     from flowspec_p2p.commands.agent import config_from_args
     from flowspec_p2p.decoding.flowspec import FlowSpecConfig
     from flowspec_p2p.decoding.registry import builtin_modes

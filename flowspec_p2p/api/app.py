@@ -1,7 +1,8 @@
 """The leader's HTTP API: OpenAI-compatible completions over the cluster, plus health and cluster views.
 
     POST /v1/chat/completions   messages -> chat template -> Leader.generate; ``stream: true`` = SSE, ``[DONE]``
-    POST /v1/completions        prompt (text, or token ids) -> the same
+    POST /v1/completions        prompt (text: raw, the BOS first where the model's tokenizer adds one; or token ids,
+                                taken as given) -> the same
     GET  /v1/models             the model this cluster serves, under each of its names (catalog.py)
     /api/...                    the Ollama-compatible routes (ollama.py): chat, generate, tags, show, ps, version
     GET  /health                200 {"status": "ok"} when a pipeline is ready, else 503 {"status": "not_ready"} (with
@@ -151,8 +152,8 @@ def _prompt_ids(leader: Leader, body: Body) -> tuple[list[int], str]:
     assert isinstance(body, CompletionRequest)
     if not body.prompt:
         raise ApiError(400, "the prompt is empty", "invalid_request_error", "prompt")
-    if isinstance(body.prompt, str):
-        return tok.encode(body.prompt), "text"
+    if isinstance(body.prompt, str):  # raw text: BOS as the tokenizer metadata says (once, if the client wrote it)
+        return tok.encode_raw(body.prompt), "text"
     vocab = leader.head.cfg.vocab_size
     if any(not 0 <= t < vocab for t in body.prompt):
         raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", "invalid_request_error", "prompt")

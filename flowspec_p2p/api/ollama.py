@@ -4,7 +4,8 @@ and refusals, in Ollama's shapes.
 
     POST /api/chat       messages -> chat template -> reply; NDJSON stream (Ollama's default) or one object with
                          ``"stream": false``; the last object has done_reason and Ollama's counters (nanoseconds)
-    POST /api/generate   prompt (+ system; ``raw``: no template; ``context``: the ids of an earlier reply) -> the
+    POST /api/generate   prompt (+ system; ``raw``, or a model without a chat template: no template, the BOS first
+                         where the tokenizer adds one; ``context``: the ids of an earlier reply, continued) -> the
                          same, ``context`` (prompt + reply ids) in the last object; an empty prompt: done_reason "load"
     GET  /api/tags       the served model under each of its names (catalog.py), as name:latest
     POST /api/show       its details, model_info, template and parameters
@@ -41,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..decoding.leader import Leader
 from ..errors import FlowSpecError
 from ..ledger import TokenLogprob
+from ..model.tokenizer import is_base
 from .access import JOB
 from .catalog import SERVED, ServedModel
 from .logprobs import chat_logprobs
@@ -87,6 +89,10 @@ class _Request(BaseModel):
     decoding: str | None = Field(None, min_length=1, max_length=32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # for an agent relaying the request (proxy.py), as on the OpenAI routes: each part carries "token_ids", and
+    # "resume_ids" are the reply's ids already sent, which this reply continues after (failover)
+    relay_ids: bool = False
+    resume_ids: list[int] | None = Field(None, max_length=1 << 20)
 
     def refusals(self) -> list[tuple[str, bool, str]]:
         return [("format", self.format not in (None, ""), "structured output (JSON mode, schemas) is not supported"),
@@ -172,7 +178,8 @@ def to_body(req: _Request, leader: Leader) -> OllamaBody:
               "seed": None if seed is None or (isinstance(seed, int) and seed < 0) else seed,
               "stop": options.get("stop"), "stream": req.stream, "decoding": req.decoding,
               "max_tokens": leader.settings.max_context if predict is None or predict < 0 else predict,
-              "logprobs_top": (req.top_logprobs or 0) if req.logprobs else None}
+              "logprobs_top": (req.top_logprobs or 0) if req.logprobs else None,
+              "relay_ids": req.relay_ids or None, "resume_ids": req.resume_ids}
     try:
         return OllamaBody(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
@@ -195,8 +202,8 @@ def _prompt(leader: Leader, req: _Request) -> list[int]:
         raise ApiError(400, f"context: token ids must lie in [0, {vocab})", "invalid_request_error", "context")
     if not req.prompt:
         return before
-    if req.raw:
-        return before + tok.encode(req.prompt)
+    if req.raw or is_base(tok):  # as Ollama's default template ({{ .Prompt }}) does for a model without one
+        return before + (tok.encode(req.prompt) if before else tok.encode_raw(req.prompt))
     messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
         {"role": "user", "content": req.prompt}]
     return before + tok.chat(messages)
@@ -224,6 +231,8 @@ class _OllamaJob(Job):
         out["done"] = False
         if logprobs and self.ledger.logprobs is not None:
             out["logprobs"] = chat_logprobs(logprobs, self.leader.tokenizer.decode)["content"]
+        if self.body.relay_ids:
+            out["token_ids"] = self.take_ids()  # for the agent relaying this reply (proxy.py)
         return out
 
     def last(self, text: str = "", logprobs: list[TokenLogprob] | None = None) -> dict:
@@ -231,10 +240,10 @@ class _OllamaJob(Job):
         out = {**self.part(text, logprobs), "done": True, "done_reason": self.finish_reason,
                "total_duration": int((time.perf_counter() - self.t0) * NS), "load_duration": 0,
                "prompt_eval_count": len(self.prompt) - led.cached_tokens,
-               "prompt_eval_duration": int(led.prefill_s * NS), "eval_count": led.new_tokens,
+               "prompt_eval_duration": int(led.prefill_s * NS), "eval_count": led.new_tokens + len(self.resume),
                "eval_duration": int(led.decode_s * NS)}
         if self.kind == "text":
-            out["context"] = self.prompt + self.token_ids
+            out["context"] = self.prompt + self.resume + self.token_ids
         out["stats"] = self.stats_dict()
         return out
 

@@ -6,8 +6,8 @@
                prefill = a 1-token call, decode ms/token = (N-token call - 1-token call) / (N - 1).
     bound      what limits one decode step: the same step's weight matmuls alone (the bytes every token must stream
                from memory) and the memory bandwidth a plain copy reaches, next to the full step.
-    agreement  greedy, token for token, against transformers' ``generate`` (float32, same chat-templated prompt,
-               EOS stops both); where a prompt diverges, the position and the top-2 logit gap there (near-ties),
+    agreement  greedy, token for token, against transformers' ``generate`` (float32, same prompt: chat-templated, or raw
+               for a base model; EOS stops both); where a prompt diverges, the position and the top-2 logit gap there,
                and for every prompt the max |Δlogits| of a teacher-forced forward over the whole reply.
     memory     peak RSS of a fresh process that loads a layer range in a role, next to one that loads everything.
     load       start-up: opening the GGUF and dequantising the tensors, ours next to gguf-py's reader (the way
@@ -36,6 +36,7 @@ from tqdm import tqdm
 from ..model.generate import ARDecoder, generate_ids
 from ..model.load import LoadedModel
 from ..model.sampling import SamplingParams
+from ..model.tokenizer import user_prompt
 from ..specbench import Question
 from . import write_json_md
 
@@ -64,6 +65,9 @@ def load_transformers(lm: LoadedModel):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
 
 
+prompt_ids = user_prompt  # the chat template's user message, or a base model's raw prompt
+
+
 def _hf_generate(hf, ids: list[int], n: int, eos: Sequence[int], exact: bool) -> list[int]:
     """Greedy ``generate``; ``exact``: exactly n tokens (EOS suppressed until then), else stop at EOS."""
     kw = {"min_new_tokens": n} if exact else {}
@@ -86,11 +90,11 @@ def speed(lm: LoadedModel, hf, prompts: list[Question], new_tokens: int, repeats
         "transformers": lambda ids, n: _hf_generate(hf, ids, n, eos, exact=True),
     }
     rows = []
-    warm = tok.chat([{"role": "user", "content": prompts[0].text}])
+    warm = prompt_ids(tok, prompts[0].text)
     for fn in sides.values():
         fn(warm, 4)
     for k, p in enumerate(_bar(prompts, "speed", progress)):
-        ids = tok.chat([{"role": "user", "content": p.text}])
+        ids = prompt_ids(tok, p.text)
         t1: dict[str, list[float]] = {s: [] for s in sides}
         tn: dict[str, list[float]] = {s: [] for s in sides}
         for r in range(repeats):
@@ -178,7 +182,7 @@ def agreement(lm: LoadedModel, hf, prompts: list[Question], new_tokens: int, pro
     ours = ARDecoder(shard)
     rows = []
     for p in _bar(prompts, "agreement", progress):
-        ids = tok.chat([{"role": "user", "content": p.text}])
+        ids = prompt_ids(tok, p.text)
         mine, _ = generate_ids(ours, ids, GREEDY, new_tokens, tok.stop_ids)
         theirs = _hf_generate(hf, ids, new_tokens, sorted(tok.stop_ids), exact=False)
         seq = ids + mine

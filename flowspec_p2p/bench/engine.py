@@ -35,10 +35,11 @@ from ..ledger import Ledger, extra_stats
 from ..model.generate import ARDecoder, prefill_features
 from ..model.load import LoadedModel, set_threads
 from ..model.sampling import SamplingParams
+from ..model.tokenizer import is_base
 from ..speculative.decoder import SpecDecoder
 from ..speculative.drafter import Drafter, TreeShape
 from ..speculative.tree import DraftTree
-from . import ENGINE_PARTS, llamacpp
+from . import ENGINE_PARTS, core, llamacpp
 from .paths import portable_command, portable_path
 
 log = logging.getLogger(__name__)
@@ -79,13 +80,13 @@ class Ours:
     """Our decoders over one loaded model, and the prompt's ids."""
 
     lm: LoadedModel
-    prompt_ids: list[int]  # the chat-templated prompt
+    prompt_ids: list[int]  # the chat-templated prompt (raw for a model without a template)
     decoders: dict[str, ARDecoder | SpecDecoder]  # "ours-ar", and "ours-spec" where a draft head was given
     shape: TreeShape | None  # the speculative decoder's tree
 
     @classmethod
     def build(cls, lm: LoadedModel, prompt: str, drafter: Drafter | None, shape: TreeShape) -> Ours:
-        ids = lm.tokenizer.chat([{"role": "user", "content": prompt}])
+        ids = core.prompt_ids(lm.tokenizer, prompt)
         decoders: dict[str, ARDecoder | SpecDecoder] = {"ours-ar": ARDecoder(lm.shard)}
         if drafter is not None:
             decoders["ours-spec"] = SpecDecoder(lm.shard, drafter, shape)
@@ -259,7 +260,9 @@ def setup_record(cfg: EngineBenchConfig, ours: Ours, command: str) -> dict:
         "engine": shard.engine.describe(),
         "threads": list(cfg.threads), "repeats": cfg.repeats, "tokens": cfg.tokens, "rows": list(cfg.rows),
         "parts": list(cfg.parts), "prompt_label": cfg.prompt_label, "prompt": cfg.prompt,
-        "prompt_tokens": len(ours.prompt_ids), "tree": None if ours.shape is None else ours.shape.model_dump(),
+        "prompt_tokens": len(ours.prompt_ids),
+        "prompt_form": "raw: no chat template" if is_base(getattr(ours.lm, "tokenizer", None)) else "chat template",
+        "tree": None if ours.shape is None else ours.shape.model_dump(),
         "tree_fanout": TREE_FANOUT, "row_passes": ROW_PASSES,
         "llama_bench": None if exe is None else portable_path(exe),
         "llama_build": None if exe is None else llamacpp.version(exe),

@@ -175,7 +175,8 @@ def markdown(res: dict) -> str:
     has_llama = s.get("llama_bench") is not None
     out = ["# bench-engine", "", f"`{s['command']}`", "",
            f"Model {s['model_name']} ({s['file_mb']:.1f} MiB), our engine: {s['engine']}; prompt {s['prompt_label']} "
-           f"({s['prompt_tokens']} tokens, chat template), {s['tokens']} decoded tokens per run, greedy, EOS ignored; "
+           f"({s['prompt_tokens']} tokens, {s.get('prompt_form', 'chat template')}), {s['tokens']} decoded tokens "
+           "per run, greedy, EOS ignored; "
            f"tree {s['tree']}; {s['repeats']} interleaved repeats, medians.",
            "llama.cpp: " + (f"`{s['llama_bench']}` (build {s.get('llama_build', '?')}), tg-{s['tokens']} and pp-n at "
                             f"depth {s['prompt_tokens']} (the prompt's length)." if has_llama else

@@ -17,6 +17,7 @@ from ..ledger import Ledger, reply_stats
 from ..model.engine import Shard
 from ..model.generate import ARDecoder, generate_ids
 from ..model.sampling import SamplingParams
+from ..model.tokenizer import user_prompt
 from ..specbench import Question
 from ..speculative.auto import AutoDecoder
 from ..speculative.decoder import SpecDecoder, SpecFigures
@@ -70,7 +71,7 @@ def bench(
     rows = []
     for temp in temperatures:
         for i, bp in enumerate(_bar(prompts, progress, f"T={temp:g}")):
-            ids = tokenizer.chat([{"role": "user", "content": bp.text}])
+            ids = user_prompt(tokenizer, bp.text)  # a base model: the raw prompt
             params = SamplingParams(temperature=temp, seed=seed + i)
             row = {"dataset": bp.dataset, "line": bp.line, "temperature": temp}
             if temp == 0.0:

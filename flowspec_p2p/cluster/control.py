@@ -11,7 +11,7 @@ intervals, for charts). The data plane (transport.py) is separate.
     leader -> member   Activate     phase 2: switch to the epoch (ring links, worker)               -> Ack
     member -> leader   StageStatus  "ready": its worker runs and its link to the successor is open -> Ack
     leader -> member   Hello        a leader that learned of a member (static peer) invites it      -> Ack
-    either             Bye          stopping gracefully                                             -> Ack
+    either             Bye          stopping gracefully (a leader names its standby: it takes over) -> Ack
 
 Messages are frozen, strict pydantic models in a tagged union (``kind``), each with the protocol version ``v``.
 
@@ -246,6 +246,9 @@ class Bye(_Msg):
     v: int = CONTROL_VERSION
     agent_id: PeerId
     reason: str = "stopping"
+    # a leader that stops hands over: the standby of its latest plan takes over ("" = nobody does; members wait for
+    # a leader)
+    successor: str = Field(default="", max_length=64)
 
 
 ControlMessage = Annotated[

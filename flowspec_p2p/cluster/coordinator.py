@@ -50,7 +50,7 @@ from .control import (
 from .membership import Heard, Joined, Left, Membership, Planned, Tick
 from .net import Net
 from .planner import plan_requests
-from .plans import ModelSizes, Plan, PlanOptions, diff, render
+from .plans import ModelSizes, Plan, PlanOptions, diff, parallel_stations, render
 from .replica import choose_standby
 from .stage_host import StageHost, connect_with_retry, ws_url
 from .view import cluster_view, plan_stages
@@ -100,11 +100,12 @@ class Transition:
 class Coordinator:
     def __init__(self, cfg: AgentConfig, info: PeerInfo, *, net: Net, leader, weights, stage_host: StageHost,
                  ring: RingServer, session, model: ModelSizes, model_config: ModelConfig,
-                 wire_dtype: Callable[[str], object], takeover: PlanUpdate | None = None,
+                 wire_dtype: Callable[[str], object], takeover: PlanUpdate | None = None, takeover_why: str = "lost",
                  successor: str = "", on_successor: Callable[[PeerInfo], None] | None = None,
                  on_standby: Callable[[str], None] | None = None):
         """``takeover``: the lost leader's last plan, when this agent takes over from it (its members are known
-        at once, and the first plan is made as soon as they joined, within TAKEOVER_JOIN_S). ``successor``: the
+        at once, and the first plan is made as soon as they joined, within TAKEOVER_JOIN_S); ``takeover_why``: how
+        that leader went ("lost", or "stopped": it handed over), for the plan history. ``successor``: the
         identity of the standby this leader named before (kept across restarts); ``on_successor(info)``: called
         when that standby claims to lead (it took over: this agent steps down to be its member); ``on_standby``:
         told the identity of each new plan's standby (the agent keeps it across restarts)."""
@@ -139,6 +140,8 @@ class Coordinator:
         self.serving = asyncio.Event()
         self._rivals: set[str] = set()  # other leaders' claims seen (each logged once)
         self.takeover = takeover
+        self.takeover_why = takeover_why
+        self.leaving = False  # goodbye() was said: no member joins any more
         self.created = time.monotonic()
         self.successor = successor  # the identity of the standby of the latest plan
         self.on_successor = on_successor
@@ -175,6 +178,8 @@ class Coordinator:
         now = time.monotonic()
         if isinstance(msg, Hello):
             peer = msg.peer
+            if self.leaving:
+                return Refused(reason=f"leader {self.id} is stopping", leader=self.info)
             if peer.cluster != self.cfg.cluster:
                 return Refused(reason=f"this leader serves cluster {self.cfg.cluster!r}", leader=self.info)
             if peer.role == "leader":
@@ -233,8 +238,7 @@ class Coordinator:
         could make any claim): it is logged once, and members that follow this leader keep doing so."""
         if info.role == "leader":
             if self.successor and info.identity == self.successor and self.on_successor is not None:
-                log.warning("leader %s (%s), the standby this leader named, leads now (it took over); this agent "
-                            "joins it as a member", info.id, info.name)
+                log.warning("leader %s (%s), this leader's standby, took over and leads now", info.id, info.name)
                 self.on_successor(info)
                 return
             if info.id not in self._rivals:
@@ -274,8 +278,12 @@ class Coordinator:
         self.info = info
         self.membership = replace(self.membership, self_info=info)
 
-    async def goodbye(self, reason: str = "stopping") -> None:
-        bye = Bye(agent_id=self.id, reason=reason)
+    async def goodbye(self, reason: str = "stopping", *, hand_over: bool = False) -> None:
+        """Tell every member this leader goes; with ``hand_over``, that the serving plan's standby takes over (it
+        leads as when this leader is lost, and the members turn to it). No agent joins this leader after."""
+        self.leaving = True
+        successor = self.update.standby if hand_over and self.update is not None else ""
+        bye = Bye(agent_id=self.id, reason=reason, successor=successor)
         await asyncio.gather(*(self.net.post(m.info.url, bye) for m in self.membership.members.values()),
                              return_exceptions=True)
 
@@ -322,18 +330,6 @@ class Coordinator:
             finally:
                 self.planning = False
 
-    def _parallel(self, u: PlanUpdate) -> int:
-        """How many of the ring's compute stations (its stages and the leader) can work at once: one per device,
-        but on a device that several share no more than its cores (the leader knows its own host's; an emulated
-        cluster's agents count as devices of their own)."""
-        hosts: dict[str, int] = {}
-        stations = [n.host for n in u.ring] + ([] if any(n.agent_id == self.id for n in u.ring) else [self.info.host])
-        for h in stations:
-            hosts[h] = hosts.get(h, 0) + 1
-        if self.cfg.emulation.enabled:
-            return len(stations)
-        return sum(min(n, env.physical_cores()) if h == self.info.host else n for h, n in hosts.items())
-
     def _can_keep(self, new: Plan) -> bool:
         if self.plan is None or self.broken is not None or self.transition is not None:
             return False
@@ -374,7 +370,7 @@ class Coordinator:
         started = self.broken_at if self.broken else now
         if self.takeover is not None and self.plan is None:
             lost = self.takeover.leader
-            trigger, started = f"took over from leader {lost.id} ({lost.name}), lost", self.created
+            trigger, started = f"took over from leader {lost.id} ({lost.name}), {self.takeover_why}", self.created
         self.transition = Transition(update=update, trigger=trigger, started=started, ring=set(new.agents),
                                      deadline=now + LOAD_TIMEOUT_S,
                                      starts={a: i.started for a, i in infos.items()}, marks={"planned": now})
@@ -459,7 +455,8 @@ class Coordinator:
             else:
                 hello = RingHello(protocol=PROTOCOL_VERSION, cluster=self.cfg.cluster, epoch=u.epoch, sender=self.id)
                 sender = await connect_with_retry(ws_url(first.url), hello, self.session, self.leader.inbox,
-                                                  self.stage_host.link, self.wire_dtype(u.wire_dtype))
+                                                  self.stage_host.link, self.wire_dtype(u.wire_dtype),
+                                                  wanted=lambda: self.transition is t)
         except PeerGone as e:
             log.error("epoch %d: cannot reach stage 1 (%s): %s", u.epoch, first.agent_id, e)
             self.apply(Heard(agent_id=first.agent_id, at=time.monotonic(), state="failed"))
@@ -470,7 +467,10 @@ class Coordinator:
         info = {"plan": [f"{s.agent_id} {s.layers}" for s in u.plan.stages],
                 "emulation": self.stage_host.link.describe()}
         await self.leader.set_pipeline(Pipeline(sender, takes="tokens", epoch=u.epoch, stages=len(u.ring), info=info,
-                                                parallel=self._parallel(u),
+                                                parallel=parallel_stations(
+                                                    [n.host for n in u.ring], self.info.host,
+                                                    any(n.agent_id == self.id for n in u.ring),
+                                                    self.cfg.emulation.enabled, env.physical_cores()),
                                                 max_requests=u.max_requests))
         now = time.monotonic()
         took = now - t.started

@@ -9,11 +9,14 @@ member then releases its stage and waits for a leader again. A leader that resta
 member (``Ack.known`` false) gets a fresh Hello. Nothing a peer does ends the member: a report its leader does not
 take is logged, and the member carries on.
 
-Failover. Every plan names a standby (replica.py). When the leader is lost (not on a goodbye: a leader that stops
-on purpose is not replaced), its standby takes over (``on_takeover``: the agent promotes itself) and every other
-member turns to it at once: it trusts the identity its leader's plan named, keeps its stage (the new plan mostly
-keeps its range), and asks to join every SUCCESSOR_RETRY_S until the standby leads. A closed ring link to the
-leader, or the standby's word, makes a member probe its leader at once instead of waiting for the heartbeats.
+Failover. Every plan names a standby (replica.py). When the leader is lost, or stops and hands over (its Bye names
+the standby; a Bye that names none is a cluster stopping on purpose: nobody takes over), its standby takes over
+(``on_takeover``: the agent promotes itself) and every other member turns to it at once: it trusts the identity its
+leader's plan named, keeps its stage (the new plan mostly keeps its range), and asks to join every
+SUCCESSOR_RETRY_S until the standby leads (the leader that said Bye is not joined again until it restarts). A
+closed ring link to the leader, or the standby's word (or, to the standby, a member's), makes a member probe its
+leader at once instead of waiting for the heartbeats. While the standby does not lead (it finds the leader there),
+a member rechecks the leader it found lost every RECHECK_S and joins it again when it answers: it was slow.
 
 Trust. A member joins only leaders whose identity it trusts (``trusted``): the one it was told
 (``--leader-identity`` / $FLOWSPEC_LEADER_IDENTITY, printed next to the key by the leader), else the first leader
@@ -55,17 +58,19 @@ log = logging.getLogger(__name__)
 SEARCH_WAKE_S = 1.0  # without a leader, look at the candidates at least this often
 PROBE_TIMEOUT_S = 1.0  # a leader suspected gone (its ring link closed) must answer GET /control/info within this
 SUCCESSOR_RETRY_S = 0.2  # how often the lost leader's standby is asked to take this member, until it leads
+RECHECK_S = 1.0  # ... and how often, meanwhile, whether the leader found lost answers after all
 TAKEOVER_WAIT_S = 60.0  # ... for at most this long (a standby still fetching its replica gets ready meanwhile)
 
 
 
 class MemberControl:
     def __init__(self, info: PeerInfo, *, net: Net, stage_host: StageHost, trusted: Iterable[str] = (),
-                 on_takeover: Callable[[PlanUpdate], bool] | None = None,
+                 on_takeover: Callable[[PlanUpdate, str], bool] | None = None,
                  on_plan: Callable[[PlanUpdate], None] | None = None):
         """``trusted``: identities of leaders this member may join (empty: the first it joins, then that one).
-        ``on_takeover(update)``: the leader of ``update`` is lost and this member is its standby; True when the
-        agent takes over (this member then stops looking for a leader). ``on_plan(update)``: each plan taken."""
+        ``on_takeover(update, why)``: the leader of ``update`` is gone ("lost", or "stopped": it handed over) and
+        this member is its standby; True when the agent takes over (this member then stops looking for a leader).
+        ``on_plan(update)``: each plan taken."""
         self.info = info
         self.id = info.id
         self.net = net
@@ -84,13 +89,16 @@ class MemberControl:
         self._alternate = False
         self._suspect_leader = False
         self._left_on_purpose = False
+        self._handed_over = False  # the last leader's Bye named its standby
+        self._departed: tuple[str, float] | None = None  # (id, start) of the last leader that said Bye: not rejoined
+        self._lost: tuple[PeerInfo, float] | None = None  # the leader found lost, and when it was last rechecked
         self._distrusted: set[str] = set()  # leaders ignored (logged once each)
         self._wake = asyncio.Event()
 
     # ------------------------------------------------------------------------------------------- events
 
     def peer_seen(self, info: PeerInfo) -> None:
-        if info.role != "leader" or self.candidates.get(info.id) == info:
+        if info.role != "leader" or self.candidates.get(info.id) == info or (info.id, info.started) == self._departed:
             return
         if self.trusted and info.identity not in self.trusted:
             if info.id not in self._distrusted:
@@ -118,6 +126,17 @@ class MemberControl:
         u = self.last_update
         return u.standby_info if u is not None else None
 
+    def _is_standby(self, peer: PeerInfo) -> bool:
+        """``peer`` is the standby of the latest plan (by id and identity)."""
+        standby = self._standby_of_last_plan()
+        return standby is not None and (peer.id, peer.identity) == (standby.id, standby.identity)
+
+    def _asks_this_standby(self, peer: PeerInfo) -> bool:
+        """This agent is the latest plan's standby and ``peer`` one of that plan's members (by id and identity)."""
+        u = self.last_update
+        return u is not None and u.standby == self.id and any(
+            (m.id, m.identity) == (peer.id, peer.identity) for m in u.members)
+
     def _from_leader(self, msg: ControlMessage, sender: Peer | None) -> PeerInfo:
         """This member's leader, when ``msg`` comes from it (by id and, with a key, by the identity it proved);
         else ProtocolError (logged by the caller)."""
@@ -133,17 +152,16 @@ class MemberControl:
         """A control message to this member -> the reply. ``sender``: the agent that authenticated (None in the
         open mode); plans, activations and goodbyes count only from this member's leader's identity."""
         if isinstance(msg, Hello):
-            peer, standby = msg.peer, self._standby_of_last_plan()
+            peer = msg.peer
             if peer.cluster != self.info.cluster:
                 return Ack()
-            if standby is not None and self.leader is not None and peer.id == standby.id \
-                    and peer.identity == standby.identity:
-                # the standby says the leader is lost (it took over), or a member of it asks the standby to take
+            if self.leader is not None and (self._is_standby(peer) or self._asks_this_standby(peer)):
+                # the standby says the leader is lost (it took over), or a member of it asks this standby to take
                 # it (it found the leader lost): see for ourselves at once
                 self._suspect_leader = True
                 self._wake.set()
             if peer.role == "leader":  # a leader that learned of us through a static peer, or the standby
-                if standby is not None and (peer.id, peer.identity) == (standby.id, standby.identity):
+                if self._is_standby(peer):
                     self.trusted.add(peer.identity)
                 self.peer_seen(peer)
             return Ack()
@@ -164,8 +182,13 @@ class MemberControl:
         if isinstance(msg, Bye):
             leader = self._from_leader(msg, sender)
             if msg.agent_id == leader.id:
-                log.warning("the leader %s stopped: %s", leader.id, msg.reason)
-                self._left_on_purpose = True
+                u = self.last_update
+                self._handed_over = bool(msg.successor) and u is not None and u.leader.id == leader.id \
+                    and msg.successor == u.standby
+                log.warning("the leader %s stopped: %s%s", leader.id, msg.reason,
+                            f"; its standby {msg.successor} takes over" if self._handed_over else "")
+                self._left_on_purpose = not self._handed_over
+                self._departed = (leader.id, leader.started)  # until it starts again, it is not joined again
                 self.peer_lost(leader.id)
             return Ack()
         raise ProtocolError(f"a member does not take {msg.kind!r} messages")
@@ -228,6 +251,7 @@ class MemberControl:
             if not isinstance(reply, Welcome):
                 if self._successor is not None and self._successor[0] == leader.id:
                     log.debug("standby %s does not lead yet: %s", leader.id, why)
+                    await self._recheck_lost()
                     await self._sleep(SUCCESSOR_RETRY_S)
                     continue
                 log.warning("cannot join leader %s: %s", leader.id, why)
@@ -240,7 +264,7 @@ class MemberControl:
             log.info("joined cluster %r: leader %s (%s) at %s%s", self.info.cluster, leader.id, leader.name,
                      leader.url, "" if self.lost_at is None else
                      f", {time.monotonic() - self.lost_at:.2f} s after the last one was lost")
-            self._left_on_purpose = self._suspect_leader = False
+            self._left_on_purpose = self._suspect_leader = self._handed_over = False
             try:
                 lost = await self._heartbeats(leader)
             finally:
@@ -260,7 +284,7 @@ class MemberControl:
             log.warning("leader %s is lost and named no standby; waiting for a leader", lost.id)
             return False
         if standby.id == self.id:
-            self.taking_over = self.on_takeover is not None and self.on_takeover(u)
+            self.taking_over = self.on_takeover is not None and self.on_takeover(u, self._why())
             return self.taking_over
         log.warning("leader %s is lost; turning to its standby %s (%s) at %s", lost.id, standby.id, standby.name,
                     standby.url)
@@ -268,15 +292,33 @@ class MemberControl:
             self.trusted.add(standby.identity)
         self.candidates[standby.id] = standby.model_copy(update={"role": "leader"})
         self._successor = (standby.id, time.monotonic() + TAKEOVER_WAIT_S)
+        self._lost = None if self._handed_over else (lost, 0.0)
         self.net.spawn(self._tell(standby), name="tell-standby")
         return True
+
+    async def _recheck_lost(self) -> None:
+        """While the standby does not lead: does the leader that seemed lost answer after all (it was slow, not
+        gone: the standby, which probes it too, does not take over)? Then it is joined again."""
+        if self._lost is None or time.monotonic() - self._lost[1] < RECHECK_S:
+            return
+        lost = self._lost[0]
+        self._lost = (lost, time.monotonic())
+        info = await self.net.fetch_info(lost.host, lost.port, PROBE_TIMEOUT_S)
+        if info is not None and (info.id, info.started, info.role) == (lost.id, lost.started, "leader") \
+                and self._successor is not None:
+            log.warning("leader %s answers again (it was slow, not lost); joining it again", lost.id)
+            self.candidates[lost.id] = lost
+            self._successor = self._lost = None
+
+    def _why(self) -> str:
+        return "stopped" if self._handed_over else "lost"
 
     def ready_to_lead(self) -> None:
         """This agent's standby preparation finished: if its leader was lost meanwhile (and no leader came since),
         take over now."""
         u = self.last_update
         if self.leader is None and not self.taking_over and self.lost_at is not None and u is not None \
-                and u.standby == self.id and self.on_takeover is not None and self.on_takeover(u):
+                and u.standby == self.id and self.on_takeover is not None and self.on_takeover(u, self._why()):
             self.taking_over = True
             self._wake.set()
 
@@ -298,13 +340,17 @@ class MemberControl:
                              state="ready" if active and active.worker else "idle", counters=counters,
                              suspects=tuple(sorted(self.suspects)))
             self.suspects.clear()
+            # a frozen leader (its sockets open, nothing answering) is lost HEARTBEAT_TIMEOUT_S after its last
+            # answer, not a whole control timeout later
+            left = last_ok + membership_mod.HEARTBEAT_TIMEOUT_S - time.monotonic()
             try:
-                ack = await self.net.post(leader.url, beat)
+                async with asyncio.timeout(max(left, membership_mod.HEARTBEAT_INTERVAL_S)):
+                    ack = await self.net.post(leader.url, beat)
                 last_ok = time.monotonic()
                 if isinstance(ack, Ack) and not ack.known:
                     log.warning("leader %s does not know this agent any more; joining again", leader.id)
                     return False
-            except (PeerGone, ProtocolError) as e:
+            except (PeerGone, ProtocolError, TimeoutError) as e:
                 if time.monotonic() - last_ok > membership_mod.HEARTBEAT_TIMEOUT_S:
                     log.warning("leader %s is gone: %s", leader.id, e or "no answer")
                     self.candidates.pop(leader.id, None)

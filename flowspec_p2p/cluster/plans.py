@@ -4,6 +4,7 @@ Words as in planner.py's glossary."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -195,6 +196,18 @@ def diff(old: Plan | None, new: Plan) -> list[Change]:
         if aid not in before:
             changes.append(Change(kind="assign", agent_id=aid, new=s.layers))
     return changes
+
+
+def parallel_stations(ring_hosts: Sequence[str], leader_host: str, leader_in_ring: bool, emulated: bool,
+                      leader_cores: int) -> int:
+    """How many of a ring's compute stations (its stages and the leader) can work at once: one per device, but on
+    the leader's host, which several may share, no more than its cores (the leader knows only its own host's); an
+    emulated cluster's agents count as devices of their own."""
+    stations = [*ring_hosts, *([] if leader_in_ring else [leader_host])]
+    if emulated:
+        return len(stations)
+    hosts = Counter(stations)
+    return sum(min(n, leader_cores) if h == leader_host else n for h, n in hosts.items())
 
 
 def _neighbours(p: Plan, aid: str) -> tuple[str, str]:

@@ -130,11 +130,18 @@ class ReplicaServer:
         return ReplicaManifest(fingerprint=self.fingerprint, model=self.model_path.name,
                                folder=self.model_path.is_dir(), files=files, draft=draft)
 
-    async def handle_manifest(self, request: web.Request) -> web.Response:
-        async with self._lock:  # digests of a multi-GB file are computed once, not by every asker at once
+    async def prepare(self) -> ReplicaManifest:
+        """The manifest, its digests computed once (off the event loop), not by every asker at once. The leader
+        calls it as it starts to lead, so that its standby's first ask does not wait for the SHA-256 of a
+        multi-GB file."""
+        async with self._lock:
             if self._manifest is None:
                 self._manifest = await asyncio.to_thread(self.manifest)
-        return web.Response(text=self._manifest.model_dump_json(), content_type="application/json")
+        return self._manifest
+
+    async def handle_manifest(self, request: web.Request) -> web.Response:
+        manifest = await self.prepare()
+        return web.Response(text=manifest.model_dump_json(), content_type="application/json")
 
     async def handle_file(self, request: web.Request) -> web.StreamResponse:
         path = self.files.get(request.query.get("name", ""))

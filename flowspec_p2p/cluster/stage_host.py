@@ -288,7 +288,8 @@ class StageHost:
             assert self.leader_inbox is not None
             return QueueSender(self.leader_inbox, target)
         hello = RingHello(protocol=PROTOCOL_VERSION, cluster=self.cluster, epoch=u.epoch, sender=self.agent_id)
-        return await connect_with_retry(ws_url(nxt.url), hello, self.session, events, self.link, wire)
+        return await connect_with_retry(ws_url(nxt.url), hello, self.session, events, self.link, wire,
+                                        wanted=lambda: self.prepared is not None and self.prepared.epoch == u.epoch)
 
     async def release(self) -> None:
         async with self._lock:
@@ -352,14 +353,19 @@ def _cache_bytes(worker: StageWorker) -> int:
 
 
 async def connect_with_retry(url: str, hello: RingHello, session: aiohttp.ClientSession, events: asyncio.Queue | None,
-                             link: LinkEmulation, wire: torch.dtype) -> Link:
-    """Open a ring link, retrying while the successor has not switched to ``hello.epoch`` yet."""
+                             link: LinkEmulation, wire: torch.dtype, *,
+                             wanted: Callable[[], bool] = lambda: True) -> Link:
+    """Open a ring link, retrying while the successor has not switched to ``hello.epoch`` yet -- and while
+    ``wanted()``: a newer plan supersedes the epoch (its successor may have switched past it already)."""
     deadline = time.monotonic() + LINK_CONNECT_TIMEOUT_S
     pause = LINK_RETRY_S
     while True:
         try:
             return await Link.connect(url, hello, session=session, events=events, emulation=link, float_dtype=wire)
         except (PeerGone, ProtocolError) as e:
+            if not wanted():
+                raise PeerGone(f"the ring link to {url} for epoch {hello.epoch} is not wanted any more (a newer "
+                               f"plan came): {e}") from e
             if time.monotonic() + pause > deadline:
                 raise PeerGone(f"cannot open the ring link to {url} for epoch {hello.epoch}: {e}") from e
             await asyncio.sleep(pause)

@@ -24,6 +24,7 @@ ACTIVITY_LOGGERS = (
     "flowspec_p2p.cluster.profile",
     "flowspec_p2p.cluster.stage_host",
     "flowspec_p2p.cluster.weight_server",
+    "flowspec_p2p.roles",
 )
 FOLLOW_POLL_S = 0.2
 # a record as cli.setup_logging formats it: "12:00:01 I flowspec_p2p.agent: message"

@@ -16,8 +16,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench-spec",
         help="τ, tokens/s and greedy equality of --mode spec vs ar on Spec-Bench",
-        description="For each Spec-Bench set, lines [--start, --start + --per-dataset) (first turn, chat template): "
-        "τ at each temperature, spec vs AR decode tokens/s side by side (T=0, same prompt back to back), the "
+        description="For each Spec-Bench set, lines [--start, --start + --per-dataset) (first turn, chat template; "
+        "raw for a base model): τ at each temperature, spec vs AR decode tokens/s side by side (T=0, same prompt "
+        "back to back), the "
         "draft's cost per step relative to one target forward, and token-for-token equality of greedy spec vs AR "
         "(divergences listed with the reference's top-2 logit gap). Writes bench_spec.json and bench_spec.md.",
     )

@@ -16,10 +16,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="generate a reply on this device",
-        description="Apply the model's chat template to PROMPT and stream the reply to stdout. "
+        description="Apply the model's chat template to PROMPT and stream the reply to stdout; a base model whose "
+        "file has no chat template (e.g. Gemma 3 270M) continues PROMPT as plain text (as --raw). "
         "Only the reply goes to stdout; logs and --stats go to stderr.",
     )
-    p.add_argument("prompt", help="the user message")
+    p.add_argument("prompt", help="the user message (with --raw, or a model without a chat template: the text to "
+                   "continue)")
     p.add_argument("--model", default=None,
                    help="GGUF file, HF checkpoint folder, or a model's name (`flowspec models list`; default: the "
                    "packaged SmolLM2-135M)")
@@ -30,7 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="optional system message")
-    p.add_argument("--raw", action="store_true", help="no chat template: continue PROMPT as plain text")
+    p.add_argument("--raw", action="store_true",
+                   help="no chat template: continue PROMPT as plain text, after the BOS token where the model's "
+                   "tokenizer adds one (the default for a model without a chat template)")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32 (default), float64, bfloat16")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: this device's physical cores)")
     add_engine_argument(p)
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from ..model.load import load_model, set_threads
     from ..model.sampling import SamplingParams
     from ..model.synth import is_synthetic
+    from ..model.tokenizer import is_base
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     set_threads(args.threads)
@@ -109,8 +114,14 @@ def run(args: argparse.Namespace) -> int:
         log.warning("%s is a synthetic model (random weights, `flowspec model synth`): its text is meaningless",
                     lm.source.path.name)
     tok = lm.tokenizer
-    if args.raw:
-        prompt = tok.encode(args.prompt)
+    raw = args.raw or is_base(tok)
+    if raw and not args.raw:
+        log.warning("%s has no chat template (a base model): PROMPT is continued as plain text, as with --raw",
+                    lm.source.path.name)
+    if raw and args.system:
+        log.warning("--system is ignored for a raw prompt")
+    if raw:
+        prompt = tok.encode_raw(args.prompt)
     else:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}

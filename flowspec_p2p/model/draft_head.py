@@ -24,9 +24,9 @@ class DraftHead(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int = 4096):
         super().__init__()
         h = cfg.hidden_size
-        self.cfg = cfg
+        self.cfg = cfg  # the target's config (DraftBundle records it); the network is a plain Llama block:
         self.fc = nn.Linear(2 * h, h, bias=True)
-        self.block = DecoderBlock(cfg, input_norm=False)
+        self.block = DecoderBlock(cfg.plain(), input_norm=False)  # whatever the target's family
         self.max_position = max_position
         self._rotary: Rotary | None = None
         self.reset_parameters()
@@ -57,7 +57,7 @@ class DraftHead(nn.Module):
     def rotary(self) -> Rotary:
         dtype = self.dtype
         if self._rotary is None or self._rotary.cos.dtype != dtype:
-            self._rotary = Rotary(self.cfg, self.max_position, dtype)
+            self._rotary = Rotary(self.cfg.plain(), self.max_position, dtype)
         return self._rotary
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:

@@ -184,6 +184,8 @@ def dequantize(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> torch.Tensor
     name = qtype.name
     if name == "F32":
         out = raw.view(torch.float32).clone()
+    elif name == "F64":  # float64 stays float64 (tests write exact checkpoints this way)
+        out = raw.view(torch.float64).clone()
     elif name in ("F16", "BF16"):
         out = raw.view(torch.float16 if name == "F16" else torch.bfloat16).float()
     elif name in ("Q8_0", "Q4_0", "Q4_1"):

@@ -47,7 +47,7 @@ class NativeDraftHead:
         if weights not in ("Q8_0", "F16"):
             raise ValueError(f"weights: Q8_0 or F16, not {weights!r}")
         _matrix = _q8_0 if weights == "Q8_0" else _f16
-        self.cfg = cfg
+        self.cfg = cfg  # the target's; the block is a plain Llama block whatever its family, as DraftHead's
         self.max_position = max_position
         q, kv = cfg.q_dim, cfg.kv_dim
         wqkv = state["block.wqkv"].t()  # [q + 2 kv, hidden]
@@ -67,7 +67,7 @@ class NativeDraftHead:
                                        eps=cfg.rms_eps)
         self.fc = _matrix(state["fc.weight"])  # [hidden, 2 hidden]
         self.fc_bias = state["fc.bias"].float().contiguous()  # [hidden]
-        self.rotary = Rotary(cfg, min(max_position, ROTARY_CHUNK), torch.float32)
+        self.rotary = Rotary(cfg.plain(), min(max_position, ROTARY_CHUNK), torch.float32)
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +100,7 @@ class NativeDraftHead:
         top = int(pos.max()) + 1 if n else 0
         if top > self.rotary.cos.shape[0]:
             size = min(max(self.max_position, top), -(-top // ROTARY_CHUNK) * ROTARY_CHUNK)
-            self.rotary = Rotary(self.cfg, size, torch.float32)
+            self.rotary = Rotary(self.cfg.plain(), size, torch.float32)
         self.stack.forward(x, pos, self.rotary.cos, self.rotary.sin, cache.k[:, 0], cache.v[:, 0], start,
                            None if mask is None else mask[0])
         cache.advance(n)

@@ -36,13 +36,13 @@ from tqdm import tqdm
 from ..errors import ContextOverflow, ForwardStopped
 from ..types import LayerRange
 from . import native
-from .arch import ModelConfig
+from .arch import ModelConfig, norm_names
 from .blocks import Rotary
 from .engine import BatchRows, StopFlag
 from .kv_cache import KVCache
 from .native_draft import NativeDraftHead
 from .native_pack import CHUNK_ROWS, StoredTensor, describe, names_read, pack, release, sorted_rows
-from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, tensor_shape
+from .weights import EMBED, HEAD, NORM, ROPE_FREQS, WeightSource, load_tensor, tensor_shape
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +79,16 @@ class _Norm:
 
 
 class _Embedding:
-    """Embedding lookups from a packed matrix: ids [...] -> [..., hidden] float32."""
+    """Embedding lookups from a packed matrix: ids [...] -> [..., hidden] float32, times ``scale`` if given (Gemma)."""
 
-    def __init__(self, matrix: native.QMatrix):
+    def __init__(self, matrix: native.QMatrix, scale: float | None = None):
         self.matrix = matrix
+        self.scale = scale
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        return self.matrix.rows_f32(flat).view(*ids.shape, self.matrix.cols)
+        rows = self.matrix.rows_f32(flat).view(*ids.shape, self.matrix.cols)
+        return rows if self.scale is None else rows.mul_(self.scale)
 
 
 class NativeShard:
@@ -103,13 +105,15 @@ class NativeShard:
         self.stack = stack
         self.specs = list(specs)  # per layer: what a later shard of the same model may share (a re-plan)
         self.embed_matrix = embed
-        self.embed = None if embed is None else _Embedding(embed)
+        self.embed = None if embed is None else _Embedding(embed, cfg.embed_scale)
         self.norm = None if norm is None else _Norm(norm, cfg.rms_eps)
         self.lm_head = lm_head
         self.head_source: tuple[WeightSource, StoredTensor] | None = None  # where the LM head's rows are stored
         self.rope_freqs = rope_freqs
         self.max_position = max_position
         self.rotary = Rotary(cfg, min(max_position, ROTARY_CHUNK), torch.float32, rope_freqs)  # grown on demand
+        self.local = any(s.rope for s in self.specs)  # some layers use the local tables (Gemma 3's windowed ones)
+        self.rotary_local = Rotary(cfg, self.rotary.cos.shape[0], torch.float32, local=True) if self.local else None
 
     @property
     def engine(self) -> NativeEngine:
@@ -131,7 +135,8 @@ class NativeShard:
         for m in (self.embed_matrix, self.lm_head):
             if m is not None:
                 held[id(m)] = m.nbytes
-        vectors = [v for s in self.specs for v in (s.attn_norm, s.mlp_norm, s.q_bias, s.k_bias, s.v_bias)]
+        vectors = [v for s in self.specs for v in (s.attn_norm, s.mlp_norm, s.q_bias, s.k_bias, s.v_bias, s.q_norm,
+                                                   s.k_norm, s.post_attn_norm, s.post_mlp_norm)]
         if self.norm is not None:
             vectors.append(self.norm.weight)
         held.update({id(v): v.numel() * v.element_size() for v in vectors if v is not None})
@@ -182,12 +187,14 @@ class NativeShard:
             p = f"model.layers.{i}."
             bias = {f"{x}_bias": source.load(p + f"self_attn.{x}_proj.bias").float() for x in "qkv"} \
                 if cfg.attention_bias else {}
-            specs.append(native.LayerSpec(**{k: packed[n] for k, n in names[i].items()},
-                                          attn_norm=source.load(p + "input_layernorm.weight").float(),
-                                          mlp_norm=source.load(p + "post_attention_layernorm.weight").float(),
-                                          **bias))
+            norms = {role: load_tensor(source, p + name).float() for role, name in norm_names(cfg).items()}
+            for name in (*norm_names(cfg).values(), *(f"self_attn.{x}_proj.bias" for x in "qkv" if bias)):
+                release(source, p + name)  # now, not at the end: a large-folio file maps far more than the vector
+            specs.append(native.LayerSpec(**{k: packed[n] for k, n in names[i].items()}, **norms, **bias,
+                                          window=cfg.window(i), rope=int(cfg.local_rope(i))))
         stack = native.LayerStack(specs, hidden=cfg.hidden_size, q_heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_eps)
+                                  head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=cfg.rms_eps,
+                                  activation=cfg.activation, attn_scale=cfg.attn_scale)
         emb = (emb_donor if emb_donor is not None else packed.get(EMBED)) if embed else None
         head_m = head_source = None
         if lm_head:
@@ -201,7 +208,7 @@ class NativeShard:
                 stored = EMBED if tied else HEAD
                 head_source = (source, tensors[stored] if stored in tensors else describe(source, stored, quantize))
         freqs = source.load(ROPE_FREQS) if ROPE_FREQS in source.names() else None
-        norm = source.load(NORM).float() if head else None
+        norm = load_tensor(source, NORM).float() if head else None
         for name in names_read(cfg, layers, embed=embed, head=head, tensors=tensors):
             release(source, name)  # the norms' (and biases') pages too: everything is packed or copied now
         shard = cls(cfg, layers, stack, embed=emb, norm=norm, lm_head=head_m, rope_freqs=freqs,
@@ -270,7 +277,8 @@ class NativeShard:
             done = 0
         elif groups and len(self.layers):
             rot = self._rotary_upto(top)
-            done = self.stack.forward_groups(rows, torch.cat(pos), rot.cos, rot.sin, groups, flag)
+            local = (self.rotary_local.cos, self.rotary_local.sin) if self.rotary_local is not None else None
+            done = self.stack.forward_groups(rows, torch.cat(pos), rot.cos, rot.sin, groups, flag, local)
         for it in items:
             it.cache.advance(it.x.shape[1])
         if done < len(self.layers):
@@ -286,12 +294,16 @@ class NativeShard:
         if positions > self.rotary.cos.shape[0]:
             size = min(self.max_position, -(-positions // ROTARY_CHUNK) * ROTARY_CHUNK)
             self.rotary = Rotary(self.cfg, size, torch.float32, self.rope_freqs)
+            if self.local:
+                self.rotary_local = Rotary(self.cfg, size, torch.float32, local=True)
         return self.rotary
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., hidden] -> [..., vocab]"""
         assert self.lm_head is not None, "this shard holds no LM head"
-        return self.lm_head.matmul(features.to(torch.float32))
+        logits = self.lm_head.matmul(features.to(torch.float32))
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def head_rows(self, rows: torch.Tensor | None, dtype: torch.dtype | None = None) -> native.QMatrix:
         """The LM head restricted to ``rows`` (a draft vocabulary of target ids; None: all): a packed matrix of

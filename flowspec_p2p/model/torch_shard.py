@@ -31,11 +31,11 @@ from tqdm import tqdm
 from ..errors import ContextOverflow, ForwardStopped
 from ..types import LayerRange
 from .arch import EMBED, HEAD, NORM, ModelConfig
-from .blocks import DecoderBlock, RMSNorm, Rotary
+from .blocks import DecoderBlock, RMSNorm, Rotary, window_mask
 from .draft_head import DraftHead
 from .engine import BatchRows
 from .kv_cache import KVCache
-from .weights import ROPE_FREQS, WeightSource, shard_tensor_names, tensor_shape
+from .weights import ROPE_FREQS, WeightSource, load_tensor, shard_tensor_names, tensor_shape
 
 
 class _LazyTensors(Mapping[str, torch.Tensor]):
@@ -47,13 +47,26 @@ class _LazyTensors(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.names:
             raise KeyError(name)
-        return self.source.load(name).to(self.dtype)
+        return load_tensor(self.source, name).to(self.dtype)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """An embedding whose rows are multiplied by ``scale`` (Gemma: sqrt(hidden)); ``weight`` is the table as stored
+    (a tied LM head shares it)."""
+
+    def __init__(self, num: int, dim: int, scale: float | None, **kwargs):
+        super().__init__(num, dim, **kwargs)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(ids)
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
 
 
 class TorchShard(nn.Module):
@@ -78,13 +91,15 @@ class TorchShard(nn.Module):
         self.has_head = head
         self.dtype = dtype
         # _weight: skip the random init of a [vocab, hidden] table that is about to be overwritten
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size,
-                                  dtype=dtype)) if embed else None
+        self.embed = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype)) if embed else None
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in layers.indices())
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if head else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.norm_offset) if head else None
         self.head_t: torch.Tensor | None = None  # [hidden, vocab]: the LM head, transposed (see DecoderBlock)
         self.max_position = max_position or cfg.max_position
         self.rotary = Rotary(cfg, self.max_position, dtype, rope_freqs)
+        local = any(cfg.local_rope(i) for i in layers.indices())
+        self.rotary_local = Rotary(cfg, self.max_position, dtype, local=True) if local else None
         self.to(dtype)
 
     @property
@@ -193,11 +208,16 @@ class TorchShard(nn.Module):
         last = start + n - 1 if positions is None else int(positions.max())
         if last >= self.max_position:
             raise ContextOverflow(f"position {last} exceeds the model limit {self.max_position}")
-        if positions is None:  # consecutive positions: a view of the tables, no gather
-            cos = self.rotary.cos[start : start + n].expand(b, 1, n, -1)  # [b, 1, n, head_dim]
-            sin = self.rotary.sin[start : start + n].expand(b, 1, n, -1)
-        else:
-            cos, sin = self.rotary.gather(positions)
+        tables = {False: self.rotary, True: self.rotary_local}
+        rope = {}
+        for local, rot in tables.items():
+            if rot is None:
+                continue
+            if positions is None:  # consecutive positions: a view of the tables, no gather
+                rope[local] = (rot.cos[start : start + n].expand(b, 1, n, -1),  # [b, 1, n, head_dim]
+                               rot.sin[start : start + n].expand(b, 1, n, -1))
+            else:
+                rope[local] = rot.gather(positions)
         causal = False
         attn_mask = None
         if mask is not None:
@@ -208,17 +228,32 @@ class TorchShard(nn.Module):
                 causal = True
             else:  # all of the cache, causal among the new tokens
                 attn_mask = torch.ones(n, start + n, dtype=torch.bool).tril(start)[None, None]
+        masks = self._window_masks(attn_mask, n, start)
         for i, block in enumerate(self.blocks):
             if stop is not None and stop():
                 if cache is not None:
                     cache.advance(n)
                 raise ForwardStopped(f"stopped before layer {i} of {len(self.blocks)}")
-            h = block(h, cos, sin, None if cache is None else (cache, i, start), attn_mask, causal)
+            layer = self.layers.start + i
+            cos, sin = rope[self.cfg.local_rope(layer)]
+            w = self.cfg.window(layer)
+            m, c = (attn_mask, causal) if w is None or w not in masks else (masks[w], False)
+            h = block(h, cos, sin, None if cache is None else (cache, i, start), m, c)
         if cache is not None:
             cache.advance(n)
         if self.norm is not None:
             h = self.norm(h)
         return h
+
+    def _window_masks(self, attn_mask: torch.Tensor | None, n: int, start: int) -> dict[int, torch.Tensor]:
+        """The masks [b or 1, 1, n, start + n] of this shard's windowed layers, by window (none where every row sees
+        at most the window anyway)."""
+        windows = {w for i in self.layers.indices() if (w := self.cfg.window(i)) is not None and start + n > w}
+        if not windows:
+            return {}
+        full = attn_mask if attn_mask is not None else torch.ones(n, start + n, dtype=torch.bool).tril(start)[
+            None, None]
+        return {w: window_mask(full, w) for w in windows}
 
     def forward_batch(self, items: Sequence[BatchRows], stop: Callable[[], bool] | None = None
                       ) -> list[torch.Tensor]:
@@ -243,7 +278,9 @@ class TorchShard(nn.Module):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., hidden] -> [..., vocab]"""
         assert self.head_t is not None, "this shard holds no LM head"
-        return features @ self.head_t
+        logits = features @ self.head_t
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def head_rows(self, rows: torch.Tensor | None, dtype: torch.dtype | None = None) -> TorchHeadRows:
         """The LM head restricted to ``rows`` (a draft vocabulary of target ids; None: all), in ``dtype``."""

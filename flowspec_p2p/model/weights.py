@@ -1,6 +1,8 @@
 """Weight sources: a GGUF file or a Hugging Face checkpoint folder, read lazily, tensor by tensor.
 
-Every tensor is addressed by its canonical (HF) name, e.g. ``model.layers.3.self_attn.q_proj.weight``.
+Every tensor is addressed by its canonical (HF) name, e.g. ``model.layers.3.self_attn.q_proj.weight`` (GGUF names map
+to them per family: Gemma's ``ffn_norm`` is its pre-MLP norm; Phi-3's fused q|k|v and gate|up are served as the row
+ranges of separate matrices, in both kinds of source; ``load_tensor`` gives Gemma's norms as multipliers 1 + w).
 A device that holds layers ``[a, b)`` asks only for those names (plus embedding / norm / head where its role
 needs them), so only those tensors are ever dequantised or paged in:
 
@@ -39,6 +41,7 @@ from .arch import (  # noqa: F401
     ModelConfig,
     config_from_gguf,
     config_from_hf,
+    is_norm,
     layer_tensor_names,
     shard_tensor_names,
 )
@@ -57,23 +60,61 @@ _GGUF_LAYER = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: q|k|v fused, split by rows (split_fused)
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GGUF_LAYER_BY_ARCH = {  # where a family's GGUF names mean other HF names
+    "gemma3": {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},  # gate|up fused (llama.cpp's Phi-3 has no ffn_gate)
+}
 _GGUF_GLOBAL = {"token_embd.weight": EMBED, "output_norm.weight": NORM, "output.weight": HEAD, ROPE_FREQS: ROPE_FREQS}
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def _gguf_to_hf(name: str) -> str | None:
+def _gguf_to_hf(name: str, arch: str = "llama") -> str | None:
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
     m = _GGUF_BLOCK.match(name)
-    if m and m.group(2) in _GGUF_LAYER:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}"
+    if m:
+        hf = _GGUF_LAYER_BY_ARCH.get(arch, {}).get(m.group(2), _GGUF_LAYER.get(m.group(2)))
+        if hf is not None:
+            return f"model.layers.{m.group(1)}.{hf}"
     return None
+
+
+def _fused(cfg: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Fused matrices (HF suffix) -> their parts (HF suffix, rows), in row order: Phi-3 stores q|k|v and gate|up."""
+    inter = cfg.intermediate_size
+    return {"self_attn.qkv_proj.weight": [("self_attn.q_proj.weight", cfg.q_dim),
+                                          ("self_attn.k_proj.weight", cfg.kv_dim),
+                                          ("self_attn.v_proj.weight", cfg.kv_dim)],
+            "self_attn.qkv_proj.bias": [("self_attn.q_proj.bias", cfg.q_dim), ("self_attn.k_proj.bias", cfg.kv_dim),
+                                        ("self_attn.v_proj.bias", cfg.kv_dim)],
+            "mlp.gate_up_proj.weight": [("mlp.gate_proj.weight", inter), ("mlp.up_proj.weight", inter)]}
+
+
+def split_fused(cfg: ModelConfig, names, split) -> dict:
+    """For every fused tensor among ``names`` (canonical layer names): ``split(name, [(part name, first row, rows)])``
+    -> {part name: entry}; the parts' row counts must cover the tensor's."""
+    out = {}
+    fused = _fused(cfg)
+    for name in names:
+        m = re.match(r"^(model\.layers\.\d+\.)(.+)$", name)
+        if m and m.group(2) in fused:
+            parts, row = [], 0
+            for suffix, rows in fused[m.group(2)]:
+                parts.append((m.group(1) + suffix, row, rows))
+                row += rows
+            out |= split(name, parts)
+    return out
 
 
 # -------------------------------------------------------------------------------------------- sources
@@ -125,12 +166,34 @@ class GGUFSource:
             # copy-on-write: a writable buffer lets torch view it without a copy or a warning; we never write
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         self.metadata, tensors = parse_gguf(self._mm, self.path)
+        by_name = {t.name: t for t in tensors}
+
+        def read(name: str) -> torch.Tensor:
+            t = by_name[name]
+            return dequantize(torch.frombuffer(self._mm, dtype=torch.uint8, count=t.nbytes, offset=t.offset), t.qtype,
+                              t.shape)
+
+        self.config = config_from_gguf(self.metadata, set(by_name), read)
+        arch = self.config.arch
         self._tensors: dict[str, GGUFTensor] = {}
         for t in tensors:
-            hf = _gguf_to_hf(t.name)
+            hf = _gguf_to_hf(t.name, arch)
             if hf is not None:
                 self._tensors[hf] = t
-        self.config = config_from_gguf(self.metadata, {t.name for t in tensors})
+        self._tensors |= split_fused(self.config, list(self._tensors), self._split)
+        # the header's pages (a large vocabulary's tokenizer arrays: megabytes) are not needed again
+        header = min((t.offset for t in tensors), default=0) // mmap.PAGESIZE * mmap.PAGESIZE
+        if header:
+            self._mm.madvise(mmap.MADV_DONTNEED, 0, header)
+
+    def _split(self, name: str, parts) -> dict[str, GGUFTensor]:
+        t = self._tensors.pop(name)
+        rows = t.shape[0]
+        if sum(r for _, _, r in parts) != rows or t.nbytes % rows:
+            raise WeightsError(f"{self.path.name}: {t.name} has {rows} rows, its parts {[r for *_, r in parts]}")
+        row_bytes = t.nbytes // rows
+        return {part: GGUFTensor(f"{t.name}[{r0}:{r0 + n}]", t.qtype, (n, *t.shape[1:]), t.offset + r0 * row_bytes,
+                                 n * row_bytes) for part, r0, n in parts}
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -220,6 +283,18 @@ class SafetensorsSource:
             for name, info in header.items():
                 if name != "__metadata__":
                     self._index[name] = (mm, info, 8 + n)
+        self._index |= split_fused(self.config, list(self._index), self._split)
+
+    def _split(self, name: str, parts) -> dict[str, tuple[mmap.mmap, dict, int]]:
+        mm, info, base = self._index.pop(name)
+        rows = info["shape"][0]
+        a, b = info["data_offsets"]
+        row_bytes = (b - a) // rows
+        if sum(r for _, _, r in parts) != rows:
+            raise WeightsError(f"{self.path}: {name} has {rows} rows, its parts {[r for *_, r in parts]}")
+        return {part: (mm, {**info, "shape": [n, *info["shape"][1:]],
+                            "data_offsets": [a + r0 * row_bytes, a + (r0 + n) * row_bytes]}, base)
+                for part, r0, n in parts}
 
     def names(self) -> list[str]:
         return list(self._index)
@@ -248,6 +323,16 @@ class SafetensorsSource:
         if len(buf) == 0:
             return torch.empty(info["shape"], dtype=dtype)
         return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(info["shape"])
+
+
+def load_tensor(source: WeightSource, name: str) -> torch.Tensor:
+    """``source.load(name)`` as every engine uses it: a norm weight that HF stores as an offset from one (Gemma:
+    x * (1 + w)) comes back as the multiplier 1 + w, computed in float32 as transformers does (a GGUF file stores the
+    multiplier already)."""
+    t = source.load(name)
+    if source.config.norm_offset and is_norm(name) and source.raw_info(name)["format"] != "gguf":
+        return 1.0 + t.float()
+    return t
 
 
 def open_source(path: str | Path | None = None) -> GGUFSource | SafetensorsSource:

@@ -27,6 +27,7 @@ from pydantic import Field
 from tqdm import tqdm
 
 from ..model.load import load_model
+from ..model.tokenizer import is_base, user_prompt
 from ..types import Settings
 from .batchgen import BatchGenerator, Finished, Request
 from .corpus import is_heldout
@@ -92,7 +93,7 @@ def _requests(pool: list[Prompt], done: set[str], tokenizer, cfg: DataConfig, sk
     for p in _part(pool, cfg):
         if p.key in done:
             continue
-        ids = tokenizer.chat([{"role": "user", "content": p.text}])
+        ids = user_prompt(tokenizer, p.text)  # a base model (no chat template): the raw prompt
         if len(ids) > cfg.max_prompt_tokens:
             skipped.append(p.key)
             continue
@@ -202,10 +203,13 @@ def teacher_forced_data(cfg: DataConfig, lm, progress: bool = True) -> FeatureSt
                 if p.key not in answers:
                     continue
                 _tick(bar, cfg, t0)
-                prompt = tok.chat([{"role": "user", "content": p.text}])
-                text = tok.render([{"role": "user", "content": p.text},
-                                   {"role": "assistant", "content": answers[p.key]}], add_generation_prompt=False)
-                ids = tok.encode(text)
+                prompt = user_prompt(tok, p.text)
+                if is_base(tok):  # a base model: the answer continues the raw prompt
+                    ids = prompt + tok.encode("\n\n" + answers[p.key])
+                else:
+                    text = tok.render([{"role": "user", "content": p.text},
+                                       {"role": "assistant", "content": answers[p.key]}], add_generation_prompt=False)
+                    ids = tok.encode(text)
                 if len(prompt) > cfg.max_prompt_tokens or ids[: len(prompt)] != prompt:
                     continue
                 ends = [i for i in range(len(prompt), len(ids)) if ids[i] in tok.stop_ids]

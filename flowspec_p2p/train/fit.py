@@ -129,8 +129,10 @@ class Frozen:
             head_t = head_t[:, vocab]
             in_vocab = torch.zeros(target.cfg.vocab_size, dtype=torch.bool)
             in_vocab[vocab] = True
-        return cls(target.embed.weight.detach().float(), head_t.contiguous(), target.head_t.float(), vocab, in_vocab,
-                   feature_rms)
+        embed = target.embed.weight.detach().float()  # [vocab, hidden]
+        if target.cfg.embed_scale is not None:  # the rows the drafter feeds the head: target.embed(ids), scaled
+            embed = embed * target.cfg.embed_scale
+        return cls(embed, head_t.contiguous(), target.head_t.float(), vocab, in_vocab, feature_rms)
 
 
 @dataclass

@@ -123,17 +123,19 @@ def test_readme_across_real_devices_with_the_cluster_key(hosts, tmp_path):
     leader = Device(lead_ns, tmp_path / "leader", ["agent", "--leader", "--cluster", "home", "--api-port", "8000"])
     devices = [leader]
     try:
-        # the line a member needs: the key itself on a terminal, else (a log, as here) where the file is
-        line = wait_for(lambda: re.search(r'export FLOWSPEC_CLUSTER_KEY=(?:"\$\(cat (\S+)\)"|(fsk1-[A-Za-z0-9_-]+))'
+        # not on a terminal, the key line names the key's file (the key itself goes to a terminal only), and the
+        # leader's identity, which the member pins
+        line = wait_for(lambda: re.search(r'export FLOWSPEC_CLUSTER_KEY="\$\(cat (\S+)\)"'
                                           r" FLOWSPEC_LEADER_IDENTITY=([0-9a-f]+)", leader.text()),
                         START_TIMEOUT_S, "the leader's key line", devices)
-        key_file = tmp_path / "leader/.cache/flowspec_p2p/agent/cluster.key"
-        assert line.group(1) in (None, str(key_file))
-        key = line.group(2) or key_file.read_text().strip()
+        stored = tmp_path / "leader/.cache/flowspec_p2p/agent/cluster.key"
+        assert Path(line.group(1)) == stored
+        assert stored.stat().st_mode & 0o077 == 0  # owner only
+        key = stored.read_text().strip()
         assert key.startswith("fsk1-")
-        assert key_file.stat().st_mode & 0o077 == 0  # owner only
+        assert key not in leader.text()
         member = Device(member_ns, tmp_path / "member", ["agent", "--cluster", "home"],
-                        {env.CLUSTER_KEY: key, env.LEADER_IDENTITY: line.group(3)})
+                        {env.CLUSTER_KEY: key, env.LEADER_IDENTITY: line.group(2)})
         stranger = Device(member_ns, tmp_path / "stranger", ["agent", "--cluster", "home"],
                           {env.CLUSTER_KEY: ClusterKey.generate().text})
         devices += [member, stranger]

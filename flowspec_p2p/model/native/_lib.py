@@ -26,8 +26,9 @@ CACHE_DIR: Path | None = None  # where library() builds at run time; None: defau
 
 
 def default_cache_dir() -> Path:
-    """Where the library is built at run time: the package's cache folder (env.py), ``native/``."""
-    return env.cache_dir() / "native"
+    """Where the library is built at run time: $FLOWSPEC_NATIVE_DIR, else the package's cache folder's ``native/``
+    (env.py)."""
+    return env.native_dir()
 
 
 class FsMatrix(ctypes.Structure):

@@ -1,4 +1,6 @@
-"""`LayerStack`: a range of Llama-family decoder layers run by one native call per forward (fs_layers_forward).
+"""`LayerStack`: a range of decoder layers run by one native call per forward (fs_layers_forward_x): Llama's layer,
+and what Qwen3, Gemma 3 and Phi-3 add (``LayerSpec``'s optional fields, ``LayerStack``'s activation and attention
+scale; fs.h's fs_layer_x and fs_arch, mirrored here).
 
 The KV cache is the caller's pair of float32 tensors [layers, kv_heads, capacity, head_dim]; a forward of n rows
 writes slots [start, start + n) and attends over [0, start + n) under the mask (None: the whole prefix plus
@@ -33,6 +35,42 @@ class LayerSpec:
     q_bias: torch.Tensor | None = None  # [q_heads * head_dim] (qwen2)
     k_bias: torch.Tensor | None = None  # [kv_heads * head_dim]
     v_bias: torch.Tensor | None = None  # [kv_heads * head_dim]
+    q_norm: torch.Tensor | None = None  # [head_dim] QK-norm (qwen3, gemma3)
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    post_attn_norm: torch.Tensor | None = None  # [hidden] the attention output's norm (gemma3)
+    post_mlp_norm: torch.Tensor | None = None  # [hidden] the MLP output's norm (gemma3)
+    window: int | None = None  # sliding window (keys a row sees), None: all
+    rope: int = 0  # which of the forward's rotary tables (0: the first, 1: the second: gemma3's local layers)
+
+
+class FsLayerX(ctypes.Structure):
+    _fields_ = [("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p),
+                ("post_mlp_norm", ctypes.c_void_p), ("window", ctypes.c_int64), ("rope", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
+
+
+class FsArch(ctypes.Structure):
+    _fields_ = [("act", ctypes.c_int32), ("attn_scale", ctypes.c_float)]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # fs.h's enum fs_activation
+
+
+def _forward_x():
+    """fs_layers_forward_x with its signature declared (once), its structs checked against the C side."""
+    lib = _lib.require()
+    fn = lib.fs_layers_forward_x
+    if fn.argtypes is None:
+        for struct, name in ((FsLayerX, b"fs_layer_x"), (FsArch, b"fs_arch")):
+            if lib.fs_struct_size(name) != ctypes.sizeof(struct):
+                raise RuntimeError(f"struct {name.decode()} differs from the C side")
+        ptrs = ctypes.POINTER(ctypes.c_void_p)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(_lib.FsConfig), ctypes.POINTER(FsArch), ctypes.POINTER(_lib.FsLayer),
+                       ctypes.POINTER(FsLayerX), ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                       ptrs, ptrs, ctypes.c_int, ctypes.c_int64, ctypes.POINTER(_lib.FsGroup), ctypes.c_int,
+                       ctypes.POINTER(ctypes.c_int)]
+    return fn
 
 
 def _vector(t: torch.Tensor | None, size: int, what: str) -> torch.Tensor | None:
@@ -51,17 +89,22 @@ class LayerStack:
     """Decoder layers [0, len(layers)) of a stage, with their config, ready for fs_layers_forward."""
 
     def __init__(self, layers: Sequence[LayerSpec], *, hidden: int, q_heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float) -> None:
+                 intermediate: int, eps: float, activation: str = "silu", attn_scale: float | None = None) -> None:
         if hidden <= 0 or q_heads <= 0 or kv_heads <= 0 or q_heads % kv_heads or head_dim <= 0 or head_dim % 2:
             raise ValueError(f"bad config: hidden {hidden}, heads {q_heads}/{kv_heads}, head_dim {head_dim}")
         self.hidden, self.q_heads, self.kv_heads, self.head_dim = hidden, q_heads, kv_heads, head_dim
         self.intermediate, self.eps = intermediate, float(eps)
         self.config = _lib.FsConfig(hidden, q_heads, kv_heads, head_dim, intermediate, self.eps)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: one of {', '.join(ACTIVATIONS)}, not {activation!r}")
+        self.arch = FsArch(ACTIVATIONS[activation], 0.0 if attn_scale is None else float(attn_scale))
         qdim, kvdim = q_heads * head_dim, kv_heads * head_dim
         shapes = {"q": (qdim, hidden), "k": (kvdim, hidden), "v": (kvdim, hidden), "o": (hidden, qdim),
                   "gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
         self._keep: list[object] = []  # everything the C structs point into
         self._structs = (_lib.FsLayer * max(len(layers), 1))()
+        self._xs = (FsLayerX * max(len(layers), 1))()
+        self.n_rope = 1  # rotary tables a forward passes
         for i, spec in enumerate(layers):
             for name, shape in shapes.items():
                 m: QMatrix = getattr(spec, name)
@@ -72,9 +115,21 @@ class LayerStack:
                     "q_bias": _vector(spec.q_bias, qdim, f"layer {i} q_bias"),
                     "k_bias": _vector(spec.k_bias, kvdim, f"layer {i} k_bias"),
                     "v_bias": _vector(spec.v_bias, kvdim, f"layer {i} v_bias")}
+            xvecs = {"q_norm": _vector(spec.q_norm, head_dim, f"layer {i} q_norm"),
+                     "k_norm": _vector(spec.k_norm, head_dim, f"layer {i} k_norm"),
+                     "post_attn_norm": _vector(spec.post_attn_norm, hidden, f"layer {i} post_attn_norm"),
+                     "post_mlp_norm": _vector(spec.post_mlp_norm, hidden, f"layer {i} post_mlp_norm")}
+            if (spec.window is not None and spec.window < 1) or spec.rope not in (0, 1):
+                raise ValueError(f"layer {i}: window {spec.window}, rope {spec.rope}")
             if vecs["mlp_norm"] is None:
                 raise ValueError(f"layer {i}: mlp_norm is required")
-            self._keep += [spec, *vecs.values()]
+            self._keep += [spec, *vecs.values(), *xvecs.values()]
+            x = self._xs[i]
+            for name, t in xvecs.items():
+                setattr(x, name, _ptr(t))
+            x.window = spec.window or 0
+            x.rope = spec.rope
+            self.n_rope = max(self.n_rope, spec.rope + 1)
             s = self._structs[i]
             for name in shapes:
                 setattr(s, name, getattr(spec, name).struct())
@@ -98,20 +153,26 @@ class LayerStack:
         return self.forward_groups(x, pos, cos, sin, [Group(k_cache, v_cache, start, n, mask)], stop)
 
     def forward_groups(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       groups: Sequence[Group], stop: ctypes.c_int | None = None) -> int:
+                       groups: Sequence[Group], stop: ctypes.c_int | None = None,
+                       local: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """``forward`` over the rows of several requests in one call: ``groups`` take x's rows in order, each with
         its own caches, start and mask (``Group``); the matmuls run over all rows at once, each group's rows
-        attend to its own cache only. Returns the number of layers completed."""
+        attend to its own cache only. ``local``: the second rotary tables (cos, sin) the layers with ``rope`` 1
+        use. Returns the number of layers completed."""
         n = x.shape[0] if x.ndim == 2 else -1
+        tables = [(cos, sin)] if local is None else [(cos, sin), local]
+        if len(tables) < self.n_rope:
+            raise ValueError(f"the layers use {self.n_rope} rotary tables, {len(tables)} given")
         if x.dtype != torch.float32 or x.shape != (n, self.hidden) or not x.is_contiguous() or x.is_cuda:
             raise ValueError(f"x: expected contiguous CPU float32 [n, {self.hidden}], got {x.dtype} "
                              f"{tuple(x.shape)}")
-        if cos.ndim != 2 or cos.shape[1] != self.head_dim or sin.shape != cos.shape:
-            raise ValueError(f"cos/sin: expected [max_pos, {self.head_dim}], got {tuple(cos.shape)} "
-                             f"{tuple(sin.shape)}")
-        for name, t in (("cos", cos), ("sin", sin)):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.is_cuda:
-                raise ValueError(f"{name}: expected a contiguous CPU float32 tensor, got {t.dtype}")
+        for c, s in tables:
+            if c.ndim != 2 or c.shape[1] != self.head_dim or s.shape != c.shape or c.shape[0] != cos.shape[0]:
+                raise ValueError(f"cos/sin: expected [max_pos, {self.head_dim}] (one max_pos), got "
+                                 f"{tuple(c.shape)} {tuple(s.shape)}")
+            for name, t in (("cos", c), ("sin", s)):
+                if t.dtype != torch.float32 or not t.is_contiguous() or t.is_cuda:
+                    raise ValueError(f"{name}: expected a contiguous CPU float32 tensor, got {t.dtype}")
         if pos.shape != (n,) or pos.dtype.is_floating_point:
             raise ValueError(f"pos: expected integer [{n}], got {pos.dtype} {tuple(pos.shape)}")
         pos32 = pos.to(torch.int32).contiguous()  # [n]
@@ -128,12 +189,14 @@ class LayerStack:
             structs[i] = _lib.FsGroup(g.k_cache.data_ptr(), g.v_cache.data_ptr(), _ptr(mask8), row, g.n,
                                       g.k_cache.shape[2], g.start)
             row += g.n
-        done = _lib.require().fs_layers_forward_groups(
-            ctypes.byref(self.config), self._structs, self.n_layers, x.data_ptr(), n, pos32.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), cos.shape[0], structs, len(groups),
+        cos_p = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
+        sin_p = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
+        done = _forward_x()(
+            ctypes.byref(self.config), ctypes.byref(self.arch), self._structs, self._xs, self.n_layers, x.data_ptr(),
+            n, pos32.data_ptr(), cos_p, sin_p, len(tables), cos.shape[0], structs, len(groups),
             None if stop is None else ctypes.pointer(stop))
         if done < 0:
-            raise RuntimeError(f"fs_layers_forward_groups failed ({done})")
+            raise RuntimeError(f"fs_layers_forward_x failed ({done})")
         return done
 
     def _check_group(self, g: Group) -> torch.Tensor | None:

@@ -29,6 +29,7 @@ class TinyModel:
     bias: bool = False
     attn_norm: bool = True
     seed: int = 0
+    window: int | None = None  # a sliding window on every layer (the ISA tests; reference_forward has none)
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(self.seed)
@@ -55,7 +56,8 @@ class TinyModel:
 
     def stack(self) -> LayerStack:
         specs = [LayerSpec(*(lay[n][0] for n in NAMES), mlp_norm=lay["mlp_norm"], attn_norm=lay["attn_norm"],
-                           q_bias=lay["q_bias"], k_bias=lay["k_bias"], v_bias=lay["v_bias"]) for lay in self.layers]
+                           q_bias=lay["q_bias"], k_bias=lay["k_bias"], v_bias=lay["v_bias"], window=self.window)
+                 for lay in self.layers]
         return LayerStack(specs, hidden=self.hidden, q_heads=self.q_heads, kv_heads=self.kv_heads,
                           head_dim=self.head_dim, intermediate=self.intermediate, eps=self.eps)
 

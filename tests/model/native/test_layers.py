@@ -128,10 +128,13 @@ def test_every_isa_path_gives_the_same_bits(lib):
     assert all(torch.equal(first, y) for y in results.values()), list(results)
 
 
-@pytest.mark.parametrize("heads", [(4, 2, 32), (6, 2, 64), (2, 1, 128), (4, 4, 24), (6, 1, 16)])
+@pytest.mark.parametrize("heads", [(4, 2, 32, None), (6, 2, 64, None), (2, 1, 128, None), (4, 4, 24, None),
+                                   (6, 1, 16, None), (2, 1, 256, None), (4, 2, 32, 20), (2, 1, 256, 9)])
 def test_every_isa_path_gives_the_same_bits_over_a_long_prefix_and_a_tree(lib, heads):
-    q_heads, kv_heads, head_dim = heads
-    m = TinyModel(types=QUANT_TYPES, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads, hidden=96, n_layers=1)
+    """...with and without a sliding window (which counts each row's visible keys, holes skipped)."""
+    q_heads, kv_heads, head_dim, window = heads
+    m = TinyModel(types=QUANT_TYPES, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads, hidden=96, n_layers=1,
+                  window=window)
     prefix, parents = 37, [-1, 0, 1, 1, 0, 4, -1, 6, 7, 7, 9, 10, 11, 12, 13, 14, 15, 0]
     x_all = _inputs(m, prefix + len(parents), seed=5)
     mask = _tree_mask(prefix, parents)

@@ -272,5 +272,7 @@ int64_t fs_struct_size(const char *name) {
     if (strcmp(name, "fs_layer") == 0) return (int64_t)sizeof(fs_layer);
     if (strcmp(name, "fs_config") == 0) return (int64_t)sizeof(fs_config);
     if (strcmp(name, "fs_group") == 0) return (int64_t)sizeof(fs_group);
+    if (strcmp(name, "fs_layer_x") == 0) return (int64_t)sizeof(fs_layer_x);
+    if (strcmp(name, "fs_arch") == 0) return (int64_t)sizeof(fs_arch);
     return -1;
 }

@@ -90,6 +90,24 @@ FS_API int fs_layers_forward(const fs_config *cfg, const fs_layer *layers, int n
                              float *k_cache, float *v_cache, int64_t capacity, int64_t start, const uint8_t *mask,
                              volatile int *stop);
 
+/* What a layer of another family adds to the Llama layer (fs_layer): an array parallel to the layers. */
+typedef struct fs_layer_x {
+    const float *q_norm, *k_norm; /* [head_dim] QK-norm: RMSNorm of each head's q and k before the rotation, or NULL */
+    const float *post_attn_norm;  /* [hidden] RMSNorm of the attention's output before the residual add, or NULL */
+    const float *post_mlp_norm;   /* [hidden] RMSNorm of the MLP's output before the residual add, or NULL */
+    int64_t window;               /* sliding window: a row sees only the last `window` keys visible to it; 0: all */
+    int32_t rope;                 /* the rotary tables it uses: 0 or 1 (an index into the call's tables) */
+    int32_t pad;
+} fs_layer_x;
+
+enum fs_activation { FS_ACT_SILU = 0, FS_ACT_GELU_TANH = 1 };
+
+/* The numerics a whole stack shares beyond fs_config. */
+typedef struct fs_arch {
+    int32_t act;      /* the gated MLP's activation: FS_ACT_SILU or FS_ACT_GELU_TANH */
+    float attn_scale; /* softmax scale of q.k; 0: 1 / sqrt(head_dim) */
+} fs_arch;
+
 /* Rows [row0, row0 + n) of a batched forward that belong to one request: its KV caches ([n_layers][kv_heads]
  * [capacity][head_dim] float32; the rows' K and V go to slots [start, start + n)) and its mask (NULL, or uint8
  * [n, start + n] as in fs_layers_forward). */
@@ -106,6 +124,15 @@ typedef struct fs_group {
 FS_API int fs_layers_forward_groups(const fs_config *cfg, const fs_layer *layers, int n_layers, float *x, int64_t n,
                                     const int32_t *pos, const float *rope_cos, const float *rope_sin,
                                     int64_t max_pos, const fs_group *groups, int n_groups, volatile int *stop);
+
+/* fs_layers_forward_groups for every family: arch (NULL: SiLU, 1/sqrt(head_dim)) and xs (NULL, or one fs_layer_x
+ * per layer); rope_cos[i] / rope_sin[i] [max_pos, head_dim] for i < n_rope are the rotary tables a layer picks by its
+ * xs[l].rope (0 without xs). A windowed layer's row attends to the last `window` of the keys its mask (or the causal
+ * default) makes visible: on a row's path (one key per position) that is positions (pos - window, pos]. */
+FS_API int fs_layers_forward_x(const fs_config *cfg, const fs_arch *arch, const fs_layer *layers,
+                               const fs_layer_x *xs, int n_layers, float *x, int64_t n, const int32_t *pos,
+                               const float *const *rope_cos, const float *const *rope_sin, int n_rope,
+                               int64_t max_pos, const fs_group *groups, int n_groups, volatile int *stop);
 
 /* Asks the OS to back [p, p + n) with transparent huge pages (the 2 MiB-aligned part of it; call before the
  * memory is first written). Packed weights stream with far fewer TLB misses. Returns 0, or -1 where unsupported. */

@@ -109,9 +109,26 @@ typedef struct fs_attn {
     float *out;           /* [n, q_heads * hd] */
     float *scratch;       /* per thread: thread_stride floats (fs_attn_scratch) */
     int64_t capacity, start, n, ld_scores, thread_stride;
+    int64_t window; /* 0, or each row attends to its last `window` visible keys (fs_window_lo) */
     int q_heads, group, hd;
     float scale;
 } fs_attn;
+
+/* The first slot row r may attend to under the window: the slot of the `window`-th visible key counted from the
+ * row's end (visible: its mask, or slots [0, start + r] without one), 0 when it sees fewer. */
+FS_INLINE int64_t fs_window_lo(const fs_attn *at, int64_t r) {
+    if (at->window <= 0) return 0;
+    if (!at->mask) {
+        const int64_t limit = at->start + r + 1;
+        return limit > at->window ? limit - at->window : 0;
+    }
+    const int64_t total = at->start + at->n;
+    const uint8_t *vis = at->mask + r * total;
+    int64_t seen = 0;
+    for (int64_t s = total - 1; s >= 0; s--)
+        if (vis[s] && ++seen == at->window) return s;
+    return 0;
+}
 
 /* floats of per-thread attention scratch: scores [pairs][ld_scores] then per pair 32 + hd floats of state */
 FS_INLINE int64_t fs_attn_scratch(int group, int hd, int64_t ld_scores) {
@@ -127,6 +144,7 @@ typedef struct fs_isa_impl {
     void (*rmsnorm_row)(const float *x, const float *w, int64_t dim, float eps, float *out);
     void (*attend)(const fs_attn *at, int kv_head, int64_t r0, int64_t r1, int thread); /* rows [r0, r1) */
     void (*silu_mul)(float *g, const float *u, int64_t n); /* g = silu(g) * u */
+    void (*gelu_mul)(float *g, const float *u, int64_t n); /* g = gelu_tanh(g) * u */
 } fs_isa_impl;
 
 extern const fs_isa_impl fs_isa_portable;

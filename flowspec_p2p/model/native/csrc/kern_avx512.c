@@ -129,8 +129,11 @@ FS_INLINE void unpack(const int T, const blk *k, int c, __m512i *w) {
 }
 
 /* Software prefetch of the panel FS_PREFETCH bytes ahead of block b (the hardware prefetcher alone leaves a
- * single row at ~20 GB/s; with this ~28 GB/s). */
-#define FS_PREFETCH 2048
+ * single row at ~20 GB/s; with this ~28 GB/s). 4096 streams Gemma 3's 178 MB Q8_0 LM head at one row ~12% faster
+ * than 2048 (docs/experiments.md); -DFS_PREFETCH overrides it for such experiments. */
+#ifndef FS_PREFETCH
+#define FS_PREFETCH 4096
+#endif
 FS_INLINE void prefetch(const int T, const uint8_t *pw, int64_t b) {
     const int bytes = T == FS_Q4_0 ? 288 : T == FS_Q4_1 ? 320 : T == FS_Q5_0 ? 352 : T == FS_Q5_1 ? 384
                     : T == FS_Q8_0 ? 544 : T == FS_Q4_K ? 296 : T == FS_Q5_K ? 360 : 420; /* per 32 columns */
@@ -277,5 +280,5 @@ static void mm_avx512(const fs_mm *m, int64_t p0, int64_t p1, int64_t r0, int64_
 }
 
 const fs_isa_impl ISA_TABLE = {
-    ISA_NAME, mm_avx512, avx512_quantize_row, avx512_rmsnorm_row, avx512_attend, avx512_silu_mul,
+    ISA_NAME, mm_avx512, avx512_quantize_row, avx512_rmsnorm_row, avx512_attend, avx512_silu_mul, avx512_gelu_mul,
 };

@@ -248,7 +248,7 @@ static void mm_neon(const fs_mm *m, int64_t p0, int64_t p1, int64_t r0, int64_t 
 }
 
 const fs_isa_impl fs_isa_neon = {
-    "neon", mm_neon, fs_op_quantize_row, fs_op_rmsnorm_row, fs_op_attend, fs_op_silu_mul,
+    "neon", mm_neon, fs_op_quantize_row, fs_op_rmsnorm_row, fs_op_attend, fs_op_silu_mul, fs_op_gelu_mul,
 };
 #else
 typedef int fs_neon_unused; /* an empty translation unit elsewhere */

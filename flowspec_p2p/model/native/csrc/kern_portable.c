@@ -81,5 +81,5 @@ void fs_mm_portable(const fs_mm *m, int64_t p0, int64_t p1, int64_t r0, int64_t 
 }
 
 const fs_isa_impl fs_isa_portable = {
-    "portable", fs_mm_portable, fs_op_quantize_row, fs_op_rmsnorm_row, fs_op_attend, fs_op_silu_mul,
+    "portable", fs_mm_portable, fs_op_quantize_row, fs_op_rmsnorm_row, fs_op_attend, fs_op_silu_mul, fs_op_gelu_mul,
 };

@@ -1,12 +1,14 @@
-/* fs_layers_forward(_groups): a stack of Llama-family decoder layers on n rows in one call, so Python pays one call
- * per stage forward instead of a dispatch per op; the rows may belong to several requests (groups), each with its
- * own KV cache and mask: the matmuls run over all rows at once, the attention per group.
+/* fs_layers_forward(_groups, _x): a stack of decoder layers on n rows in one call, so Python pays one call per stage
+ * forward instead of a dispatch per op; the rows may belong to several requests (groups), each with its own KV cache
+ * and mask: the matmuls run over all rows at once, the attention per group.
  *
- * Per layer (h: the normed input, a: its int16 quantization, shared by the matmuls that read it):
- *   h = rmsnorm(x, attn_norm) (or x)      q, k, v = h @ Wq^T (+bq) ...   rope(q), rope(k) at pos
- *   cache[start + r] = k, v               att = softmax(q k^T / sqrt(hd), visible slots) v
- *   x += att @ Wo^T                       h = rmsnorm(x, mlp_norm)
- *   g, u = h @ Wg^T, h @ Wu^T             x += (silu(g) * u) @ Wd^T
+ * Per layer (h: the normed input, a: its int16 quantization, shared by the matmuls that read it; [..] where the
+ * layer's fs_layer_x has it: Qwen3 / Gemma 3 QK-norm, Gemma 3's norms after attention and MLP, sliding windows):
+ *   h = rmsnorm(x, attn_norm) (or x)      q, k, v = h @ Wq^T (+bq) ...   [q, k = rmsnorm per head]
+ *   rope(q), rope(k) at pos (the layer's tables)                         cache[start + r] = k, v
+ *   att = softmax(q k^T * scale, visible slots [the last `window` of them]) v
+ *   o = att @ Wo^T, x += o [rmsnorm(o)]   h = rmsnorm(x, mlp_norm)
+ *   g, u = h @ Wg^T, h @ Wu^T             d = (act(g) * u) @ Wd^T, x += d [rmsnorm(d)]    act: SiLU or tanh-GELU
  * Everything a row computes depends only on that row, its group's cache and the keys visible to it, in slot order,
  * so a row's result is the same alone or in any batch, with any other requests' rows (batch invariance); the matmuls and the attention run on the
  * pool (panels; (row, head) pairs), the cheap per-row steps on the pool only when there are enough rows. */
@@ -23,8 +25,10 @@ typedef struct stack {
     float *x, *h, *q, *k, *v, *att, *out, *g, *u;
     fs_act a, b; /* a: h quantized (hidden columns); b: att or silu(g)*u quantized */
     const int32_t *pos;
-    const float *cos, *sin;
+    const float *cos, *sin;    /* the current layer's rotary tables */
     const fs_layer *L;
+    const fs_layer_x *X;       /* its extras (all NULL / 0 for a Llama layer) */
+    const fs_arch *arch;
     int layer;                 /* the index of L */
     const fs_group *groups;    /* the requests' row ranges, caches and masks */
     int n_groups;
@@ -86,8 +90,12 @@ static void qk_row(void *ctx, int64_t r, int thread) {
     add_bias(q, s->L->q_bias, s->qdim);
     add_bias(k, s->L->k_bias, s->kvdim);
     add_bias(v, s->L->v_bias, s->kvdim);
-    for (int h = 0; h < s->c->q_heads; h++) rope(q + h * hd, cos, sin, hd);
+    for (int h = 0; h < s->c->q_heads; h++) {
+        if (s->X->q_norm) s->isa->rmsnorm_row(q + h * hd, s->X->q_norm, hd, s->c->eps, q + h * hd);
+        rope(q + h * hd, cos, sin, hd);
+    }
     for (int h = 0; h < s->c->kv_heads; h++) {
+        if (s->X->k_norm) s->isa->rmsnorm_row(k + h * hd, s->X->k_norm, hd, s->c->eps, k + h * hd);
         rope(k + h * hd, cos, sin, hd);
         const int64_t slot = (h * g->capacity + g->start + r - g->row0) * hd;
         memcpy(kc + slot, k + h * hd, (size_t)hd * sizeof(float));
@@ -113,15 +121,31 @@ static void quantize_att_row(void *ctx, int64_t r, int thread) {
     s->isa->quantize_row(s->att + r * s->qdim, r, &s->b);
 }
 
-static void silu_row(void *ctx, int64_t r, int thread) {
+static void act_row(void *ctx, int64_t r, int thread) {
     stack *s = ctx;
     const int64_t inter = s->c->intermediate;
     (void)thread;
-    s->isa->silu_mul(s->g + r * inter, s->u + r * inter, inter);
+    if (s->arch->act == FS_ACT_GELU_TANH)
+        s->isa->gelu_mul(s->g + r * inter, s->u + r * inter, inter);
+    else
+        s->isa->silu_mul(s->g + r * inter, s->u + r * inter, inter);
     if (s->quantize) s->isa->quantize_row(s->g + r * inter, r, &s->b);
 }
 
-static void residual(stack *s) {
+/* out = rmsnorm(out, norm), row r (Gemma's norm of a block's output before the residual add) */
+static void post_norm_row(void *ctx, int64_t r, int thread) {
+    stack *s = ctx;
+    float *o = s->out + r * s->c->hidden;
+    (void)thread;
+    s->isa->rmsnorm_row(o, s->norm, s->c->hidden, s->c->eps, o);
+}
+
+/* x += out, after out's norm where the layer has one */
+static void residual(stack *s, const float *norm) {
+    if (norm) {
+        s->norm = norm;
+        run_rows(s, post_norm_row, s->c->hidden);
+    }
     const int64_t count = s->n * s->c->hidden;
     for (int64_t i = 0; i < count; i++) s->x[i] = s->x[i] + s->out[i];
 }
@@ -138,8 +162,9 @@ static void attention(stack *s, float *scratch, int64_t ld_scores) {
         const fs_group *g = &s->groups[gi];
         const fs_attn at = {s->q + g->row0 * s->qdim, layer_cache(s, g, g->k_cache), layer_cache(s, g, g->v_cache),
                             g->mask, s->att + g->row0 * s->qdim, scratch, g->capacity, g->start, g->n, ld_scores,
-                            fs_attn_scratch(group, c->head_dim, ld_scores), c->q_heads, group, c->head_dim,
-                            1.0f / sqrtf((float)c->head_dim)};
+                            fs_attn_scratch(group, c->head_dim, ld_scores), s->X->window, c->q_heads, group,
+                            c->head_dim, s->arch->attn_scale > 0 ? s->arch->attn_scale
+                                                                 : 1.0f / sqrtf((float)c->head_dim)};
         attn_job job = {&at, s->isa};
         fs_pool_run(attn_item, &job, (g->n + FS_ATT_ROWS - 1) / FS_ATT_ROWS * c->kv_heads);
     }
@@ -163,7 +188,7 @@ static void layer(stack *s, float *scores, int64_t ld_scores) {
     if (is_int(&L->o)) run_rows(s, quantize_att_row, s->qdim);
     const fs_mm o = mm_of(&L->o, &s->b, s->att, s->qdim, s->out, n);
     fs_run_matmuls(&o, 1);
-    residual(s);
+    residual(s, s->X->post_attn_norm);
     /* MLP block */
     s->norm = L->mlp_norm;
     s->quantize = is_int(&L->gate) || is_int(&L->up);
@@ -173,10 +198,10 @@ static void layer(stack *s, float *scores, int64_t ld_scores) {
     fs_run_matmuls(gu, 2);
     s->quantize = is_int(&L->down);
     s->b.cols = c->intermediate;
-    run_rows(s, silu_row, c->intermediate);
+    run_rows(s, act_row, c->intermediate);
     const fs_mm down = mm_of(&L->down, &s->b, s->g, c->intermediate, s->out, n);
     fs_run_matmuls(&down, 1);
-    residual(s);
+    residual(s, s->X->post_mlp_norm);
 }
 
 static int matrix_ok(const fs_matrix *m, int64_t rows, int64_t cols) {
@@ -233,18 +258,33 @@ static int64_t check_groups(const fs_group *groups, int n_groups, int64_t n) {
     return row == n ? widest : FS_EINVAL;
 }
 
-int fs_layers_forward_groups(const fs_config *cfg, const fs_layer *layers, int n_layers, float *x, int64_t n,
-                             const int32_t *pos, const float *rope_cos, const float *rope_sin, int64_t max_pos,
-                             const fs_group *groups, int n_groups, volatile int *stop) {
+static int check_x(const fs_layer_x *xs, int n_layers, int n_rope, const float *const *cos,
+                   const float *const *sin) {
+    if (n_rope < 1 || n_rope > 2 || !cos || !sin) return FS_EINVAL;
+    for (int i = 0; i < n_rope; i++)
+        if (!cos[i] || !sin[i]) return FS_EINVAL;
+    for (int l = 0; xs && l < n_layers; l++)
+        if (xs[l].window < 0 || xs[l].rope < 0 || xs[l].rope >= n_rope) return FS_EINVAL;
+    return FS_OK;
+}
+
+int fs_layers_forward_x(const fs_config *cfg, const fs_arch *arch, const fs_layer *layers, const fs_layer_x *xs,
+                        int n_layers, float *x, int64_t n, const int32_t *pos, const float *const *rope_cos,
+                        const float *const *rope_sin, int n_rope, int64_t max_pos, const fs_group *groups,
+                        int n_groups, volatile int *stop) {
+    static const fs_layer_x plain = {0};
+    static const fs_arch llama = {FS_ACT_SILU, 0.0f};
     if (n < 0 || n_layers < 0 || n_groups < 0 || max_pos <= 0) return FS_EINVAL;
+    if (arch && arch->act != FS_ACT_SILU && arch->act != FS_ACT_GELU_TANH) return FS_EINVAL;
     int rc = check(cfg, layers, n_layers);
+    if (rc == FS_OK) rc = check_x(xs, n_layers, n_rope, rope_cos, rope_sin);
     if (rc != FS_OK || (n == 0 && n_groups == 0)) return rc;
     const int64_t widest = check_groups(groups, n_groups, n);
     if (widest < 0) return (int)widest;
     fs_lock();
     int32_t *row_group = (int32_t *)fs_scratch(FS_S_GROUPS, (size_t)n * sizeof(int32_t));
-    stack s = {.c = cfg, .isa = fs_current_isa(), .n = n, .x = x, .pos = pos, .cos = rope_cos, .sin = rope_sin,
-               .groups = groups, .n_groups = n_groups, .row_group = row_group};
+    stack s = {.c = cfg, .isa = fs_current_isa(), .n = n, .x = x, .pos = pos, .groups = groups,
+               .n_groups = n_groups, .row_group = row_group, .arch = arch ? arch : &llama};
     s.qdim = (int64_t)cfg->q_heads * cfg->head_dim;
     s.kvdim = (int64_t)cfg->kv_heads * cfg->head_dim;
     float *scores;
@@ -257,11 +297,21 @@ int fs_layers_forward_groups(const fs_config *cfg, const fs_layer *layers, int n
     for (; rc == FS_OK && done < n_layers; done++) {
         if (stop && *stop) break;
         s.L = &layers[done];
+        s.X = xs ? &xs[done] : &plain;
+        s.cos = rope_cos[s.X->rope];
+        s.sin = rope_sin[s.X->rope];
         s.layer = done;
         layer(&s, scores, ld_scores);
     }
     fs_unlock();
     return rc == FS_OK ? done : rc;
+}
+
+int fs_layers_forward_groups(const fs_config *cfg, const fs_layer *layers, int n_layers, float *x, int64_t n,
+                             const int32_t *pos, const float *rope_cos, const float *rope_sin, int64_t max_pos,
+                             const fs_group *groups, int n_groups, volatile int *stop) {
+    return fs_layers_forward_x(cfg, NULL, layers, NULL, n_layers, x, n, pos, &rope_cos, &rope_sin, 1, max_pos,
+                               groups, n_groups, stop);
 }
 
 int fs_layers_forward(const fs_config *cfg, const fs_layer *layers, int n_layers, float *x, int64_t n,

@@ -109,6 +109,19 @@ static void avx512_silu_mul(float *g, const float *u, int64_t n) {
     }
 }
 
+static void avx512_gelu_mul(float *g, const float *u, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f), neg = _mm512_castsi512_ps(_mm512_set1_epi32((int)0x80000000u));
+    const __m512 a = _mm512_set1_ps(FS_GELU_A), c = _mm512_set1_ps(FS_GELU_2C);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = first(n - i);
+        const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+        const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+        const __m512 t = _mm512_mul_ps(c, _mm512_add_ps(x, _mm512_mul_ps(a, x3)));
+        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_xor_ps(t, neg))));
+        _mm512_mask_storeu_ps(g + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+}
+
 /* slots [s0, s0 + count) of one kv head: their scores (fs_dot * scale), in order; NQ = hd / 16 */
 FS_INLINE __m512 scores16(const int NQ, const __m512 *q, const float *kc, int64_t s0, int count, float scale) {
     __m512 a[16];
@@ -117,7 +130,7 @@ FS_INLINE __m512 scores16(const int NQ, const __m512 *q, const float *kc, int64_
         a[j] = _mm512_setzero_ps();
         if (j < count) {
             const float *k = kc + (s0 + j) * 16 * NQ;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
             for (int c = 0; c < NQ; c++) a[j] = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), a[j]);
         }
     }
@@ -134,11 +147,12 @@ FS_INLINE void prefetch_slots(const float *c, int64_t s, int64_t end, int hd) {
     for (int64_t off = 0; off < n; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-/* visible slots among [s0, s0 + count) for row r */
-FS_INLINE __mmask16 visible(const fs_attn *at, int64_t r, int64_t s0, int64_t count) {
+/* visible slots among [s0, s0 + count) for row r, none below lo (its window's first slot) */
+FS_INLINE __mmask16 visible(const fs_attn *at, int64_t r, int64_t s0, int64_t count, int64_t lo) {
     const int64_t total = at->start + at->n, limit = at->mask ? total : at->start + r + 1;
-    if (s0 >= limit) return 0;
-    const __mmask16 m = first(limit - s0 < count ? limit - s0 : count);
+    if (s0 >= limit || s0 + count <= lo) return 0;
+    __mmask16 m = first(limit - s0 < count ? limit - s0 : count);
+    if (lo > s0) m &= (__mmask16)~((1u << (lo - s0)) - 1);
     if (!at->mask) return m;
     return _mm_mask_cmpneq_epi8_mask(m, _mm_maskz_loadu_epi8(m, at->mask + r * total + s0), _mm_setzero_si128());
 }
@@ -147,27 +161,27 @@ FS_INLINE __mmask16 visible(const fs_attn *at, int64_t r, int64_t s0, int64_t co
  * feeds the GB pairs' NQ accumulators (independent chains). w: the pairs' weights [GB][16]. */
 FS_INLINE void values16(const int NQ, const int GB, const float *vc, int64_t s0, __mmask16 m, const float *w,
                         float *const *st) {
-    __m512 o[4][8];
+    __m512 o[4][16];
 #pragma GCC unroll 4
     for (int g = 0; g < GB; g++)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int c = 0; c < NQ; c++) o[g][c] = _mm512_loadu_ps(st[g] + 32 + 16 * c);
     for (unsigned bits = m; bits; bits &= bits - 1) {
         const int j = __builtin_ctz(bits);
         const float *v = vc + (s0 + j) * 16 * NQ;
-        __m512 vr[8];
-#pragma GCC unroll 8
+        __m512 vr[16];
+#pragma GCC unroll 16
         for (int c = 0; c < NQ; c++) vr[c] = _mm512_loadu_ps(v + 16 * c);
 #pragma GCC unroll 4
         for (int g = 0; g < GB; g++) {
             const __m512 wj = _mm512_set1_ps(w[16 * g + j]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
             for (int c = 0; c < NQ; c++) o[g][c] = _mm512_fmadd_ps(wj, vr[c], o[g][c]);
         }
     }
 #pragma GCC unroll 4
     for (int g = 0; g < GB; g++)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int c = 0; c < NQ; c++) _mm512_storeu_ps(st[g] + 32 + 16 * c, o[g][c]);
 }
 
@@ -177,7 +191,7 @@ FS_INLINE void values16(const int NQ, const int GB, const float *vc, int64_t s0,
  * keys' count, not their slots (as fs_op_attend1): a block's visible weights are compressed and rotated onto the
  * lanes after the ones already used, so a row's result does not depend on where its keys sit in the cache. */
 FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, int64_t r1, int thread) {
-    const int GB = NQ <= 4 ? 4 : 2; /* pairs per V pass: GB * NQ accumulators */
+    const int GB = NQ <= 4 ? 4 : NQ <= 8 ? 2 : 1; /* pairs per V pass: GB * NQ accumulators */
     const int hd = 16 * NQ, G = at->group, np = (int)(r1 - r0) * G;
     const int64_t ps = 32 + hd;
     float *sc = at->scratch + thread * at->thread_stride, *state = sc + np * at->ld_scores;
@@ -190,18 +204,24 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
     }
     int any[FS_ATT_ROWS] = {0};
     int used[FS_ATT_ROWS] = {0}; /* visible slots so far per row, mod 16: the next denominator lane */
-    for (int64_t s0 = 0; s0 < end; s0 += 16) {
+    int64_t lo[FS_ATT_ROWS], first_slot = end; /* each row's window start; the blocks begin at the lowest */
+    for (int64_t r = r0; r < r1; r++) {
+        lo[r - r0] = fs_window_lo(at, r);
+        first_slot = lo[r - r0] < first_slot ? lo[r - r0] : first_slot;
+    }
+    const int64_t begin = first_slot / 16 * 16;
+    for (int64_t s0 = begin; s0 < end; s0 += 16) {
         const int count = (int)(end - s0 < 16 ? end - s0 : 16);
         prefetch_slots(kc, s0 + FS_ATT_PREFETCH, end, hd);
         for (int64_t r = r0; r < r1; r++) {
-            const __mmask16 m = visible(at, r, s0, count);
+            const __mmask16 m = visible(at, r, s0, count, lo[r - r0]);
             if (!m) continue;
             any[r - r0] = 1;
             for (int g = 0; g < G; g++) {
                 const int p = (int)(r - r0) * G + g;
                 const float *qp = at->q + (r * at->q_heads + kvh * G + g) * hd;
-                __m512 q[8];
-#pragma GCC unroll 8
+                __m512 q[16];
+#pragma GCC unroll 16
                 for (int c = 0; c < NQ; c++) q[c] = _mm512_loadu_ps(qp + 16 * c);
                 const __m512 s = scores16(NQ, q, kc, s0, count, at->scale);
                 _mm512_mask_storeu_ps(sc + p * at->ld_scores + s0, m, s);
@@ -212,11 +232,11 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
     }
     for (int p = 0; p < np; p++) /* the max over lanes, in every lane */
         _mm512_storeu_ps(state + p * ps, _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(state + p * ps))));
-    for (int64_t s0 = 0; s0 < end; s0 += 16) {
+    for (int64_t s0 = begin; s0 < end; s0 += 16) {
         const int count = (int)(end - s0 < 16 ? end - s0 : 16);
         prefetch_slots(vc, s0 + FS_ATT_PREFETCH, end, hd);
         for (int64_t r = r0; r < r1; r++) {
-            const __mmask16 m = visible(at, r, s0, count);
+            const __mmask16 m = visible(at, r, s0, count, lo[r - r0]);
             if (!m) continue;
             const int off = used[r - r0], k = __builtin_popcount(m);
             used[r - r0] = (off + k) % 16;
@@ -242,7 +262,7 @@ FS_INLINE void attend_nq(const int NQ, const fs_attn *at, int kvh, int64_t r0, i
                 case 1: values16(NQ, 1, vc, s0, m, w, st); break;
                 case 2: values16(NQ, 2, vc, s0, m, w, st); break;
                 case 3: values16(NQ, 3, vc, s0, m, w, st); break;
-                default: values16(NQ, NQ <= 4 ? 4 : 2, vc, s0, m, w, st); break;
+                default: values16(NQ, NQ <= 4 ? 4 : 2, vc, s0, m, w, st); break; /* gb == GB */
                 }
             }
         }
@@ -263,6 +283,7 @@ static void avx512_attend(const fs_attn *at, int kvh, int64_t r0, int64_t r1, in
     case 32: attend_nq(2, at, kvh, r0, r1, thread); break;
     case 64: attend_nq(4, at, kvh, r0, r1, thread); break;
     case 128: attend_nq(8, at, kvh, r0, r1, thread); break;
+    case 256: attend_nq(16, at, kvh, r0, r1, thread); break; /* Gemma 3 */
     default: fs_op_attend(at, kvh, r0, r1, thread); /* other head sizes: the plain C definition */
     }
 }

@@ -1,4 +1,4 @@
-/* The non-matmul operations of a decoder layer (activation quantization, RMSNorm, attention, SiLU), written once
+/* The non-matmul operations of a decoder layer (activation quantization, RMSNorm, attention, SiLU, GELU), written once
  * in plain C and included by every ISA's translation unit, which compiles it with its own flags (the compiler
  * vectorizes the 16-lane loops). Every reduction is written as 16 lane-wise partial sums combined by a fixed tree,
  * and the compiler may not reassociate (-ffp-contract=off, no fast-math), so each ISA computes the same bits and a
@@ -104,6 +104,7 @@ FS_OP void fs_op_rmsnorm_row(const float *x, const float *w, int64_t dim, float 
 FS_OP void fs_op_attend1(const fs_attn *at, int64_t r, int h, float *sc) {
     const int hd = at->hd;
     const int64_t total = at->start + at->n, limit = at->mask ? total : at->start + r + 1;
+    const int64_t lo = fs_window_lo(at, r);
     const uint8_t *vis = at->mask ? at->mask + r * total : NULL;
     const float *q = at->q + (r * at->q_heads + h) * hd;
     const float *kc = at->kc + (int64_t)(h / at->group) * at->capacity * hd;
@@ -111,7 +112,7 @@ FS_OP void fs_op_attend1(const fs_attn *at, int64_t r, int h, float *sc) {
     float *out = at->out + (r * at->q_heads + h) * hd;
     float mx = -INFINITY;
     int any = 0;
-    for (int64_t s = 0; s < limit; s++) {
+    for (int64_t s = lo; s < limit; s++) {
         if (vis && !vis[s]) continue;
         const float v = fs_dot(q, kc + s * hd, hd) * at->scale;
         sc[s] = v;
@@ -122,7 +123,7 @@ FS_OP void fs_op_attend1(const fs_attn *at, int64_t r, int h, float *sc) {
     if (!any) return;
     float l[FS_LANES] = {0};
     int64_t k = 0; /* visible slots so far */
-    for (int64_t s = 0; s < limit; s++) {
+    for (int64_t s = lo; s < limit; s++) {
         if (vis && !vis[s]) continue;
         const float p = fs_exp(sc[s] - mx);
         const float *v = vc + s * hd;
@@ -143,6 +144,17 @@ FS_OP void fs_op_attend(const fs_attn *at, int kvh, int64_t r0, int64_t r1, int 
 
 FS_OP void fs_op_silu_mul(float *g, const float *u, int64_t n) {
     for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + fs_exp(-g[i]))) * u[i];
+}
+
+/* tanh-GELU (transformers' gelu_pytorch_tanh): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), written as
+ * x / (1 + e^-t) with t = 2 sqrt(2/pi) (x + 0.044715 x^3) (the same function: 0.5 (1 + tanh(t/2)) = sigmoid(t)) */
+#define FS_GELU_A 0.044715f
+#define FS_GELU_2C 1.5957691216057308f /* 2 sqrt(2 / pi) */
+FS_OP void fs_op_gelu_mul(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i], t = FS_GELU_2C * (x + FS_GELU_A * ((x * x) * x));
+        g[i] = (x / (1.0f + fs_exp(-t))) * u[i];
+    }
 }
 
 #endif
