@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import mmap
 import re
 import time
 from collections.abc import Callable
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 MANIFEST_PATH = "/weights/manifest"
 TENSOR_PATH = "/weights/tensor/{name}"
 CHUNK_BYTES = 1 << 20  # bytes the server sends at a time
+PAGE_BYTES = mmap.PAGESIZE
 FETCH_CONCURRENCY = 4  # tensors fetched at once
 CONNECT_TIMEOUT_S = 30.0
 STALL_TIMEOUT_S = 60.0  # a fetch that receives nothing for this long fails (it resumes on the next try)
@@ -194,24 +196,23 @@ class WeightServer:
         resp.content_length = total - start
         await resp.prepare(request)
 
-        def read(a: int) -> bytes:  # one chunk paged in and copied, its pages dropped at once (off the event loop:
-            b = min(total, a + CHUNK_BYTES)  # a slow disk must not hold up heartbeats)
-            chunk = bytes(data[a:b])
-            self._drop(name, a, b)
-            return chunk
+        def page_in(a: int) -> None:  # off the event loop (a slow disk must not hold up heartbeats): each page of the
+            data[a:min(total, a + CHUNK_BYTES):PAGE_BYTES].tobytes()  # chunk mapped, one byte of each copied
 
         offsets = range(start, total, CHUNK_BYTES)
         ahead = None
         try:
-            ahead = asyncio.ensure_future(asyncio.to_thread(read, offsets[0])) if offsets else None
-            for i in range(len(offsets)):
-                chunk = await ahead
-                ahead = asyncio.ensure_future(asyncio.to_thread(read, offsets[i + 1])) if i + 1 < len(offsets) \
+            ahead = asyncio.ensure_future(asyncio.to_thread(page_in, offsets[0])) if offsets else None
+            for i, a in enumerate(offsets):
+                await ahead
+                ahead = asyncio.ensure_future(asyncio.to_thread(page_in, offsets[i + 1])) if i + 1 < len(offsets) \
                     else None
-                await resp.write(chunk)  # while the next chunk is read
-                self.served_bytes += len(chunk)
+                b = min(total, a + CHUNK_BYTES)
+                await resp.write(data[a:b])  # TLS encrypts straight from the mapped pages, while the next are mapped
+                self._drop(name, a, b)
+                self.served_bytes += b - a
         finally:
-            if ahead is not None:  # a read in flight ends before the view goes (a client gone mid-tensor)
+            if ahead is not None:  # a page-in in flight ends before the view goes (a client gone mid-tensor)
                 await asyncio.gather(ahead, return_exceptions=True)
             data.release()
         await resp.write_eof()

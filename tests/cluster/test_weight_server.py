@@ -190,11 +190,14 @@ def test_a_full_disk_leaves_no_partial_file_and_fails_with_a_weights_error(tmp_p
         part = weight_cache.PartFile(tmp_path, hashlib.sha256(b"abcdef").hexdigest(), 6)
         part.open()
         part.write(b"abc")
-        with monkeypatch.context() as m, pytest.raises(WeightsError, match="No space left"):
+        if staged:
+            part.stage()[:3] = b"def"
+
+        def rest(part=part, staged=staged):
+            return part.commit(3) if staged else part.write(b"def")
+
+        with monkeypatch.context() as m:
             m.setattr(weight_cache.os, "write", full)
-            if staged:
-                part.stage()[:3] = b"def"
-                part.commit(3)
-            else:
-                part.write(b"def")
+            with pytest.raises(WeightsError, match="No space left"):
+                rest()
         assert list(tmp_path.iterdir()) == []
