@@ -3,8 +3,8 @@ fetching side runs several at once).
 
 The event loop makes the authenticated request for the manifest (the session's handshake, certificate pin and token,
 pinning.py); the tensors' bytes then flow on plain blocking sockets in worker threads, each holding the GIL only
-between 16 KiB TLS records: a ``Link`` carries what the loop's session proved (the address, the leader's pinned
-identity and the session token), and a ``Receiver`` opens a connection of its own with it:
+between TLS records: a ``Link`` carries what the loop's session proved (the address, the leader's pinned identity and
+the session token), and a ``Receiver`` opens a connection of its own with it:
 
     connect    TCP, TLS 1.3 (identity.client_context), and the server's certificate must be the pinned identity
                before anything is sent (as pinning.PinningConnector checks the session's connections): the token
@@ -14,17 +14,22 @@ identity and the session token), and a ``Receiver`` opens a connection of its ow
                while it is still in the CPU's cache (weight_cache.PartFile.stage/commit: no whole-tensor buffer, no
                copy into the page cache where O_DIRECT works)
 
-On the asyncio streams the same bytes cost about twice the CPU: copied from the socket buffer into a TLS memory BIO,
-decrypted into a new bytes object per read, parsed, queued, joined for the writer. ``Receiver.cancel`` (from the
-loop) shuts the socket so a blocked read ends at once. A 401 (the session expired or the leader restarted) raises
-``Unauthorized``: the caller renews the link through the session and tries again.
+TLS runs over memory BIOs (``TlsStream``): the kernel's bytes are taken RECV_BYTES at a time and decrypted record by
+record into the caller's buffer. An ``ssl.SSLSocket`` reads each 16 KiB record with system calls of its own (its
+5-byte header, then the rest, each after a poll where the socket has a timeout) behind three Python frames: about
+40% more CPU per GB received. On the asyncio streams the same bytes cost about twice the CPU again: copied into a TLS
+memory BIO, decrypted into a new bytes object per read, parsed, queued, joined for the writer. ``Receiver.cancel``
+(from the loop) shuts the socket so a blocked read ends at once. A 401 (the session expired or the leader restarted)
+raises ``Unauthorized``: the caller renews the link through the session and tries again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import io
 import socket
+import ssl
 import threading
 import urllib.parse
 from collections.abc import Callable
@@ -37,6 +42,7 @@ from .weight_cache import PartFile
 
 TENSOR_PREFIX = "/weights/tensor/"
 ERROR_BODY_BYTES = 2000  # of a refusal's text, kept for its error
+RECV_BYTES = 256 << 10  # bytes taken from the kernel at a time (about 16 TLS records)
 
 
 class Unauthorized(PeerGone):
@@ -60,17 +66,23 @@ class Link:
             raise ProtocolError(f"no pinned identity for {self.host}:{self.port}: weights are fetched only from "
                                 "an agent this one authenticated")
 
-    def connect(self) -> socket.socket:
-        """A connection to the server, TLS with the pinned certificate checked."""
+    def connect(self) -> tuple[socket.socket, socket.socket | TlsStream]:
+        """A connection to the server, TLS with the pinned certificate checked. -> (the TCP socket, what HTTP is
+        spoken over: a TlsStream, or the socket itself in the open mode)"""
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
         except OSError as e:
             raise PeerGone(f"cannot reach the weight server {self.host}:{self.port}: {e}") from e
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            stream: socket.socket | TlsStream = sock
             if self.tls:
-                sock = client_context().wrap_socket(sock, server_hostname=None)
-                der = sock.getpeercert(binary_form=True)
+                stream = TlsStream(sock, client_context())
+                try:
+                    stream.handshake()
+                except (OSError, ssl.SSLError) as e:
+                    raise PeerGone(f"TLS with the weight server {self.host}:{self.port} failed: {e}") from e
+                der = stream.peer_der()
                 got = fingerprint_of_der(der) if der else ""
                 if got != self.identity:
                     raise ProtocolError(f"{self.host}:{self.port} presents certificate {got[:12] or 'none'}, not the "
@@ -79,7 +91,91 @@ class Link:
         except BaseException:
             sock.close()
             raise
-        return sock
+        return sock, stream
+
+
+class TlsStream:
+    """TLS 1.3 (client side) over a connected blocking socket through memory BIOs, as much of a socket as http.client
+    needs (``sendall``, ``makefile``, ``close``). ``readinto(b)`` decrypts what the kernel holds into ``b``, record
+    by record, taking RECV_BYTES from the socket at a time; it returns once ``b`` is full or no whole record is
+    left, 0 at the end of the stream."""
+
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext):
+        self.sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = context.wrap_bio(self._in, self._out, server_hostname=None)
+        self._buf = memoryview(bytearray(RECV_BYTES))
+
+    def handshake(self) -> None:
+        while True:
+            try:
+                self._tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._flush()
+                if not self._fill():
+                    raise ConnectionResetError("the server closed the connection during the TLS handshake") from None
+        self._flush()
+
+    def peer_der(self) -> bytes | None:
+        return self._tls.getpeercert(binary_form=True)
+
+    def _flush(self) -> None:
+        if self._out.pending:
+            self.sock.sendall(self._out.read())
+
+    def _fill(self) -> bool:
+        """Move what the kernel holds (RECV_BYTES at most; waits for some) into the TLS input. -> False at its end"""
+        n = self.sock.recv_into(self._buf)
+        if not n:
+            self._in.write_eof()
+            return False
+        self._in.write(self._buf[:n])
+        return True
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = 0
+        while n < len(view):
+            try:
+                k = self._tls.read(len(view) - n, view[n:])
+            except ssl.SSLWantReadError:
+                if n:
+                    break
+                self._flush()  # (an answer to a post-handshake message, a key update)
+                self._fill()
+                continue
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # the end (a cut short tensor fails on its length)
+                break
+            if not k:
+                break
+            n += k
+        return n
+
+    def sendall(self, data: bytes) -> None:
+        self._tls.write(data)
+        self._flush()
+
+    def makefile(self, mode: str = "rb") -> io.BufferedReader:
+        assert mode == "rb"
+        return io.BufferedReader(_Reader(self))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Reader(io.RawIOBase):
+    """A TlsStream as a raw file to buffer (as socket.makefile's SocketIO: closing it leaves the stream open)."""
+
+    def __init__(self, stream: TlsStream):
+        super().__init__()
+        self.stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        return self.stream.readinto(b)
 
 
 class Receiver:
@@ -104,14 +200,14 @@ class Receiver:
     def run(self) -> int:
         part, nbytes = self.part, self.part.nbytes
         where = f"{self.link.host}:{self.link.port}{self.path}"
-        sock = self.link.connect()
+        sock, stream = self.link.connect()
         with self._lock:
             if self._cancelled:
-                sock.close()
+                stream.close()
                 raise PeerGone(f"fetching {self.name}: cancelled")
             self._sock = sock
         conn = http.client.HTTPConnection(self.link.host, self.link.port)
-        conn.sock = sock  # connected and checked: http.client only speaks HTTP over it
+        conn.sock = stream  # connected and checked: http.client only speaks HTTP over it
         got = 0
         try:
             headers = {"Accept-Encoding": "identity"}
