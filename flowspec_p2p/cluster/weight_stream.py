@@ -105,6 +105,7 @@ class TlsStream:
         self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self._tls = context.wrap_bio(self._in, self._out, server_hostname=None)
         self._buf = memoryview(bytearray(RECV_BYTES))
+        self._eof = False  # the socket's end was read
 
     def handshake(self) -> None:
         while True:
@@ -140,10 +141,10 @@ class TlsStream:
             try:
                 k = self._tls.read(len(view) - n, view[n:])
             except ssl.SSLWantReadError:
-                if n:
+                if n or self._eof:
                     break
                 self._flush()  # (an answer to a post-handshake message, a key update)
-                self._fill()
+                self._eof = not self._fill()
                 continue
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):  # the end (a cut short tensor fails on its length)
                 break
