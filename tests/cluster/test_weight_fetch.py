@@ -168,7 +168,8 @@ async def test_each_fetched_tensor_is_fsynced_with_its_folder_and_packs_in_place
 
 async def test_a_keyed_fetch_reads_tls_from_the_pinned_leader_only_and_with_a_valid_session(synth_model, tmp_path):
     """The tensors' bytes travel on links of their own (weight_stream: TLS over memory BIOs): they reach a member
-    that authenticated, from the identity it pinned; another certificate gets no token, a wrong token no bytes."""
+    that authenticated, from the identity it pinned, and a link cut mid-tensor resumes where it stopped; another
+    certificate gets no token, a wrong token no bytes."""
     from flowspec_p2p.cluster.identity import Identity
     from flowspec_p2p.cluster.keys import ClusterKey
     from flowspec_p2p.cluster.net import bind
@@ -181,25 +182,39 @@ async def test_a_keyed_fetch_reads_tls_from_the_pinned_leader_only_and_with_a_va
     sec = Security(leader.agent_id, key, leader)
     source = open_source(synth_model)
     ws = WeightServer(source)
+    raw = bytes(source.raw_bytes(EMBED))
+    cut = [len(raw) // 2]  # bytes of the embedding sent before the connection drops (once)
+
+    async def tensor(request):
+        if request.match_info["name"] != EMBED or not cut:
+            return await ws._tensor(request)
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = len(raw)
+        await resp.prepare(request)
+        await resp.write(raw[:cut.pop()])
+        request.transport.close()  # the leader went away mid-tensor
+        return resp
+
     app = web.Application(middlewares=sec.middlewares())
     sec.install(app)
-    ws.install(app)
+    app.router.add_get(weight_server.MANIFEST_PATH, ws._manifest)
+    app.router.add_get(weight_server.TENSOR_PATH, tensor)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
         port = await bind(runner, ["127.0.0.1"], 0, sec.server_ssl(), gate=sec.gate)
         url = f"https://127.0.0.1:{port}"
         member = Identity.generate()
-        raw = bytes(source.raw_bytes(EMBED))
-        folder = tmp_path / "m" / "tensors"
-        folder.mkdir(parents=True)
-        (folder / f"{ws.digest(EMBED)}.part").write_bytes(raw[:len(raw) // 2])  # an earlier fetch's half
         async with Security(member.agent_id, key, member).client_session() as s:
+            with pytest.raises(PeerGone, match=r"connection closed|failed after"):
+                await fetch_range(s, url, FIRST, embed=True, norm=False, cache_dir=tmp_path / "m")
+            held = sum(p.stat().st_size for p in (tmp_path / "m" / "tensors").iterdir())
+            assert (tmp_path / "m" / "tensors" / f"{ws.digest(EMBED)}.part").stat().st_size == len(raw) // 2
             fetched, n = await fetch_range(s, url, FIRST, embed=True, norm=False, cache_dir=tmp_path / "m",
                                            expected_fingerprint=stage_fingerprint(source, FIRST, embed=True,
                                                                                   norm=False))
         total = sum({ws.digest(x): len(source.raw_bytes(x)) for x in fetched.names()}.values())
-        assert n == total - len(raw) // 2  # the rest of the part, over TLS with a range request
+        assert n == total - held  # only what was missing, over TLS with a range request
         assert torch.equal(fetched.load(EMBED), source.load(EMBED))
         fetched.close()
 
