@@ -73,7 +73,7 @@ from .schemas import (
     api_error,
     validation_error,
 )
-from .serving import LEADER, Job, until_hangup
+from .serving import LEADER, Job, until_hangup, whole_text
 
 log = logging.getLogger(__name__)
 
@@ -181,14 +181,11 @@ async def _complete(request: web.Request, model: type[Body]) -> web.StreamRespon
 
 
 async def _whole(job: _Job, retry: int, param: str) -> web.Response:
-    parts: list[str] = []
     try:
-        async with contextlib.aclosing(job.deltas()) as deltas:
-            async for text, _ in deltas:
-                parts.append(text)
+        text = await whole_text(job)
     except Exception as e:
         return api_error(e, retry, param).response()
-    return web.json_response(job.full("".join(parts)))
+    return web.json_response(job.full(text))
 
 
 async def _stream(request: web.Request, job: _Job, retry: int, param: str) -> web.StreamResponse:

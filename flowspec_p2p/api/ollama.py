@@ -47,7 +47,7 @@ from .access import JOB
 from .catalog import SERVED, ServedModel
 from .logprobs import chat_logprobs
 from .schemas import ERROR_STATUS, MAX_TOP_LOGPROBS, REASON, ApiError, Body, api_error, validation_error
-from .serving import LEADER, Job, until_hangup
+from .serving import LEADER, Job, until_hangup, whole_text
 
 log = logging.getLogger(__name__)
 
@@ -286,14 +286,11 @@ async def _complete(request: web.Request, model: type[_Request]) -> web.StreamRe
 
 
 async def _whole(job: _OllamaJob, retry: int, param: str) -> web.Response:
-    parts: list[str] = []
     try:
-        async with contextlib.aclosing(job.deltas()) as deltas:
-            async for text, _ in deltas:
-                parts.append(text)
+        text = await whole_text(job)
     except Exception as e:
         return _error(e, retry, param)[1]
-    return web.json_response(job.last("".join(parts), job.ledger.logprobs))
+    return web.json_response(job.last(text, job.ledger.logprobs))
 
 
 async def _stream(request: web.Request, job: _OllamaJob, retry: int, param: str) -> web.StreamResponse:

@@ -119,6 +119,15 @@ def _hung_up(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+async def whole_text(job: Job) -> str:
+    """A request's whole reply, for a non-streamed answer: its deltas joined."""
+    parts: list[str] = []
+    async with contextlib.aclosing(job.deltas()) as deltas:
+        async for text, _ in deltas:
+            parts.append(text)
+    return "".join(parts)
+
+
 async def until_hangup(request: web.Request, work: Awaitable[web.StreamResponse]) -> web.StreamResponse:
     """Run ``work`` (a request's whole generation) and cancel it as soon as the client hangs up (looked at every
     HANGUP_POLL_S): the leader's turn and every stage's cache for the request are freed then, not when the reply

@@ -4,6 +4,9 @@ only their share (issue "A model bigger than any one device"). One run, in this 
     model       a synthetic GGUF (model/synth.py; an 8B-shaped Q4_K_M by default), written once, reused after
     reference   ``flowspec generate --model FILE --mode ar`` (one process, the same engine): its greedy text,
                 decode tokens/s and peak RSS
+    fetch       the weight fetch alone (bench/scale_fetch.py): a keyed weight server process and ``--agents`` - 1
+                member processes fetching their ranges at once, ``--runs`` times: MB/s in all, CPU seconds per GB
+                on each side
     cluster     ``--agents`` agents (processes, loopback), each offering ``--memory-mb``: time from start to serving,
                 each member's fetch (MB, MB/s), load time, peak and current RSS against the planner's count and
                 against runtime + 1.15 x its layers' bytes + its KV, the peak during load against the final RSS + the
@@ -45,6 +48,7 @@ from ..model import synth
 from ..model.weights import open_source
 from .paths import portable_command, portable_path
 from .rpc_compare import descendants, memory
+from .scale_fetch import run_fetch
 from .scale_parts import LlamaRpc, fetch_records, layer_bytes, load_records, status_mb
 from .scale_report import markdown
 
@@ -71,7 +75,7 @@ class ScaleOptions:
     llama_bin: Path | None = None
     out: Path = Path("docs/figures/scale")
     prompt: str = PROMPT
-    parts: tuple[str, ...] = ("reference", "cluster", "decode", "resume", "noplan")
+    parts: tuple[str, ...] = ("reference", "fetch", "cluster", "decode", "resume", "noplan")
     extra: dict = field(default_factory=dict)
 
 
@@ -383,6 +387,9 @@ def run(o: ScaleOptions, command: str) -> dict:
             result["reference"] = reference(o)
             log.warning("reference: %.2f tok/s, peak RSS %.0f MB", result["reference"]["decode_tokens_per_s"],
                         result["reference"]["peak_rss_mb"])
+        if "fetch" in o.parts:
+            result["fetch"] = run_fetch(o.model, o.agents, o.runs, root)
+            log.warning("fetch alone: %.0f MB/s (median of %d)", result["fetch"]["median_mb_s"], o.runs)
         if "cluster" in o.parts:
             run_cluster(o, result, root)
             if result.get("decode", {}).get("llama_after"):

@@ -24,6 +24,22 @@ def markdown(r: dict) -> str:
     if ref:
         lines += ["## Reference: one process", "", f"`{ref['command']}`: {ref['new_tokens']} tokens at "
                   f"{_f(ref['decode_tokens_per_s'], 2)} tokens/s, peak RSS {ref['peak_rss_mb']:.0f} MiB.", ""]
+    fe = r.get("fetch")
+    if fe:
+        lines += ["## The fetch alone", "", "A keyed weight server process (TLS, sessions, its digests computed "
+                  f"before the clock starts) and {len(fe['ranges'])} member processes fetching layers "
+                  f"{', '.join(f'[{a}, {b})' for a, b in fe['ranges'])} at once into empty caches (streamed, SHA-256 "
+                  "checked, fsync'ed); CPU seconds per GB: each member's process while it fetches, the server's over "
+                  "the run.", "", "| run | MB/s in all | each member MB/s | members CPU s/GB | server CPU s/GB | "
+                  "load average |", "|---:|---:|---|---:|---:|---:|"]
+        for i, x in enumerate(fe["samples"]):
+            each = " + ".join(f"{m['mb_s']:.0f}" for m in x["members"])
+            lines.append(f"| {i + 1} | {x['mb_s']:.0f} | {each} | "
+                         f"{x['member_cpu_s_per_gb']:.2f} | {x['server_cpu_s_per_gb']:.2f} | {x['load1']:.1f} |")
+        agg = fe["median_mb_s"]
+        lines += [f"| median | **{agg:.0f}** | | {fe['median_member_cpu_s_per_gb']:.2f} | "
+                  f"{fe['median_server_cpu_s_per_gb']:.2f} | {fe['median_load1']:.1f} |", "",
+                  f"Fetch over loopback, members at once: {agg:.0f} MB/s; target ≥ 300 MB/s: {_ok(agg >= 300)}.", ""]
     st = r.get("startup")
     if st:
         rec = st["recovery"]

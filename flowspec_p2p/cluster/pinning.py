@@ -126,6 +126,17 @@ class PinningConnector(aiohttp.TCPConnector):
         return conn
 
 
+def pinned_identity(session: aiohttp.ClientSession, url) -> str | None:
+    """The identity ``session`` requires of the agent serving ``url`` (a yarl URL): the pin its connector checks
+    there, or None (an open session, or an address it has not authenticated with). For a connection made outside
+    the session (weight_stream.py), which must check the same certificate before it sends the session's token."""
+    connector = session.connector
+    if not isinstance(connector, PinningConnector):
+        return None
+    pin = connector.pins.get(_address(url))
+    return pin.identity if pin is not None else None
+
+
 @dataclass(frozen=True)
 class Session:
     token: str

@@ -16,6 +16,8 @@ Every digest is checked to be 64 hex digits before it becomes a file name (a man
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -31,7 +33,10 @@ from ..model.weights import gguf_tensor_from_raw, safetensors_dtype
 
 log = logging.getLogger(__name__)
 
-READ_BYTES = 4 << 20  # bytes hashed or written at a time
+READ_BYTES = 4 << 20  # bytes hashed at a time when re-reading a file
+STAGE_BYTES = 1 << 20  # bytes a fetch receives, hashes and writes at a time (stays in the CPU's cache between them)
+ALIGN = 4096  # O_DIRECT's alignment of file offsets, lengths and buffers (the page size: the usual block sizes)
+DIRECT_IO = hasattr(os, "O_DIRECT")  # write aligned staged bytes past the page cache where the OS has it
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 LEGACY_PART = re.compile(r"\.part\d+$")  # older versions' per-process partial files (never resumable)
 
@@ -85,8 +90,15 @@ def cached(path: Path, sha256: str) -> bool:
 class PartFile:
     """One tensor being fetched into the cache, resumable (blocking I/O: run its methods off the event loop).
 
-    ``open()`` -> bytes already held (re-hashed); ``write(chunk)`` appends and hashes; ``finish()`` checks size and
-    digest, makes it durable and renames it into place; ``discard()`` deletes it."""
+    ``open()`` -> bytes already held (re-hashed); bytes arrive either through ``write(chunk)`` (appended and hashed)
+    or, copy-free, into the part's staging buffer: ``stage()`` is where the next bytes go, ``commit(n)`` hashes and
+    appends the first ``n`` of them; ``finish()`` checks size and digest, makes the file durable and renames it into
+    place; ``discard()`` deletes it.
+
+    Staged bytes that keep the file aligned (a whole STAGE_BYTES at an offset that is a multiple of ALIGN) are written
+    with O_DIRECT where the file system has it: straight from the buffer to the disk, without a copy into the page
+    cache (on a small device that copy costs as much CPU as the hashing); the rest (the tensor's tail, the first bytes
+    after resuming at an odd offset) goes through the page cache."""
 
     def __init__(self, folder: Path, sha256: str, nbytes: int):
         self.final = bin_path(folder, sha256)
@@ -94,7 +106,11 @@ class PartFile:
         self.sha256, self.nbytes = sha256, nbytes
         self.have = 0
         self._h = hashlib.sha256()
-        self._f = None
+        self._fd: int | None = None
+        self._direct = False  # whether the descriptor has O_DIRECT now
+        self._can_direct = DIRECT_IO  # whether to try it (cleared once the file system refuses it)
+        self._buf: mmap.mmap | None = None  # the staging buffer: page-aligned, as O_DIRECT wants
+        self._view: memoryview | None = None
 
     def open(self) -> int:
         """Open for appending after the bytes a previous fetch left (too many: start again). -> bytes held"""
@@ -104,34 +120,71 @@ class PartFile:
             size = 0
         if size > self.nbytes:
             size = 0
-        self._f = open(self.path, "r+b" if size else "wb")  # noqa: SIM115 - closed by finish/close
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (0 if size else os.O_TRUNC), 0o644)
         if size:
             self.have = _hash_file(self.path, self._h, size)
-            self._f.seek(self.have)
-            self._f.truncate()
+            os.ftruncate(self._fd, self.have)
+        os.lseek(self._fd, self.have, os.SEEK_SET)
         return self.have
 
     def restart(self) -> None:
         """Drop what is held (the server sent the whole tensor instead of the rest)."""
-        self._f.seek(0)
-        self._f.truncate()
+        os.ftruncate(self._fd, 0)
+        os.lseek(self._fd, 0, os.SEEK_SET)
         self.have, self._h = 0, hashlib.sha256()
 
     def write(self, chunk: bytes | memoryview) -> None:
         if self.have + len(chunk) > self.nbytes:
             raise WeightsError(f"more than the {self.nbytes} bytes announced for {self.sha256[:16]}...")
+        self._h.update(chunk)
+        self._append(memoryview(chunk).cast("B"), direct=False)
+        self.have += len(chunk)
+
+    def stage(self) -> memoryview:
+        """Where the next bytes go: a view of the staging buffer, as long as the bytes that keep the file aligned
+        once written (and never past the tensor's end). Valid until the next ``stage``."""
+        if self._buf is None:
+            self._buf = mmap.mmap(-1, STAGE_BYTES)
+            self._view = memoryview(self._buf)
+        return self._view[:min(STAGE_BYTES - self.have % ALIGN, self.nbytes - self.have)]
+
+    def commit(self, n: int) -> None:
+        """Hash and append the first ``n`` bytes of the view ``stage()`` gave."""
+        if n <= 0:
+            return
+        data = self._view[:n]
+        self._h.update(data)
+        self._append(data, direct=self._can_direct and self.have % ALIGN == 0 and n % ALIGN == 0)
+        self.have += n
+
+    def _append(self, data: memoryview, *, direct: bool) -> None:
         try:
-            self._f.write(chunk)
+            if direct != self._direct:
+                direct = self._set_direct(direct)
+            while data:
+                try:
+                    k = os.write(self._fd, data)
+                except OSError as e:
+                    if e.errno != errno.EINVAL or not self._direct:
+                        raise
+                    self._can_direct = self._set_direct(False)  # a device with larger blocks: the page cache then
+                    continue
+                data = data[k:]
         except OSError as e:  # a full disk: the part is not trusted, the load fails with the reason
             self.close()
             self.discard()
             raise WeightsError(f"cannot store {self.final.name}: {e}") from e
-        self._h.update(chunk)
-        self.have += len(chunk)
 
-    def write_all(self, chunks: list[bytes]) -> None:
-        for c in chunks:
-            self.write(c)
+    def _set_direct(self, on: bool) -> bool:
+        """Turn O_DIRECT on or off for the descriptor. -> whether it is on (a file system without it says no)."""
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+        except OSError:
+            self._can_direct = False
+            on = False
+        self._direct = on
+        return on
 
     def finish(self) -> Path:
         """Verify the whole tensor, make it durable, rename it into place. A digest mismatch deletes the part and
@@ -145,8 +198,7 @@ class PartFile:
             raise WeightsError(f"SHA-256 mismatch (got {got[:16]}..., expected {self.sha256[:16]}...): refusing "
                                "tampered or corrupt weights")
         try:
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            os.fsync(self._fd)
             self.close()
             os.replace(self.path, self.final)
             fsync_dir(self.final.parent)
@@ -156,11 +208,13 @@ class PartFile:
         return self.final
 
     def close(self) -> None:
-        if self._f is not None:
+        """Close the file (what was written stays for the next fetch to resume from) and free the buffer."""
+        if self._fd is not None:
             with contextlib.suppress(OSError):
-                self._f.flush()  # what arrived stays for the next fetch to resume from
-            self._f.close()
-            self._f = None
+                os.close(self._fd)
+            self._fd = None
+            self._direct = False
+        self._buf = self._view = None  # (unmapped once the last view of it goes)
 
     def discard(self) -> None:
         with contextlib.suppress(OSError):

@@ -26,21 +26,25 @@ import contextlib
 import hashlib
 import json
 import logging
+import mmap
 import re
 import time
-import urllib.parse
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 from pydantic import Field, ValidationError
 from tqdm import tqdm
+from yarl import URL
 
 from ..errors import PeerGone, WeightsError
 from ..model.arch import ModelConfig
 from ..model.weights import NORM, ROPE_FREQS, fingerprint, shard_tensor_names, tensor_digest
 from ..types import FrozenModel, LayerRange
+from .handshake import SESSION_HEADER
+from .pinning import pinned_identity
 from .weight_cache import (  # noqa: F401 - FetchedSource, tensor_from_raw and trim_cache are this module's API too
     SHA256_HEX,
     FetchedSource,
@@ -51,13 +55,14 @@ from .weight_cache import (  # noqa: F401 - FetchedSource, tensor_from_raw and t
     tensor_from_raw,
     trim_cache,
 )
+from .weight_stream import Link, Receiver, Unauthorized
 
 log = logging.getLogger(__name__)
 
 MANIFEST_PATH = "/weights/manifest"
 TENSOR_PATH = "/weights/tensor/{name}"
-CHUNK_BYTES = 1 << 20  # bytes the server sends at a time
-READ_BYTES = 4 << 20  # bytes the fetching side hashes and writes at a time
+CHUNK_BYTES = 4 << 20  # bytes the server sends at a time (its per-write costs: a thread hop, an madvise, a TLS flush)
+PAGE_BYTES = mmap.PAGESIZE
 FETCH_CONCURRENCY = 4  # tensors fetched at once
 CONNECT_TIMEOUT_S = 30.0
 STALL_TIMEOUT_S = 60.0  # a fetch that receives nothing for this long fails (it resumes on the next try)
@@ -191,24 +196,23 @@ class WeightServer:
         resp.content_length = total - start
         await resp.prepare(request)
 
-        def read(a: int) -> bytes:  # one chunk paged in and copied, its pages dropped at once (off the event loop:
-            b = min(total, a + CHUNK_BYTES)  # a slow disk must not hold up heartbeats)
-            chunk = bytes(data[a:b])
-            self._drop(name, a, b)
-            return chunk
+        def page_in(a: int) -> None:  # off the event loop (a slow disk must not hold up heartbeats): each page of the
+            data[a:min(total, a + CHUNK_BYTES):PAGE_BYTES].tobytes()  # chunk mapped, one byte of each copied
 
         offsets = range(start, total, CHUNK_BYTES)
         ahead = None
         try:
-            ahead = asyncio.ensure_future(asyncio.to_thread(read, offsets[0])) if offsets else None
-            for i in range(len(offsets)):
-                chunk = await ahead
-                ahead = asyncio.ensure_future(asyncio.to_thread(read, offsets[i + 1])) if i + 1 < len(offsets) \
+            ahead = asyncio.ensure_future(asyncio.to_thread(page_in, offsets[0])) if offsets else None
+            for i, a in enumerate(offsets):
+                await ahead
+                ahead = asyncio.ensure_future(asyncio.to_thread(page_in, offsets[i + 1])) if i + 1 < len(offsets) \
                     else None
-                await resp.write(chunk)  # while the next chunk is read
-                self.served_bytes += len(chunk)
+                b = min(total, a + CHUNK_BYTES)
+                await resp.write(data[a:b])  # TLS encrypts straight from the mapped pages, while the next are mapped
+                self._drop(name, a, b)
+                self.served_bytes += b - a
         finally:
-            if ahead is not None:  # a read in flight ends before the view goes (a client gone mid-tensor)
+            if ahead is not None:  # a page-in in flight ends before the view goes (a client gone mid-tensor)
                 await asyncio.gather(ahead, return_exceptions=True)
             data.release()
         await resp.write_eof()
@@ -286,16 +290,8 @@ async def fetch_range(
     the bytes still missing when the fetch began, resumed parts included). Tensors an interrupted fetch left
     partly are resumed where they stopped; with ``cache_max_bytes`` the cache is trimmed afterwards, least recently
     used first, never below this range's tensors (trim_cache)."""
-    params = {"start": str(layers.start), "end": str(layers.end), "embed": "1" if embed else "0",
-              "norm": "1" if norm else "0"}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=STALL_TIMEOUT_S)
-    try:
-        async with session.get(base_url + MANIFEST_PATH, params=params, timeout=timeout) as r:
-            if r.status != 200:
-                raise WeightsError(f"{base_url} refused the manifest of {layers}: {r.status} {await r.text()}")
-            body = await r.read()
-    except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        raise PeerGone(f"cannot reach the weight server {base_url}: {e or type(e).__name__}") from e
+    body, link = await _manifest_request(session, base_url, layers, embed=embed, norm=norm, client_timeout=timeout)
     try:
         manifest = Manifest.model_validate_json(body)
     except ValidationError as e:  # e.g. a digest that is no SHA-256 (it would become a file name)
@@ -311,12 +307,29 @@ async def fetch_range(
     total = sum(t.nbytes for t in missing)
     sem = asyncio.Semaphore(FETCH_CONCURRENCY)
     arrived = Progress(layers, total, progress)
+    loop = asyncio.get_running_loop()
+
+    def stored(n: int) -> None:  # (on a receiving thread)
+        loop.call_soon_threadsafe(arrived, n)
 
     async def one(entry: TensorEntry) -> None:
+        nonlocal link
         async with sem:
-            url = f"{base_url}/weights/tensor/{urllib.parse.quote(entry.name, safe='')}"
-            await _download(session, url, entry, folder, timeout, arrived)
+            for attempt in (1, 2):
+                used = link
+                try:
+                    await _download(pool, used, entry, folder, stored)
+                    return
+                except Unauthorized:
+                    if attempt == 2:
+                        raise
+                    if link is used:  # the session expired, or the leader restarted: authenticate afresh
+                        _, link = await _manifest_request(session, base_url, layers, embed=embed, norm=norm,
+                                                          client_timeout=timeout)
 
+    # the receiving threads block for as long as a tensor takes: a pool of their own leaves the loop's default
+    # executor to everything else (the leader's own weight server among it, where agents share a process)
+    pool = ThreadPoolExecutor(FETCH_CONCURRENCY, thread_name_prefix="weight-fetch")
     t0 = time.perf_counter()
     try:
         async with asyncio.TaskGroup() as tg:
@@ -325,6 +338,7 @@ async def fetch_range(
     except ExceptionGroup as eg:  # report the first failure as itself
         raise eg.exceptions[0] from None
     finally:
+        pool.shutdown(wait=False)  # (every call on it has ended: _blocking waits for its thread)
         arrived.close()
     took = time.perf_counter() - t0
     if cache_max_bytes is not None:
@@ -335,85 +349,66 @@ async def fetch_range(
     return FetchedSource(manifest, files), transferred
 
 
-async def _blocking(fn, *args):
-    """``fn(*args)`` on a worker thread. A cancelled caller still waits for it to end, so no two threads ever touch
-    one part file."""
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+async def _manifest_request(session: aiohttp.ClientSession, base_url: str, layers: LayerRange, *, embed: bool,
+                            norm: bool, client_timeout: aiohttp.ClientTimeout) -> tuple[bytes, Link]:
+    """GET the manifest of a range through the session (which authenticates and pins, pinning.py). -> (its body, the
+    Link its tensors are fetched over: the address, the identity pinned there, the token the request carried)"""
+    params = {"start": str(layers.start), "end": str(layers.end), "embed": "1" if embed else "0",
+              "norm": "1" if norm else "0"}
+    try:
+        async with session.get(base_url + MANIFEST_PATH, params=params, timeout=client_timeout) as r:
+            if r.status != 200:
+                raise WeightsError(f"{base_url} refused the manifest of {layers}: {r.status} {await r.text()}")
+            body = await r.read()
+            sent = r.request_info.headers
+    except (aiohttp.ClientError, OSError, TimeoutError) as e:
+        raise PeerGone(f"cannot reach the weight server {base_url}: {e or type(e).__name__}") from e
+    url = URL(base_url)
+    tls = url.scheme == "https"
+    link = Link(host=url.raw_host or "", port=url.port or (443 if tls else 80), tls=tls,
+                identity=pinned_identity(session, url) if tls else None, token=sent.get(SESSION_HEADER),
+                connect_timeout_s=CONNECT_TIMEOUT_S, stall_timeout_s=STALL_TIMEOUT_S)
+    return body, link
+
+
+async def _blocking(pool: ThreadPoolExecutor, fn, *args, cancel: Callable[[], None] | None = None):
+    """``fn(*args)`` on a thread of ``pool``. A cancelled caller calls ``cancel`` and still waits for it to end, so
+    no two threads ever touch one part file."""
+    fut = asyncio.get_running_loop().run_in_executor(pool, fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
+        if cancel is not None:
+            cancel()
         with contextlib.suppress(Exception):
             await fut
         raise
 
 
-async def _download(session: aiohttp.ClientSession, url: str, entry: TensorEntry, folder: Path,
-                    client_timeout: aiohttp.ClientTimeout, arrived: Callable[[int], None]) -> int:
-    """Stream one tensor into its part file (from where an earlier fetch stopped), verify it, put it in place.
-    -> bytes transferred"""
+async def _download(pool: ThreadPoolExecutor, link: Link, entry: TensorEntry, folder: Path,
+                    stored: Callable[[int], None]) -> int:
+    """Stream one tensor into its part file (from where an earlier fetch stopped) on a worker thread, verify it, put
+    it in place. -> bytes transferred"""
     part = PartFile(folder, entry.sha256, entry.nbytes)
     held = _FETCHING.setdefault(part.path, [asyncio.Lock(), 0])
     held[1] += 1
     try:
         async with held[0]:
             try:
-                return await _stream_into(session, url, entry, part, client_timeout, arrived)
+                have = await _blocking(pool, part.open)
+                if have < entry.nbytes:
+                    receiver = Receiver(link, entry.name, part, stored)
+                    got = await _blocking(pool, receiver.run, cancel=receiver.cancel)
+                else:  # complete, but not yet renamed when the last fetch stopped
+                    got = 0
+                try:
+                    await _blocking(pool, part.finish)
+                except WeightsError as e:
+                    raise WeightsError(f"tensor {entry.name}: {e}") from None
+                return got
             finally:
-                await _blocking(part.close)
+                await _blocking(pool, part.close)
     finally:
         held[1] -= 1
         if not held[1]:
             del _FETCHING[part.path]
-
-
-async def _flush(part: PartFile, chunks: list[bytes], arrived: Callable[[int], None]) -> int:
-    n = sum(len(c) for c in chunks)
-    if n:
-        await _blocking(part.write_all, chunks)
-        arrived(n)
-    return n
-
-
-async def _stream_into(session: aiohttp.ClientSession, url: str, entry: TensorEntry, part: PartFile,
-                       client_timeout: aiohttp.ClientTimeout, arrived: Callable[[int], None]) -> int:
-    have = await _blocking(part.open)
-    got = 0
-    if have == entry.nbytes:  # complete, but not yet renamed when the last fetch stopped
-        await _blocking(part.finish)
-        return 0
-    headers = {"Range": f"bytes={have}-"} if have else {}
-    try:
-        async with session.get(url, timeout=client_timeout, headers=headers) as r:
-            if r.status == 200 and have:  # a server without ranges: the whole tensor again
-                await _blocking(part.restart)
-            elif r.status == 206:
-                want = f"bytes {have}-{entry.nbytes - 1}/{entry.nbytes}"
-                if r.headers.get("Content-Range") != want:
-                    raise WeightsError(f"{url}: asked for {want}, got {r.headers.get('Content-Range')!r}")
-            elif r.status != 200:
-                raise WeightsError(f"{url}: {r.status} {await r.text()}")
-            pending: list[bytes] = []  # what arrived since the last write: about READ_BYTES, never copied
-            size = 0
-            try:
-                while part.have + size < entry.nbytes:
-                    chunk = await r.content.readany()
-                    if not chunk:
-                        raise PeerGone(f"fetching {entry.name} from {url}: the connection closed after "
-                                       f"{part.have + size} of {entry.nbytes} bytes")
-                    pending.append(chunk)
-                    size += len(chunk)
-                    if size >= READ_BYTES:
-                        got += await _flush(part, pending, arrived)
-                        pending, size = [], 0
-            finally:  # keep what came, for the next try to resume from
-                got += await _flush(part, pending, arrived)
-            if await r.content.read(1):
-                raise WeightsError(f"tensor {entry.name}: more than the {entry.nbytes} bytes announced")
-    except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        raise PeerGone(f"fetching {entry.name} from {url} failed after {part.have} of {entry.nbytes} bytes: "
-                       f"{e or type(e).__name__}") from e
-    try:
-        await _blocking(part.finish)
-    except WeightsError as e:
-        raise WeightsError(f"tensor {entry.name}: {e}") from None
-    return got

@@ -8,14 +8,16 @@ import shlex
 import sys
 from pathlib import Path
 
-PARTS = ("reference", "cluster", "decode", "resume", "noplan")
+PARTS = ("reference", "fetch", "cluster", "decode", "resume", "noplan")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench-scale", help="a model bigger than any one agent's offer, served across agents of this host",
         description="Write (once) a synthetic GGUF of a real model's shape (`flowspec model synth`), then in one run: "
-        "the one-process reference (`flowspec generate --mode ar`), a cluster of --agents agents each offering "
+        "the one-process reference (`flowspec generate --mode ar`), the weight fetch alone (a keyed weight server "
+        "and --agents - 1 member processes fetching their layers at once, --runs times: MB/s, CPU seconds per GB on "
+        "each side; `bench-scale fetch` runs just that), a cluster of --agents agents each offering "
         "--memory-mb (time to serving, fetch MB/s, each stage's RSS against the planner's count and the target "
         "bound), greedy decode interleaved with llama.cpp's RPC pipeline on the same file (with --llama-bin), a "
         "member killed half-way through its fetch and restarted (what it fetches again), and every agent offering "
@@ -32,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="each agent's offer in the no-plan part (default 1000)")
     p.add_argument("--context", type=int, default=2048, help="KV tokens per request (default 2048)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
-    p.add_argument("--runs", type=int, default=3, help="interleaved decode runs (default 3)")
+    p.add_argument("--runs", type=int, default=3, help="interleaved decode runs, and fetch runs (default 3)")
     p.add_argument("--llama-bin", type=Path, default=None,
                    help="folder with llama.cpp's ggml-rpc-server and llama-server (default: ours alone)")
     p.add_argument("--out", type=Path, default=Path("docs/figures/scale"),

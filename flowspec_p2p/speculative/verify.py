@@ -139,12 +139,18 @@ def verify_greedy(
     ``evaluate_posterior`` (siblings have distinct tokens, so at most one child can match).
     """
     end = len(logits) if verified_end is None else verified_end
+    return _follow(tree, end, stop_ids, lambda node: int(logits[node].argmax()))
+
+
+def _follow(tree: DraftTree, end: int, stop_ids: frozenset[int], pick: Callable[[int], int]) -> Verdict:
+    """From the root, move to the child holding ``pick(node)`` (the token the target puts after ``node``) while there
+    is one verified (< end); stop after a stop token. The last pick is the bonus token."""
     assert 1 <= end <= len(tree)
     node, accepted = 0, [0]
     while True:
         if node and tree.token_list[node] in stop_ids:
             return Verdict(accepted, None, None)
-        y = int(logits[node].argmax())
+        y = pick(node)
         child = tree.child_with_token(node, y)
         if child is not None and child < end:
             accepted.append(child)
@@ -218,19 +224,9 @@ def verify_positional(
     probs: rows [vocab] of the target distribution for nodes < verified_end (default len(probs)).
     root_position: absolute position of the tree's root token (the committed tokens before it)."""
     end = len(probs) if verified_end is None else verified_end
-    assert 1 <= end <= len(tree)
     depth = tree.depth.tolist()
-    node, accepted = 0, [0]
-    while True:
-        if node and tree.token_list[node] in stop_ids:
-            return Verdict(accepted, None, None)
-        y = inverse_cdf(_row(probs[node]), draws.uniform(root_position + depth[node] + 1))
-        child = tree.child_with_token(node, y)
-        if child is not None and child < end:
-            accepted.append(child)
-            node = child
-            continue
-        return Verdict(accepted, y, child)
+    return _follow(tree, end, stop_ids,
+                   lambda node: inverse_cdf(_row(probs[node]), draws.uniform(root_position + depth[node] + 1)))
 
 
 def verify_tree(tree: DraftTree, logits: Rows, params: SamplingParams, gen: torch.Generator | PositionalDraws | None,

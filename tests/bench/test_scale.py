@@ -23,21 +23,38 @@ def test_fetches_and_loads_are_read_from_an_agents_log(tmp_path):
     assert status_mb(None) is None
 
 
+REPORT = {"setup": {"command": "flowspec bench-scale --model m.gguf", "agents": 3, "memory_mb": 2560, "context": 2048,
+                    "max_tokens": 64, "runs": 3, "cpus": 2, "ram_gb": 23.5, "load1_start": 2.0, "load1_end": 3.0},
+          "model": {"path": "m.gguf", "name": "synthetic", "bytes": 4.47e9, "layers": 32,
+                    "largest_tensor_bytes": 50 << 20},
+          "decode": {"sides": ["ours-ar", "llama.cpp-rpc"], "together": True,
+                     "decode_tokens_per_s": {"ours-ar": 4.0, "llama.cpp-rpc": 2.0}, "vs_llama": {"ours-ar": 2.0},
+                     "memory": {"ours": {"processes": [1, 2, 3], "rss_mb": 8000, "peak_mb": 8100}},
+                     "equals_reference": True, "llama": None},
+          "resume": {"range_mb": 1400, "held_at_kill_share": 0.51, "fetched_after_restart_mb": 690,
+                     "fetched_after_restart_share": 0.49, "within_55pct": True, "others_alone": None},
+          "no_plan": {"offered_mb_each": 1000, "status": 503, "no_plan": "no plan: short by 900 MB: ...",
+                      "seconds": 20.0, "agents_that_loaded": []}}
+
+
 def test_the_report_states_each_target_with_its_figure():
-    r = {"setup": {"command": "flowspec bench-scale --model m.gguf", "agents": 3, "memory_mb": 2560, "context": 2048,
-                   "max_tokens": 64, "runs": 3, "cpus": 2, "ram_gb": 23.5, "load1_start": 2.0, "load1_end": 3.0},
-         "model": {"path": "m.gguf", "name": "synthetic", "bytes": 4.47e9, "layers": 32,
-                   "largest_tensor_bytes": 50 << 20},
-         "decode": {"sides": ["ours-ar", "llama.cpp-rpc"], "together": True,
-                    "decode_tokens_per_s": {"ours-ar": 4.0, "llama.cpp-rpc": 2.0}, "vs_llama": {"ours-ar": 2.0},
-                    "memory": {"ours": {"processes": [1, 2, 3], "rss_mb": 8000, "peak_mb": 8100}},
-                    "equals_reference": True, "llama": None},
-         "resume": {"range_mb": 1400, "held_at_kill_share": 0.51, "fetched_after_restart_mb": 690,
-                    "fetched_after_restart_share": 0.49, "within_55pct": True, "others_alone": None},
-         "no_plan": {"offered_mb_each": 1000, "status": 503, "no_plan": "no plan: short by 900 MB: ...",
-                     "seconds": 20.0, "agents_that_loaded": []}}
-    md = markdown(r)
+    md = markdown(REPORT)
     assert "| ours-ar | 4.00 | 2.00× |" in md
     assert "Target ≥ 1.5× llama.cpp: yes" in md
     assert "target ≤ 55%: yes" in md
     assert "`no plan: short by 900 MB: ...`" in md
+
+
+def test_the_fetch_part_splits_layers_as_a_plan_of_this_host_and_reports_its_target():
+    from flowspec_p2p.bench.scale_fetch import stage_ranges
+
+    assert stage_ranges(32, 3) == [(0, 10), (10, 21), (21, 32)]
+    assert stage_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    run = {"members": [{"mb_s": 150.0}, {"mb_s": 160.0}], "mb_s": 305.0, "member_cpu_s_per_gb": 1.9,
+           "server_cpu_s_per_gb": 1.1, "load1": 4.2}
+    md = markdown({**{k: REPORT[k] for k in ("setup", "model")},
+                   "fetch": {"agents": 3, "ranges": [[10, 21], [21, 32]], "samples": [run], "median_mb_s": 305.0,
+                             "median_member_cpu_s_per_gb": 1.9, "median_server_cpu_s_per_gb": 1.1,
+                             "median_load1": 4.2}})
+    assert "| 1 | 305 | 150 + 160 | 1.90 | 1.10 | 4.2 |" in md
+    assert "target ≥ 300 MB/s: yes" in md

@@ -2,6 +2,7 @@
 request where an interrupted fetch stopped, durable (fsync of file and folder), digests checked before they name a
 file, the server sending from its mapped file a chunk at a time, and the fetched files packed in place."""
 
+import asyncio
 import json
 import os
 
@@ -163,3 +164,71 @@ async def test_each_fetched_tensor_is_fsynced_with_its_folder_and_packs_in_place
     x = torch.randn(1, 3, 256)
     assert torch.equal(remote(x, remote.new_cache(8)), local(x, local.new_cache(8)))
     fetched.close()
+
+
+async def test_a_keyed_fetch_reads_tls_from_the_pinned_leader_only_and_with_a_valid_session(synth_model, tmp_path):
+    """The tensors' bytes travel on links of their own (weight_stream: TLS over memory BIOs): they reach a member
+    that authenticated, from the identity it pinned, and a link cut mid-tensor resumes where it stopped; another
+    certificate gets no token, a wrong token no bytes."""
+    from flowspec_p2p.cluster.identity import Identity
+    from flowspec_p2p.cluster.keys import ClusterKey
+    from flowspec_p2p.cluster.net import bind
+    from flowspec_p2p.cluster.security import Security
+    from flowspec_p2p.cluster.weight_stream import Link, Receiver, Unauthorized
+    from flowspec_p2p.errors import ProtocolError
+
+    key = ClusterKey.generate()
+    leader = Identity.load_or_create(tmp_path / "leader")
+    sec = Security(leader.agent_id, key, leader)
+    source = open_source(synth_model)
+    ws = WeightServer(source)
+    raw = bytes(source.raw_bytes(EMBED))
+    cut = [len(raw) // 2]  # bytes of the embedding sent before the connection drops (once)
+
+    async def tensor(request):
+        if request.match_info["name"] != EMBED or not cut:
+            return await ws._tensor(request)
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = len(raw)
+        await resp.prepare(request)
+        await resp.write(raw[:cut.pop()])
+        request.transport.close()  # the leader went away mid-tensor
+        return resp
+
+    app = web.Application(middlewares=sec.middlewares())
+    sec.install(app)
+    app.router.add_get(weight_server.MANIFEST_PATH, ws._manifest)
+    app.router.add_get(weight_server.TENSOR_PATH, tensor)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        port = await bind(runner, ["127.0.0.1"], 0, sec.server_ssl(), gate=sec.gate)
+        url = f"https://127.0.0.1:{port}"
+        member = Identity.generate()
+        async with Security(member.agent_id, key, member).client_session() as s:
+            with pytest.raises(PeerGone, match=r"connection closed|failed after"):
+                await fetch_range(s, url, FIRST, embed=True, norm=False, cache_dir=tmp_path / "m")
+            held = sum(p.stat().st_size for p in (tmp_path / "m" / "tensors").iterdir())
+            assert (tmp_path / "m" / "tensors" / f"{ws.digest(EMBED)}.part").stat().st_size == len(raw) // 2
+            fetched, n = await fetch_range(s, url, FIRST, embed=True, norm=False, cache_dir=tmp_path / "m",
+                                           expected_fingerprint=stage_fingerprint(source, FIRST, embed=True,
+                                                                                  norm=False))
+        total = sum({ws.digest(x): len(source.raw_bytes(x)) for x in fetched.names()}.values())
+        assert n == total - held  # only what was missing, over TLS with a range request
+        assert torch.equal(fetched.load(EMBED), source.load(EMBED))
+        fetched.close()
+
+        def link(**kw):
+            return Link(**{"host": "127.0.0.1", "port": port, "tls": True, "identity": leader.fingerprint,
+                           "token": "x" * 43, "connect_timeout_s": 5.0, "stall_timeout_s": 5.0, **kw})
+
+        with pytest.raises(ProtocolError, match="presents certificate"):
+            await asyncio.to_thread(link(identity="0" * 64).connect)
+        part = weight_cache.PartFile(tmp_path, ws.digest(EMBED), len(source.raw_bytes(EMBED)))
+        part.open()
+        with pytest.raises(Unauthorized):
+            await asyncio.to_thread(Receiver(link(), EMBED, part, lambda n: None).run)
+        assert part.have == 0
+        part.close()
+    finally:
+        await runner.cleanup()

@@ -181,22 +181,23 @@ async def test_partial_files_are_cleaned_and_the_cache_is_bounded_least_recently
 
 
 def test_a_full_disk_leaves_no_partial_file_and_fails_with_a_weights_error(tmp_path, monkeypatch):
-    from flowspec_p2p.cluster.weight_cache import PartFile
+    from flowspec_p2p.cluster import weight_cache
 
-    part = PartFile(tmp_path, hashlib.sha256(b"abcdef").hexdigest(), 6)
-    part.open()
-    part.write(b"abc")
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
 
-    class Full:
-        def write(self, data):
-            raise OSError(28, "No space left on device")
+    for staged in (False, True):  # bytes written as given, or received into the part's staging buffer
+        part = weight_cache.PartFile(tmp_path, hashlib.sha256(b"abcdef").hexdigest(), 6)
+        part.open()
+        part.write(b"abc")
+        if staged:
+            part.stage()[:3] = b"def"
 
-        def close(self):
-            pass
+        def rest(part=part, staged=staged):
+            return part.commit(3) if staged else part.write(b"def")
 
-        flush = close
-
-    part._f = Full()
-    with pytest.raises(WeightsError, match="No space left"):
-        part.write(b"def")
-    assert list(tmp_path.iterdir()) == []
+        with monkeypatch.context() as m:
+            m.setattr(weight_cache.os, "write", full)
+            with pytest.raises(WeightsError, match="No space left"):
+                rest()
+        assert list(tmp_path.iterdir()) == []

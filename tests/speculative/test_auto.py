@@ -22,7 +22,7 @@ FLIPPY = AutoConfig(probe_ar=1, probe_spec=1, recheck=2, max_recheck=4)  # switc
 class Slowed:
     """A whole-model shard whose one-token forwards (``ar``) or tree forwards (``tree``) take ``delay`` s more."""
 
-    def __init__(self, shard, slow: str, delay: float = 0.01):
+    def __init__(self, shard, slow: str, delay: float = 0.1):  # >> a tiny model's forward, preempted or not
         self.shard, self.slow, self.delay = shard, slow, delay
 
     def __call__(self, ids, cache, positions=None, mask=None):
