@@ -371,7 +371,7 @@ class Agent(Net, Roles):
 
     def _write_state(self) -> None:
         data = {"id": self.id, "pid": os.getpid(), "cluster": self.cfg.cluster, "role": self.info.role,
-                "url": self.info.url, "api_url": self.api_url}
+                "url": self.info.url, "api_url": self.api_url, "standby_ready": self.standby is not None}
         (self.cfg.state_path / STATE_FILE).write_text(json.dumps(data) + "\n")
 
     # ============================================================================================== HTTP

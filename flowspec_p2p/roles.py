@@ -137,6 +137,7 @@ class Roles:
                 self.stage_host.local_source = source
             log.info("standby: ready to lead (replica and the leader's parts loaded in %.2f s)",
                      time.perf_counter() - t0)
+            self._write_state()  # agent.json says so (LocalCluster.wait_standby: benchmarks start on a settled cluster)
             if self.member is not None:
                 self.member.ready_to_lead()  # the leader may have been lost meanwhile
         except (FlowSpecError, OSError) as e:

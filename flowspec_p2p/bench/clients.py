@@ -124,6 +124,7 @@ def run_clients(cfg, clients: list[int], rounds: int = ROUNDS) -> dict:
     load0 = os.getloadavg()[0]
     try:
         cluster.start()
+        cluster.wait_standby()  # its background preparation is not part of what is measured
         offered = list(cluster.view()["leader"]["modes"])
         modes = [m for m in (cfg.modes or DEFAULT_MODES) if m in offered]
         figures = measure(cluster.api_url, prompts, modes, clients, cfg.max_tokens, rounds, cfg.request_timeout_s)

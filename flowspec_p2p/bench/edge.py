@@ -232,6 +232,7 @@ def run(cfg: BenchConfig) -> dict:
     setup: dict = {}
     try:
         cluster.start()
+        cluster.wait_standby()  # its background preparation is not part of what is measured
         view = cluster.view()
         offered = list(view["leader"]["modes"])
         wanted = list(cfg.modes) if cfg.modes else report.order_modes(offered)

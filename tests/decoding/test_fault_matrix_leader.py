@@ -203,6 +203,8 @@ async def test_the_leader_failing_at_an_event_point_loses_no_reply_made_through_
         assert u.standby == standby.id
         await until(lambda: standby.standby is not None)  # its replica and the leader's parts are loaded
         via = b if standby is a else a  # the client speaks to the member that is not the standby
+        for x, ready in ((standby, True), (via, False)):  # agent.json says so (LocalCluster.wait_standby reads it)
+            assert json.loads((x.cfg.state_path / "agent.json").read_text())["standby_ready"] is ready
         first = next(x for x in (a, b) if u.ring[0].agent_id == x.id) if u.ring[0].agent_id != leader.id else None
         lost_at = {}
         loop = asyncio.get_running_loop()
