@@ -85,18 +85,30 @@ class Link:
         return self.url
 
 
+@contextlib.asynccontextmanager
+async def two_leaders(session: aiohttp.ClientSession, make):
+    """A Link to a first leader that breaks off after two chunks and turns the link to a second one;
+    ``make(breaks_after, died)`` builds a leader's app."""
+    link = Link(session)
+    second = TestServer(make(None, lambda: None))
+    first = TestServer(make(2, lambda: link.turn_to(str(second.make_url("")).rstrip("/"))))
+    await first.start_server()
+    await second.start_server()
+    link.turn_to(str(first.make_url("")).rstrip("/"))
+    try:
+        yield link
+    finally:
+        await first.close()
+        await second.close()
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 async def test_a_reply_with_logprobs_moves_to_the_next_leader_whole(chat, stream):
     seen: list = []
-    async with aiohttp.ClientSession() as session:
-        link = Link(session)
-        second = TestServer(leader_app(chat, breaks_after=None, seen=seen))
-        first = TestServer(leader_app(chat, breaks_after=2, seen=seen,
-                                      died=lambda: link.turn_to(str(second.make_url("")).rstrip("/"))))
-        await first.start_server()
-        await second.start_server()
-        link.turn_to(str(first.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as session, two_leaders(
+            session, lambda breaks_after, died: leader_app(chat, breaks_after=breaks_after, seen=seen, died=died)
+    ) as link:
         body = {"max_tokens": 4, "temperature": 0, "logprobs": 1, "stream": stream,
                 **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
         path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -118,8 +130,6 @@ async def test_a_reply_with_logprobs_moves_to_the_next_leader_whole(chat, stream
                 text = whole["message"]["content"] if chat else whole["text"]
                 got = ([e["token"] for e in whole["logprobs"]["content"]] if chat
                        else whole["logprobs"]["text_offset"])
-        await first.close()
-        await second.close()
     assert text == "Hello world"
     assert got == (TOKENS if chat else [0, 2, 5, 9])
     assert [len(b.get("resume_ids") or []) for b in seen] == [0, 2]
@@ -159,14 +169,9 @@ def ollama_leader(chat: bool, *, breaks_after: int | None, seen: list, died=lamb
 async def test_an_ollama_reply_moves_to_the_next_leader_whole_with_its_seed(chat, stream):
     """Ollama's default sampling (temperature 0.8, no seed) gets a seed at the member, the same on every attempt."""
     seen: list = []
-    async with aiohttp.ClientSession() as session:
-        link = Link(session)
-        second = TestServer(ollama_leader(chat, breaks_after=None, seen=seen))
-        first = TestServer(ollama_leader(chat, breaks_after=2, seen=seen,
-                                         died=lambda: link.turn_to(str(second.make_url("")).rstrip("/"))))
-        await first.start_server()
-        await second.start_server()
-        link.turn_to(str(first.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as session, two_leaders(
+            session, lambda breaks_after, died: ollama_leader(chat, breaks_after=breaks_after, seen=seen, died=died)
+    ) as link:
         body = {"model": "m", "stream": stream, "logprobs": True, "options": {"seed": -1},
                 **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
         async with TestClient(TestServer(create_proxy_app(link))) as client:
@@ -180,8 +185,6 @@ async def test_an_ollama_reply_moves_to_the_next_leader_whole_with_its_seed(chat
                 parts = [await r.json()]
             text = "".join((p.get("message") or {}).get("content") or p.get("response") or "" for p in parts)
             tokens = [e["token"] for p in parts for e in p.get("logprobs") or []]
-        await first.close()
-        await second.close()
     assert text == "Hello world"
     assert tokens == TOKENS
     assert [len(b.get("resume_ids") or []) for b in seen] == [0, 2]
