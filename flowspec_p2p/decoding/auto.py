@@ -16,7 +16,8 @@ of a burst of requests sees none of the others yet).
 A mode is measured in a trial: the requests of that key all run it (so that stretches with it alone in flight
 occur) until it has committed ``min_tokens`` per request of the bucket's bound in such stretches, or
 ``max_trial`` rounds of the bound's requests have started. Untried modes are tried first (in ``candidates``
-order); after that the fastest runs, and a losing mode is tried again after ``recheck`` requests, twice as late
+order); after that the fastest runs, and a losing mode is tried again after ``recheck`` rounds of the bound's
+requests (``recheck`` requests alone, 4 x ``recheck`` at 3-4 in flight: a trial takes about a round), twice as late
 each time it loses again (so a mode that never pays costs a vanishing share of the requests).
 
 Pure bookkeeping (no torch, no I/O): leader.py asks ``choose`` per auto request (the ``Choice`` goes to the
@@ -39,7 +40,7 @@ class AutoSettings(Settings):
     min_tokens: int = Field(16, ge=1)  # a trial's tokens with its mode alone in flight, per request of the bound
     max_trial: int = Field(4, ge=1)  # a trial ends after this many rounds of the bound's requests, measured or not
     window_s: float = Field(30.0, gt=0.0)  # measured seconds a rate averages over (older ones fade)
-    recheck: int = Field(8, ge=1)  # requests before a losing mode runs again (doubling while it keeps losing)
+    recheck: int = Field(8, ge=1)  # rounds of the bound's requests before a losing mode runs again (doubling)
     max_recheck: int = Field(256, ge=1)
 
 
@@ -206,7 +207,7 @@ class ModeChooser:
             return self._try(key, fresh[0], "untried", rates)
         measured = [m for m in cands if rates[m] is not None]
         best = max(measured, key=lambda m: rates[m]) if measured else cands[0]
-        due = [m for m in cands if m != best and key.modes[m].since >= key.modes[m].wait]
+        due = [m for m in cands if m != best and key.modes[m].since >= key.modes[m].wait * bound]
         if due:
             return self._try(key, max(due, key=lambda m: key.modes[m].since), "recheck", rates)
         return self._ran(key, Choice(best, "fastest", rates))

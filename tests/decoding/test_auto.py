@@ -121,6 +121,10 @@ def test_under_load_modes_are_compared_by_the_pipeline_s_rate_not_by_a_request_s
     assert rates["ar"] == pytest.approx(200.0, rel=0.05)
     assert rates["flowspec"] == pytest.approx(120.0, rel=0.05)
     assert sum(c.mode == "ar" for c in got[-20:]) >= 17
+    rechecks = [i for i, c in enumerate(got) if c.reason == "recheck"]
+    assert rechecks
+    tried = max(i for i, c in enumerate(got[: rechecks[0]]) if c.mode == "flowspec")
+    assert rechecks[0] - tried > 8 * 4  # recheck rounds of the bound's four requests, not 8 requests
     assert "epoch 1 greedy load 3-4" in chooser.snapshot()
     alone_now = clock.serve(1, 6)
     assert alone_now[-1].mode == "flowspec"  # one client: speculation wins
