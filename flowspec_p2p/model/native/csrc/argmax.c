@@ -24,31 +24,43 @@ typedef struct am_job {
     int64_t *at;  /* [groups][n]: its first index in the group */
 } am_job;
 
-/* The first maximum of y [len] (len >= 1): the first NaN if there is one. */
+typedef float am_f4 __attribute__((vector_size(16))); /* 4 lanes: SSE2 on x86-64, NEON on aarch64 */
+typedef int32_t am_i4 __attribute__((vector_size(16)));
+
+/* The first maximum of y [len] (len >= 1): the first NaN if there is one. One SIMD pass for the maximum (per
+ * lane: the larger value, as maxps; an inf or a NaN turns the lane's `bad` into NaN, sending the row to the exact
+ * scalar pass), then the first index holding it. */
 static void first_max(const float *y, int64_t len, float *best, int64_t *at) {
-    float acc[FS_PANEL];
-    int nan = 0;
-    for (int l = 0; l < FS_PANEL; l++) acc[l] = -INFINITY;
-    int64_t k = 0;
-    for (; k + FS_PANEL <= len; k += FS_PANEL)
-        for (int l = 0; l < FS_PANEL; l++) {
-            const float v = y[k + l];
-            acc[l] = v > acc[l] ? v : acc[l];
-            nan |= v != v;
+    am_f4 acc[4], bad[4];
+    for (int l = 0; l < 4; l++) acc[l] = (am_f4){-INFINITY, -INFINITY, -INFINITY, -INFINITY}, bad[l] = (am_f4){0};
+    const int64_t whole = len / 16 * 16;
+    for (int64_t k = 0; k < whole; k += 16)
+        for (int l = 0; l < 4; l++) {
+            am_f4 v;
+            memcpy(&v, y + k + 4 * l, sizeof v);
+            const am_i4 gt = v > acc[l];
+            acc[l] = (am_f4)(((am_i4)v & gt) | ((am_i4)acc[l] & ~gt));
+            bad[l] += v - v;
         }
-    for (; k < len; k++) {
-        acc[0] = y[k] > acc[0] ? y[k] : acc[0];
-        nan |= y[k] != y[k];
-    }
-    if (nan) {
-        for (k = 0; y[k] == y[k]; k++) {}
-        *best = y[k];
-        *at = k;
+    float m = -INFINITY, b = 0.0f;
+    for (int l = 0; l < 4; l++)
+        for (int i = 0; i < 4; i++) m = acc[l][i] > m ? acc[l][i] : m, b += bad[l][i];
+    for (int64_t k = whole; k < len; k++) m = y[k] > m ? y[k] : m, b += y[k] - y[k];
+    if (b != b) { /* an inf or a NaN: the first NaN wins, else the first maximum */
+        int64_t i = 0;
+        for (int64_t k = 0; k < len; k++) {
+            if (y[k] != y[k]) {
+                i = k;
+                break;
+            }
+            if (y[k] > y[i]) i = k;
+        }
+        *best = y[i];
+        *at = i;
         return;
     }
-    float m = acc[0];
-    for (int l = 1; l < FS_PANEL; l++) m = acc[l] > m ? acc[l] : m;
-    for (k = 0; y[k] != m; k++) {} /* m is one of y's values (all -inf: the first) */
+    int64_t k = 0;
+    while (y[k] != m) k++; /* m is one of y's values (an all -inf row took the scalar pass: -inf - -inf is NaN) */
     *best = m;
     *at = k;
 }
