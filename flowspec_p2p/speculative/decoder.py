@@ -34,7 +34,7 @@ from .eagle3 import Eagle3Drafter, TappedTarget
 from .head import DraftBundle, find_compatible_drafts, find_draft
 from .ngram import LookupDrafter
 from .tree import DraftTree
-from .verify import Verdict, verify_greedy_tokens, verify_tree, walk_rows, walk_tokens
+from .verify import Verdict, verify_walk
 
 log = logging.getLogger(__name__)
 
@@ -186,12 +186,8 @@ def verify_step(model: Shard, cache: KVCache, tree: DraftTree, params: SamplingP
     c = cache.committed
     pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
     f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
-    if params.greedy:  # the target's argmax per visited node, no [k, vocab] logits (Shard.greedy_tokens)
-        picks = walk_tokens(tree, len(tree), lambda idx: model.greedy_tokens(f[idx]))
-        verdict = verify_greedy_tokens(tree, picks, stop_ids=stop_ids)
-    else:
-        rows = walk_rows(tree, len(tree), lambda idx: model.logits(f[idx]))
-        verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids, root_position=c)
+    verdict, _ = verify_walk(tree, len(tree), params, gen, logits=lambda idx: model.logits(f[idx]),
+                             tokens=lambda idx: model.greedy_tokens(f[idx]), stop_ids=stop_ids, root_position=c)
     cache.keep(verdict.accepted)
     cache.commit(len(verdict.accepted))
     return verdict, f

@@ -264,6 +264,20 @@ def verify_tree(tree: DraftTree, logits: Rows, params: SamplingParams, gen: torc
     return verify_sampling(tree, probs, uniforms, verified_end=verified_end, stop_ids=stop_ids)
 
 
+def verify_walk(tree: DraftTree, n: int, params: SamplingParams, gen: torch.Generator | PositionalDraws | None, *,
+                logits: Callable[[list[int]], torch.Tensor], tokens: Callable[[list[int]], torch.Tensor],
+                stop_ids: frozenset[int] = frozenset(), root_position: int | None = None, keep_rows: bool = False
+                ) -> tuple[Verdict, LazyRows | None]:
+    """Verify the nodes ``[0, n)`` of ``tree`` (the verified prefix) as ``params`` say, the LM head computed only
+    where the walk goes (``ROW_BATCH`` nodes per call). A greedy walk asks ``tokens`` (node indices -> their argmax
+    ids [k], Shard.greedy_tokens) unless ``keep_rows`` (the caller reads the rows: logprobs); else ``logits`` (node
+    indices -> their rows [k, vocab]). -> (verdict, the logits rows the walk read; None for a walk on tokens)"""
+    if params.greedy and not keep_rows:
+        return verify_greedy_tokens(tree, walk_tokens(tree, n, tokens), stop_ids=stop_ids), None
+    rows = walk_rows(tree, n, logits)
+    return verify_tree(tree, rows, params, gen, verified_end=n, stop_ids=stop_ids, root_position=root_position), rows
+
+
 def _row(row: torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(row, torch.Tensor):
         row = row.detach().numpy()

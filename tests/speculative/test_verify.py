@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
 
-from flowspec_p2p.model.sampling import PositionalDraws, inverse_cdf
+from flowspec_p2p.model.sampling import PositionalDraws, SamplingParams, inverse_cdf
 from flowspec_p2p.speculative.tree import DraftTree
 from flowspec_p2p.speculative.verify import (
     LazyRows,
@@ -17,6 +17,7 @@ from flowspec_p2p.speculative.verify import (
     verify_greedy_tokens,
     verify_positional,
     verify_sampling,
+    verify_walk,
     walk_rows,
     walk_tokens,
 )
@@ -129,6 +130,22 @@ def test_greedy_from_the_argmax_alone_gives_the_logits_verdict(tree, seed, ties)
     end = 1 + seed % len(tree)
     assert verify_greedy_tokens(tree, logits[:end].argmax(-1), verified_end=end) == verify_greedy(
         tree, logits[:end], verified_end=end)
+
+
+def test_a_greedy_walk_asks_the_head_for_tokens_unless_the_rows_are_wanted():
+    logits = one_hot_logits([3, 6, 0, 1, 0, 2])
+    asked = []
+    head = {"logits": lambda idx: asked.append("logits") or logits[idx],
+            "tokens": lambda idx: asked.append("tokens") or logits[idx].argmax(-1)}
+    greedy, rows = verify_walk(FIG, 6, SamplingParams(), None, **head)
+    assert (greedy.accepted, rows, set(asked)) == ([0, 1, 3, 5], None, {"tokens"})
+    asked.clear()
+    kept, rows = verify_walk(FIG, 6, SamplingParams(), None, **head, keep_rows=True)
+    assert (kept, set(asked)) == (greedy, {"logits"})
+    assert torch.equal(rows[0], logits[0])
+    asked.clear()
+    verify_walk(FIG, 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), **head)
+    assert set(asked) == {"logits"}
 
 
 @settings(max_examples=80, deadline=None)
