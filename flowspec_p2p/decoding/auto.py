@@ -1,20 +1,26 @@
-"""``auto``, the leader's default mode: each request runs the mode measured fastest on this pipeline for requests
-like it, and the losing modes are measured again now and then.
+"""``auto``, the leader's default mode: each request runs the mode measured fastest on this pipeline at the load it
+is expected to run under, and the losing modes are measured again now and then.
 
 A mode's speed on a cluster depends on what no constant captures (stage speeds, links, the draft's acceptance on
-this traffic, the leader's own speed), so the chooser measures it: every completed request of at least
-``min_tokens`` new tokens, in any mode, updates that mode's running decode rate for its key (the pipeline's epoch,
-whether the request is greedy: acceptance differs with temperature, and the load it ran under: how many requests
-were in flight, on average over its life, bucketed (``load_bucket``), since speculation's extra rows pay on an idle
-pipeline and cost the others on a busy one; a re-plan starts the measurements over). A request is chosen for the
-load it is expected to run under: the requests in flight as it starts, or the recent average when that is higher
-(``LoadMeter``: the first of a burst of requests sees none of the others yet).
-A mode with no measurement yet is tried first (in ``candidates`` order); after that the fastest runs, and a losing
-mode is tried again after ``recheck`` requests, twice as late each time it loses again (so a mode that never pays
-costs a vanishing share of the requests).
+this traffic, the leader's own speed), so the chooser measures it. What it measures is the pipeline's aggregate
+rate: tokens committed per second by all requests in flight, over the stretches of time when every request in
+flight runs one mode (``started``/``committed``/``finished``, from every mode's requests, not only auto's). One
+request's own rate would mislead under load: a speculating request among plain ones takes more of every stage's
+rows and looks fast while it slows the others down, and the pipeline as a whole down. The rates are kept per key:
+the pipeline's epoch (a re-plan starts the measurements over), whether requests are greedy (acceptance differs
+with temperature) and the load bucket (``load_bucket`` of the requests in flight: speculation's extra rows pay on
+an idle pipeline and may cost the others on a busy one). A request is chosen for the load it is expected to run
+under: the requests in flight as it starts, or the recent average when that is higher (``LoadMeter``: the first
+of a burst of requests sees none of the others yet).
 
-Pure bookkeeping (no torch, no I/O): leader.py asks ``choose`` per request (the ``Choice`` goes to the request's
-ledger) and reports ``record`` after it.
+A mode is measured in a trial: the requests of that key all run it (so that stretches with it alone in flight
+occur) until it has committed ``min_tokens`` per request of the bucket's bound in such stretches, or
+``max_trial`` rounds of the bound's requests have started. Untried modes are tried first (in ``candidates``
+order); after that the fastest runs, and a losing mode is tried again after ``recheck`` requests, twice as late
+each time it loses again (so a mode that never pays costs a vanishing share of the requests).
+
+Pure bookkeeping (no torch, no I/O): leader.py asks ``choose`` per auto request (the ``Choice`` goes to the
+request's ledger) and reports every request's start, tokens and end.
 """
 
 from __future__ import annotations
@@ -30,19 +36,33 @@ from ..types import Settings
 
 class AutoSettings(Settings):
     candidates: tuple[str, ...] = ("flowspec", "ar")  # the modes auto chooses among, tried in this order first
-    min_tokens: int = Field(16, ge=2)  # shorter replies say little about a mode's decode rate
-    weight: float = Field(0.5, gt=0.0, le=1.0)  # of the newest request in a mode's running rate
+    min_tokens: int = Field(16, ge=1)  # a trial's tokens with its mode alone in flight, per request of the bound
+    max_trial: int = Field(4, ge=1)  # a trial ends after this many rounds of the bound's requests, measured or not
+    window_s: float = Field(30.0, gt=0.0)  # measured seconds a rate averages over (older ones fade)
     recheck: int = Field(8, ge=1)  # requests before a losing mode runs again (doubling while it keeps losing)
     max_recheck: int = Field(256, ge=1)
 
 
 @dataclass
 class _Mode:
-    rate: float | None = None  # running decode tokens/s
-    samples: int = 0
+    tokens: float = 0.0  # committed while this mode alone was in flight at this key's load (faded over window_s)
+    seconds: float = 0.0  # the time those stretches took
+    stretches: int = 0
     since: int = 0  # requests of this key since this mode last ran
     wait: int = 0  # requests to wait before trying it again while it loses
-    trying: int = 0  # requests running it untried: the others that start meanwhile measure another mode
+    tried: bool = False
+    trial_tokens: float = 0.0  # measured in its current trial
+
+    def rate(self, min_tokens: int) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 and self.tokens >= min_tokens else None
+
+
+@dataclass
+class _Key:
+    modes: dict[str, _Mode]
+    trial: str | None = None  # the mode every request of this key runs until it is measured
+    reason: str = ""  # "untried" | "recheck"
+    started: int = 0  # requests of the trial so far
 
 
 @dataclass(frozen=True)
@@ -73,20 +93,17 @@ LOAD_WINDOW_S = 10.0  # the time constant of the recent average of requests in f
 
 class LoadMeter:
     """Requests in flight over time (``set`` on every change, ``now``: time.monotonic()): their recent average (an
-    exponential window of ``window_s``) and each request's own average over its life (``mark`` at its start,
-    ``mean_since`` at its end)."""
+    exponential window of ``window_s``)."""
 
     def __init__(self, window_s: float = LOAD_WINDOW_S):
         self.window_s = window_s
         self.n = 0
         self.at: float | None = None
-        self.area = 0.0  # integral of n dt since the first event
         self.average = 0.0  # exponentially weighted over time
 
     def _advance(self, now: float) -> None:
         if self.at is not None and now > self.at:
             dt = now - self.at
-            self.area += self.n * dt
             self.average = self.n + (self.average - self.n) * math.exp(-dt / self.window_s)
         self.at = now if self.at is None else max(self.at, now)
 
@@ -99,86 +116,131 @@ class LoadMeter:
         self._advance(now)
         return max(self.n, round(self.average))
 
-    def mark(self, now: float) -> tuple[float, float]:
-        self._advance(now)
-        return now, self.area
-
-    def mean_since(self, mark: tuple[float, float], now: float) -> float:
-        """The average requests in flight from ``mark`` to ``now`` (the current count when no time passed)."""
-        self._advance(now)
-        t0, a0 = mark
-        return (self.area - a0) / (now - t0) if now > t0 else float(self.n)
-
 
 class ModeChooser:
     def __init__(self, settings: AutoSettings | None = None):
         self.settings = settings or AutoSettings()
-        # (epoch, greedy, load bucket) -> mode -> its record
-        self._keys: dict[tuple[int, bool, int], dict[str, _Mode]] = {}
+        self._keys: dict[tuple[int, bool, int], _Key] = {}  # (epoch, greedy, load bucket) -> its modes
+        self._epoch: int | None = None  # the newest pipeline's
+        self._running: dict[str, tuple[str, int, bool]] = {}  # request id -> (mode, epoch, greedy)
+        self._alone: tuple[_Key, _Mode] | None = None  # where the time now counts, while one mode is in flight
+        self._at: float | None = None
 
-    def _key(self, epoch: int, greedy: bool, load: int = 1) -> dict[str, _Mode]:
+    def _key(self, epoch: int, greedy: bool, load: int = 1) -> _Key:
+        if epoch != self._epoch and (self._epoch is None or epoch > self._epoch):
+            self._keys.clear()  # a re-plan: the old pipeline's rates are stale
+            self._epoch = epoch
+            self._alone = None
         k = (epoch, greedy, load_bucket(load))
         if k not in self._keys:
-            for old in [o for o in self._keys if o[0] != epoch]:  # a re-plan: the old pipeline's rates are stale
-                del self._keys[old]
-            self._keys[k] = {m: _Mode(wait=self.settings.recheck) for m in self.settings.candidates}
+            self._keys[k] = _Key({m: _Mode(wait=self.settings.recheck) for m in self.settings.candidates})
         return self._keys[k]
+
+    # ---------------------------------------------------------------- what every request reports
+
+    def started(self, request_id: str, mode: str, epoch: int, greedy: bool, now: float) -> None:
+        """A request of ``mode`` began (its prefill included): time.monotonic() ``now``."""
+        self._advance(now)
+        self._running[request_id] = (mode, epoch, greedy)
+        self._regroup()
+
+    def committed(self, tokens: int, now: float) -> None:
+        """A request in flight committed ``tokens``."""
+        self._advance(now)
+        if self._alone is not None:
+            key, m = self._alone
+            m.tokens += tokens
+            if key.trial is not None and key.modes.get(key.trial) is m:
+                m.trial_tokens += tokens
+
+    def finished(self, request_id: str, now: float) -> None:
+        """A request ended (completed or not)."""
+        self._advance(now)
+        self._running.pop(request_id, None)
+        self._regroup()
+
+    def _advance(self, now: float) -> None:
+        if self._at is not None and now > self._at and self._alone is not None:
+            _, m = self._alone
+            m.seconds += now - self._at
+            if m.seconds > self.settings.window_s:  # fade the oldest: the rate averages over the last window_s
+                m.tokens *= self.settings.window_s / m.seconds
+                m.seconds = self.settings.window_s
+        self._at = now if self._at is None else max(self._at, now)
+
+    def _regroup(self) -> None:
+        """Where time counts from now: the one mode in flight at this many requests, or nowhere."""
+        kinds = set(self._running.values())
+        alone = None
+        if len(kinds) == 1:
+            mode, epoch, greedy = next(iter(kinds))
+            if mode in self.settings.candidates and epoch == self._epoch:
+                key = self._key(epoch, greedy, len(self._running))
+                alone = (key, key.modes[mode])
+        if alone is not None and (self._alone is None or alone[1] is not self._alone[1]):
+            alone[1].stretches += 1
+        self._alone = alone
+
+    # ---------------------------------------------------------------------------- choosing
 
     def choose(self, available: list[str], epoch: int, greedy: bool, load: int = 1) -> Choice:
         """The mode for the next request among ``available`` (the leader's modes its drafter allows), starting with
         ``load`` requests in flight (itself included)."""
+        s = self.settings
         key = self._key(epoch, greedy, load)
-        cands = [m for m in self.settings.candidates if m in available]
-        rates = {m: key[m].rate for m in cands}
+        cands = [m for m in s.candidates if m in available]
+        rates = {m: key.modes[m].rate(s.min_tokens) for m in cands}
         if not cands:
             return Choice(available[0], "only", rates)
         if len(cands) == 1:
             return self._ran(key, Choice(cands[0], "only", rates))
-        untried = [m for m in cands if key[m].rate is None]
-        free = [m for m in untried if not key[m].trying]
-        measured = [m for m in cands if key[m].rate is not None]
-        if free or (untried and not measured):  # requests starting together try different modes
-            mode = free[0] if free else min(untried, key=lambda m: key[m].trying)
-            key[mode].trying += 1
-            return self._ran(key, Choice(mode, "untried", rates))
-        best = max(measured, key=lambda m: rates[m])
-        due = [m for m in measured if m != best and key[m].since >= key[m].wait]
+        bound = load_bucket(load)
+        if key.trial is not None:
+            trial = key.modes[key.trial]
+            if key.trial in cands and trial.trial_tokens < s.min_tokens * bound and key.started < s.max_trial * bound:
+                key.started += 1
+                return self._ran(key, Choice(key.trial, key.reason, rates))
+            self._conclude(key, rates)
+        fresh = [m for m in cands if rates[m] is None and not key.modes[m].tried]
+        if fresh:
+            return self._try(key, fresh[0], "untried", rates)
+        measured = [m for m in cands if rates[m] is not None]
+        best = max(measured, key=lambda m: rates[m]) if measured else cands[0]
+        due = [m for m in cands if m != best and key.modes[m].since >= key.modes[m].wait]
         if due:
-            return self._ran(key, Choice(max(due, key=lambda m: key[m].since), "recheck", rates))
+            return self._try(key, max(due, key=lambda m: key.modes[m].since), "recheck", rates)
         return self._ran(key, Choice(best, "fastest", rates))
 
-    def _ran(self, key: dict[str, _Mode], choice: Choice) -> Choice:
-        for name, m in key.items():
+    def _try(self, key: _Key, mode: str, reason: str, rates: dict[str, float | None]) -> Choice:
+        m = key.modes[mode]
+        m.tokens, m.seconds = m.tokens / 2, m.seconds / 2  # the new trial weighs as much as all before it
+        m.tried, m.trial_tokens = True, 0.0
+        key.trial, key.reason, key.started = mode, reason, 1
+        return self._ran(key, Choice(mode, reason, rates))
+
+    def _conclude(self, key: _Key, rates: dict[str, float | None]) -> None:
+        """The trial is over: a mode that lost (or could not be measured) waits twice as long before the next."""
+        m = key.modes[key.trial]
+        rate = m.rate(self.settings.min_tokens)
+        rivals = [r for name, r in rates.items() if name != key.trial and r is not None]
+        if rate is None or (rivals and rate < max(rivals)):
+            if key.reason == "recheck":
+                m.wait = min(2 * m.wait, self.settings.max_recheck)
+        else:
+            m.wait = self.settings.recheck
+        key.trial = None
+
+    def _ran(self, key: _Key, choice: Choice) -> Choice:
+        for name, m in key.modes.items():
             m.since = 0 if name == choice.mode else m.since + 1
         return choice
 
-    def ended(self, choice: Choice, epoch: int, greedy: bool, load: int = 1) -> None:
-        """A request that ran ``choice`` ended (completed or not): an untried mode's trial is over."""
-        if choice.reason == "untried" and choice.mode in self.settings.candidates:
-            m = self._key(epoch, greedy, load)[choice.mode]
-            m.trying = max(0, m.trying - 1)
-
-    def record(self, mode: str, epoch: int, greedy: bool, new_tokens: int, decode_s: float, load: int = 1) -> None:
-        """A request of ``mode`` that started with ``load`` requests in flight completed with ``new_tokens`` in
-        ``decode_s`` seconds of decoding."""
-        s = self.settings
-        if mode not in s.candidates or new_tokens < s.min_tokens or decode_s <= 0:
-            return
-        key = self._key(epoch, greedy, load)
-        m = key[mode]
-        rate = (new_tokens - 1) / decode_s
-        m.rate = rate if m.rate is None else m.rate + s.weight * (rate - m.rate)
-        m.samples += 1
-        rivals = [o.rate for n, o in key.items() if n != mode and o.rate is not None]
-        if rivals and m.rate < max(rivals):
-            m.wait = min(2 * m.wait, s.max_recheck)  # it lost again: try it half as often
-        else:
-            m.wait = s.recheck
-
     def snapshot(self) -> dict:
+        s = self.settings
         return {f"epoch {e} {'greedy' if g else 'sampled'}" + ("" if b == 1 else f" load {_bucket_name(b)}"):
-                {n: {"tokens_per_s": None if m.rate is None else round(m.rate, 2), "samples": m.samples,
-                     "recheck_after": m.wait} for n, m in k.items()}
+                {n: {"tokens_per_s": None if (r := m.rate(s.min_tokens)) is None else round(r, 2),
+                     "seconds": round(m.seconds, 2), "samples": m.stretches, "recheck_after": m.wait,
+                     **({"trial": k.reason} if k.trial == n else {})} for n, m in k.modes.items()}
                 for (e, g, b), k in self._keys.items()}
 
 

@@ -61,7 +61,7 @@ from ..pipeline.transport import Frame, Inbox, LinkDown
 from ..speculative.drafter import Drafter
 from .admission import Admission
 from .ar import AR
-from .auto import Choice, LoadMeter, ModeChooser
+from .auto import LoadMeter, ModeChooser
 from .batcher import NextTokens
 from .context import Compute, DecodingMode, LeaderParts, ModeContext, Pipeline, ThreadCompute
 from .prompt_cache import MIN_REUSE, PromptCache
@@ -157,6 +157,7 @@ class Leader:
         avail = [m for m in self.available_modes() if m != "auto"]
         choice = self.chooser.choose(avail, ctx.pipeline.epoch, ctx.params.greedy, ctx.load)
         ctx.ledger.note(choice)
+        self.chooser.started(ctx.request_id, choice.mode, ctx.pipeline.epoch, ctx.params.greedy, time.monotonic())
         async with contextlib.aclosing(self.modes[choice.mode].run(ctx)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -307,7 +308,8 @@ class Leader:
         self._active[rid] = ctx
         self.load.set(len(self._active), time.monotonic())
         ctx.load = self.load.expected(time.monotonic())  # auto's load key: in flight now (itself included) or recently
-        began = self.load.mark(time.monotonic())
+        if job.spec.name != "auto":  # every mode's requests teach auto what it is worth here (auto's: once chosen)
+            self.chooser.started(rid, job.spec.name, pipeline.epoch, job.params.greedy, time.monotonic())
         ctx.in_flight_now = lambda: len(self._active)
         self.idle.clear()
         outcome: str | None = "failed"
@@ -320,6 +322,7 @@ class Leader:
                 async with contextlib.aclosing(job.spec.run(ctx)) as chunks:
                     async for chunk in chunks:
                         job.committed += chunk
+                        self.chooser.committed(len(chunk), time.monotonic())
                         ledger.committed(len(chunk), time.time(), ctx.pending_logprobs)
                         ctx.pending_logprobs.clear()
                         yield chunk
@@ -342,20 +345,13 @@ class Leader:
             if timer is not None:
                 timer.cancel()
             del self._active[rid]
-            ran_under = round(self.load.mean_since(began, time.monotonic()))  # the load it decoded under
+            self.chooser.finished(rid, time.monotonic())
             self.load.set(len(self._active), time.monotonic())
             if not self._active:
                 self.idle.set()
             if outcome is not None:
                 self.counters[outcome] += 1
             ledger.attempt_ended(time.time())  # the decode window ends here
-            choice = ledger.figure(Choice)
-            if choice is not None:
-                self.chooser.ended(choice, pipeline.epoch, job.params.greedy, ctx.load)
-            if outcome == "completed":  # every mode's requests teach auto what it is worth on this pipeline
-                self.chooser.record(job.spec.name if choice is None else choice.mode, pipeline.epoch,
-                                    job.params.greedy, ledger.attempt_tokens, ledger.attempt.decode_s,
-                                    max(1, ran_under))
             await self._release(ctx, pipeline, [*job.prompt, *job.committed],
                                 outcome == "completed" and job.cache_prompt)
 

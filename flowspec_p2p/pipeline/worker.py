@@ -281,7 +281,11 @@ class StageWorker:
             getter = asyncio.ensure_future(self.inbox.get())
             waits = {getter} if job is None else {getter, job}
             timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                getter.cancel()  # the worker stops: its getter goes with it (not left pending as the loop closes)
+                raise
             if getter not in done:
                 getter.cancel()
                 await asyncio.wait({getter})  # it may have taken a frame before the cancel landed

@@ -403,12 +403,13 @@ async def test_a_request_reaching_its_deadline_ends_with_what_it_decided_and_fre
 
 async def test_auto_learns_a_burst_of_requests_under_the_load_they_decoded_at(parts):
     """Four requests started together: the first sees none of the others as it starts, but all four decode four at a
-    time, so auto records each under the load bucket 3-4 (not 1 and 2), and the next burst is chosen for that load."""
+    time, so auto's rate of that time is kept under the load bucket 3-4 (not 1 and 2)."""
     leader = make_leader(parts, max_requests=4, auto={"min_tokens": 8})
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64):
         for _ in range(2):
             outs = await asyncio.gather(*(run(leader, PROMPT[: 6 + i], 24, mode="auto") for i in range(4)))
             assert [o for o, _ in outs] == [parts.reference(PROMPT[: 6 + i], 24) for i in range(4)]
-    samples = {key: m["ar"]["samples"] for key, m in leader.snapshot()["auto"].items()}
-    assert samples.pop(next(k for k in samples if k.endswith("load 3-4"))) == 8
-    assert set(samples.values()) <= {0}
+    seconds = {key: m["ar"]["seconds"] for key, m in leader.snapshot()["auto"].items()}
+    busiest = max(seconds, key=seconds.get)
+    assert busiest.endswith("load 3-4")
+    assert seconds[busiest] > 2 * sum(v for k, v in seconds.items() if k != busiest)
