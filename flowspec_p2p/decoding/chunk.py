@@ -26,7 +26,7 @@ import torch
 from ..ledger import Ledger
 from ..speculative.drafter import TreeShape
 from ..speculative.tree import DraftTree, segment_bounds, split_lengths
-from ..speculative.verify import Verdict, verify_tree, walk_rows
+from ..speculative.verify import Verdict, verify_walk
 from .context import DecodingMode, ModeContext, prefill
 
 # The pipeline's tree is not the single-device one (spec.decoder.DEFAULT_TREE, tuned for one forward on one CPU): here
@@ -53,9 +53,11 @@ class ChunkFigures:
 def _verify(ctx: ModeContext, tree: DraftTree, f: torch.Tensor, committed: int) -> Verdict:
     """f: [n, hidden] target features of the whole tree, whose root sits at position ``committed``. LM-head rows
     only where the walk goes."""
-    rows = walk_rows(tree, len(tree), lambda idx: ctx.logits(f[idx]))
-    verdict = verify_tree(tree, rows, ctx.params, ctx.gen, stop_ids=ctx.stop_ids, root_position=committed)
-    ctx.note_walk(rows, verdict, verdict.emitted(tree))
+    verdict, rows = verify_walk(tree, len(tree), ctx.params, ctx.gen, logits=lambda idx: ctx.logits(f[idx]),
+                                tokens=lambda idx: ctx.greedy_tokens(f[idx]), stop_ids=ctx.stop_ids,
+                                root_position=committed, keep_rows=ctx.wants_rows)
+    if rows is not None:
+        ctx.note_walk(rows, verdict, verdict.emitted(tree))
     return verdict
 
 

@@ -321,6 +321,17 @@ class ModeContext:
         with torch.inference_mode():
             return self.head.logits(features)
 
+    def greedy_tokens(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., hidden] -> the logits' argmax [...] int64, without the [..., vocab] logits
+        (Shard.greedy_tokens)"""
+        with torch.inference_mode():
+            return self.head.greedy_tokens(features)
+
+    @property
+    def wants_rows(self) -> bool:
+        """Whether a verification walk must keep its logits rows (``note_walk``: the request asked for logprobs)."""
+        return self.ledger.top_logprobs is not None
+
     def choose(self, features: torch.Tensor, position: int) -> int:
         """The token at absolute ``position``. features: [hidden]"""
         logits = self.logits(features)

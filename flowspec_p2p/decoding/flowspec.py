@@ -56,7 +56,7 @@ from ..ledger import Ledger
 from ..pipeline.messages import Forward
 from ..speculative.drafter import TreeShape
 from ..speculative.tree import DraftTree
-from ..speculative.verify import Verdict, verify_tree, walk_rows
+from ..speculative.verify import Verdict, verify_walk
 from .context import DecodingMode, ModeContext, prefill
 from .flowstate import Calibration, FlowState, StageCost, best_segment, segment_value
 from .flowstats import FlowStats
@@ -67,10 +67,15 @@ log = logging.getLogger(__name__)
 
 def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
     """Verify the verified prefix of the current tree from its root (LM-head rows only where the walk goes)."""
-    rows = walk_rows(state.tree, state.verified, lambda idx: ctx.logits(torch.stack([state.feats[i] for i in idx])))
-    verdict = verify_tree(state.tree, rows, ctx.params, ctx.gen, verified_end=state.verified, stop_ids=ctx.stop_ids,
-                          root_position=state.committed)
-    ctx.note_walk(rows, verdict, verdict.emitted(state.tree))
+    def feats(idx: list[int]) -> torch.Tensor:  # [k, hidden]
+        return torch.stack([state.feats[i] for i in idx])
+
+    verdict, rows = verify_walk(state.tree, state.verified, ctx.params, ctx.gen,
+                                logits=lambda idx: ctx.logits(feats(idx)),
+                                tokens=lambda idx: ctx.greedy_tokens(feats(idx)), stop_ids=ctx.stop_ids,
+                                root_position=state.committed, keep_rows=ctx.wants_rows)
+    if rows is not None:
+        ctx.note_walk(rows, verdict, verdict.emitted(state.tree))
     return verdict
 
 

@@ -122,6 +122,12 @@ class Shard(Protocol):
         """features: [..., hidden] -> [..., vocab] (only where it holds the LM head)"""
         ...
 
+    def greedy_tokens(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [..., hidden] -> [...] int64, ``logits(features).argmax(-1)`` bit for bit (the lowest index
+        among equal maxima), without holding the [..., vocab] logits where the engine can: what greedy decoding
+        needs of the LM head (only where it holds the LM head)"""
+        ...
+
     def head_rows(self, rows: torch.Tensor | None, dtype: torch.dtype | None = None) -> HeadRows:
         """The LM head restricted to ``rows`` [V_d] target ids (None: all of it)."""
         ...

@@ -45,6 +45,16 @@ def check_context(prompt_len: int, max_new_tokens: int, limit: int) -> int:
     return max(0, min(max_new_tokens, limit - prompt_len))
 
 
+def next_token(model: Shard, features: torch.Tensor, params: SamplingParams,
+               gen: torch.Generator | PositionalDraws | None, position: int) -> int:
+    """The token at absolute ``position`` from the target's ``features`` [hidden] there: ``choose`` from its logits;
+    greedy asks the LM head for its argmax alone (Shard.greedy_tokens, equal to the logits' argmax), so no [vocab]
+    row of logits is made."""
+    if params.greedy:
+        return int(model.greedy_tokens(features))
+    return choose(model.logits(features), params, gen, position)
+
+
 def prefill_features(model: Shard, cache: KVCache, prompt: Sequence[int]) -> torch.Tensor:
     """Run the prompt through ``model`` in chunks (K/V appended to ``cache``); -> the features of every prompt
     token [n, hidden]."""
@@ -74,7 +84,7 @@ class ARDecoder:
         cache = self.model.new_cache(len(prompt) + budget)
         t0 = time.perf_counter()
         feat = prefill_features(self.model, cache, prompt)[-1]
-        token = choose(self.model.logits(feat), params, gen, len(prompt))
+        token = next_token(self.model, feat, params, gen, len(prompt))
         ledger.prefilled(len(prompt), time.perf_counter() - t0)
         made = 1
         t1 = time.perf_counter()
@@ -82,7 +92,7 @@ class ARDecoder:
             yield [token]
             while made < budget and token not in stop_ids:
                 feat = self.model(torch.tensor([[token]]), cache)[0, -1]
-                token = choose(self.model.logits(feat), params, gen, len(prompt) + made)
+                token = next_token(self.model, feat, params, gen, len(prompt) + made)
                 ledger.stepped(1)
                 made += 1
                 yield [token]

@@ -309,6 +309,16 @@ class NativeShard:
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def greedy_tokens(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [..., hidden] -> [...] int64, logits(features).argmax(-1) bit for bit. One LM-head call in
+        which each thread keeps the maxima of the vocabulary slices it computes (QMatrix.argmax): no [..., vocab]
+        logits (1 MiB a row on a 262k vocabulary). A soft-capped head (Gemma 2) takes the logits: tanh can map
+        different logits to one value, which changes which is first."""
+        assert self.lm_head is not None, "this shard holds no LM head"
+        if self.cfg.final_softcap is not None:
+            return self.logits(features).argmax(-1)
+        return self.lm_head.argmax(features.to(torch.float32))
+
     def head_rows(self, rows: torch.Tensor | None, dtype: torch.dtype | None = None) -> native.QMatrix:
         """The LM head restricted to ``rows`` (a draft vocabulary of target ids; None: all): a packed matrix of
         those rows in the head's stored type (Q8_0 for a float head), which the draft head scores its

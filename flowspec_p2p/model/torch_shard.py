@@ -282,6 +282,10 @@ class TorchShard(nn.Module):
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def greedy_tokens(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [..., hidden] -> [...] int64, the argmax of the logits (the reference: computed from them)"""
+        return self.logits(features).argmax(-1)
+
     def head_rows(self, rows: torch.Tensor | None, dtype: torch.dtype | None = None) -> TorchHeadRows:
         """The LM head restricted to ``rows`` (a draft vocabulary of target ids; None: all), in ``dtype``."""
         assert self.head_t is not None, "this shard holds no LM head"

@@ -26,8 +26,8 @@ from pydantic import Field
 
 from ..ledger import Ledger
 from ..model.engine import Shard
-from ..model.generate import check_context
-from ..model.sampling import PositionalDraws, SamplingParams, choose
+from ..model.generate import check_context, next_token
+from ..model.sampling import PositionalDraws, SamplingParams
 from ..types import Settings
 from .decoder import prefill_and_feed, verify_step
 from .drafter import Drafter
@@ -153,7 +153,7 @@ class AutoDecoder:
                     behind_tokens.append(token)
                     behind_feats.append(feat[0])
                     behind_ar = True
-                    out = [choose(model.logits(feat[0, -1]), params, gen, cache.committed)]  # the next position
+                    out = [next_token(model, feat[0, -1], params, gen, cache.committed)]  # the next position
                     ledger.stepped(1)
                 else:
                     if behind_tokens:  # the drafter catches up on the tokens committed since the last spec step

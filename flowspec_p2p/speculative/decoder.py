@@ -25,16 +25,16 @@ from .. import env
 from ..errors import ConfigError
 from ..ledger import Ledger
 from ..model.engine import Shard
-from ..model.generate import check_context, prefill_features
+from ..model.generate import check_context, next_token, prefill_features
 from ..model.kv_cache import KVCache
-from ..model.sampling import PositionalDraws, SamplingParams, choose
+from ..model.sampling import PositionalDraws, SamplingParams
 from . import eagle
 from .drafter import Drafter, HeadDrafter, TreeShape
 from .eagle3 import Eagle3Drafter, TappedTarget
 from .head import DraftBundle, find_compatible_drafts, find_draft
 from .ngram import LookupDrafter
 from .tree import DraftTree
-from .verify import Verdict, verify_tree, walk_rows
+from .verify import Verdict, verify_walk
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def _head_drafter(target: Shard, stem: Path) -> tuple[LookupDrafter, dict]:
 def _probe_forward(target: Shard, probe: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """-> the target's features [P, hidden] at the probe's tokens and its greedy next token at each [P]"""
     feats = prefill_features(target, target.new_cache(len(probe)), probe)  # [P, hidden]
-    return feats, target.logits(feats).argmax(-1)
+    return feats, target.greedy_tokens(feats)
 
 
 def verify_step(model: Shard, cache: KVCache, tree: DraftTree, params: SamplingParams,
@@ -186,8 +186,8 @@ def verify_step(model: Shard, cache: KVCache, tree: DraftTree, params: SamplingP
     c = cache.committed
     pos, mask = tree.positions(c)[None], tree.attention_mask(c)[None]  # [1, n], [1, n, c + n]
     f = model(tree.tokens[None], cache, positions=pos, mask=mask)[0]  # [n, hidden]
-    rows = walk_rows(tree, len(tree), lambda idx: model.logits(f[idx]))
-    verdict = verify_tree(tree, rows, params, gen, stop_ids=stop_ids, root_position=c)
+    verdict, _ = verify_walk(tree, len(tree), params, gen, logits=lambda idx: model.logits(f[idx]),
+                             tokens=lambda idx: model.greedy_tokens(f[idx]), stop_ids=stop_ids, root_position=c)
     cache.keep(verdict.accepted)
     cache.commit(len(verdict.accepted))
     return verdict, f
@@ -201,7 +201,7 @@ def prefill_and_feed(model: Shard, cache: KVCache, drafter: Drafter, prompt: lis
     t0 = time.perf_counter()
     feats = prefill_features(model, cache, prompt)  # [P, hidden]
     cache.commit(cache.pending)
-    token = choose(model.logits(feats[-1]), params, gen, len(prompt))
+    token = next_token(model, feats[-1], params, gen, len(prompt))
     td = time.perf_counter()
     drafter.feed(prompt, feats, token)
     end = time.perf_counter()

@@ -128,6 +128,10 @@ class TappedTarget:
         """[..., H + k*H] (or [..., H]) -> [..., vocab]"""
         return self.pieces[-1].logits(features[..., : self.cfg.hidden_size])
 
+    def greedy_tokens(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., H + k*H] (or [..., H]) -> [...] int64"""
+        return self.pieces[-1].greedy_tokens(features[..., : self.cfg.hidden_size])
+
     def head_rows(self, rows, dtype=None):
         return self.pieces[-1].head_rows(rows, dtype)
 

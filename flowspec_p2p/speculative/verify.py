@@ -21,7 +21,9 @@ Pure functions. Target rows come through ``Rows`` (a [m, vocab] tensor, or ``Laz
 runs only for the nodes the walk visits: on a small target it costs as much per node as several layers).
 ``walk_rows`` computes a few rows per LM-head call, the visited node's and those the walk most likely visits next
 (its first-child chain, then its other children): the quantized LM head streams its weights once for up to
-``ROW_BATCH`` rows at little more than one row's cost, and a row's values do not depend on its batch.
+``ROW_BATCH`` rows at little more than one row's cost, and a row's values do not depend on its batch. A greedy
+walk needs only each row's argmax: ``walk_tokens`` asks the LM head for those alone (Shard.greedy_tokens, the same
+ids as the logits' argmax) and ``verify_greedy_tokens`` walks them, so no [k, vocab] logits are held.
 """
 
 from __future__ import annotations
@@ -108,6 +110,13 @@ def walk_rows(tree: DraftTree, n: int, many: Callable[[list[int]], torch.Tensor]
     return LazyRows(n, many=many, plan=lambda i: likely_next(tree, i), batch=ROW_BATCH)
 
 
+def walk_tokens(tree: DraftTree, n: int, many: Callable[[list[int]], torch.Tensor]) -> LazyRows:
+    """The target's greedy token after each of the nodes ``[0, n)`` of ``tree``, computed as ``walk_rows`` computes
+    rows. many: node indices -> their argmax ids [k] (Shard.greedy_tokens over those nodes' features: the LM head
+    keeps its maxima, so no [k, vocab] logits are held; 1 MiB a row on a 262k vocabulary)."""
+    return LazyRows(n, many=many, plan=lambda i: likely_next(tree, i), batch=ROW_BATCH)
+
+
 @dataclass(frozen=True)
 class Verdict:
     accepted: list[int]  # tree indices of the accepted path, from the root (always [0, ...])
@@ -140,6 +149,15 @@ def verify_greedy(
     """
     end = len(logits) if verified_end is None else verified_end
     return _follow(tree, end, stop_ids, lambda node: int(logits[node].argmax()))
+
+
+def verify_greedy_tokens(tree: DraftTree, tokens: Rows, *, verified_end: int | None = None,
+                         stop_ids: frozenset[int] = frozenset()) -> Verdict:
+    """``verify_greedy`` from the target's argmax at each node instead of its logits rows: tokens[i] is the id
+    ``logits[i].argmax()`` would give (a 0-d tensor or an int; ``walk_tokens``), for nodes < verified_end (default
+    len(tokens)). The same verdict, bit for bit."""
+    end = len(tokens) if verified_end is None else verified_end
+    return _follow(tree, end, stop_ids, lambda node: int(tokens[node]))
 
 
 def _follow(tree: DraftTree, end: int, stop_ids: frozenset[int], pick: Callable[[int], int]) -> Verdict:
@@ -244,6 +262,20 @@ def verify_tree(tree: DraftTree, logits: Rows, params: SamplingParams, gen: torc
     probs = LazyRows(len(logits), lambda i: target_probs(logits[i], params))
     uniforms = torch.rand(len(tree) + 1, generator=gen, dtype=torch.float64)
     return verify_sampling(tree, probs, uniforms, verified_end=verified_end, stop_ids=stop_ids)
+
+
+def verify_walk(tree: DraftTree, n: int, params: SamplingParams, gen: torch.Generator | PositionalDraws | None, *,
+                logits: Callable[[list[int]], torch.Tensor], tokens: Callable[[list[int]], torch.Tensor],
+                stop_ids: frozenset[int] = frozenset(), root_position: int | None = None, keep_rows: bool = False
+                ) -> tuple[Verdict, LazyRows | None]:
+    """Verify the nodes ``[0, n)`` of ``tree`` (the verified prefix) as ``params`` say, the LM head computed only
+    where the walk goes (``ROW_BATCH`` nodes per call). A greedy walk asks ``tokens`` (node indices -> their argmax
+    ids [k], Shard.greedy_tokens) unless ``keep_rows`` (the caller reads the rows: logprobs); else ``logits`` (node
+    indices -> their rows [k, vocab]). -> (verdict, the logits rows the walk read; None for a walk on tokens)"""
+    if params.greedy and not keep_rows:
+        return verify_greedy_tokens(tree, walk_tokens(tree, n, tokens), stop_ids=stop_ids), None
+    rows = walk_rows(tree, n, logits)
+    return verify_tree(tree, rows, params, gen, verified_end=n, stop_ids=stop_ids, root_position=root_position), rows
 
 
 def _row(row: torch.Tensor | np.ndarray) -> np.ndarray:

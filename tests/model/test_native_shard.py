@@ -14,7 +14,9 @@ import torch
 from flowspec_p2p.errors import ForwardStopped
 from flowspec_p2p.model import native_pack, native_shard
 from flowspec_p2p.model.engine import StopFlag
+from flowspec_p2p.model.generate import ARDecoder, generate_ids
 from flowspec_p2p.model.native_shard import NativeShard
+from flowspec_p2p.model.sampling import SamplingParams
 from flowspec_p2p.model.torch_shard import TorchShard
 from flowspec_p2p.model.weights import open_source
 from flowspec_p2p.types import LayerRange
@@ -49,6 +51,29 @@ def test_logits_match_the_float64_reference_within_the_activation_rounding(model
     scale = b.abs().max().item()
     assert (a.double() - b).abs().max().item() <= 2e-3 * scale
     assert (a.double() - b).abs().mean().item() <= 2e-4 * scale
+
+
+def test_greedy_tokens_are_the_logits_argmax_on_both_engines(model):
+    """Shard.greedy_tokens (native: the argmax inside the LM-head call) equals logits().argmax(-1) bit for bit,
+    for 1 and several rows, and through the logits for a soft-capped head; the native AR decoder's greedy reply
+    equals a loop over the full logits' argmax."""
+    ours, ref = _pair(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        f, fr = ours(ids, ours.new_cache(16))[0], ref(ids, ref.new_cache(16))[0]  # [9, hidden]
+        for shard, x in ((ours, f), (ref, fr)):
+            assert torch.equal(shard.greedy_tokens(x), shard.logits(x).argmax(-1))
+            assert int(shard.greedy_tokens(x[4])) == int(shard.logits(x[4]).argmax())
+        capped = NativeShard(model.config.model_copy(update={"final_softcap": 0.05}), ALL, ours.stack,
+                             embed=ours.embed_matrix, norm=ours.norm.weight, lm_head=ours.lm_head, rope_freqs=None,
+                             max_position=ours.max_position, specs=ours.specs)
+        assert torch.equal(capped.greedy_tokens(f), capped.logits(f).argmax(-1))
+        cache, out, x = ours.new_cache(20), [], ids
+        for _ in range(6):
+            out.append(int(ours.logits(ours(x, cache)[0, -1]).argmax()))
+            x = torch.tensor([[out[-1]]])
+    reply, _ = generate_ids(ARDecoder(ours), ids[0].tolist(), SamplingParams(), 6, frozenset())
+    assert reply == out
 
 
 def test_a_tree_forward_scores_every_node_exactly_as_decoding_it_alone(model):

@@ -8,15 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
 
-from flowspec_p2p.model.sampling import PositionalDraws, inverse_cdf
+from flowspec_p2p.model.sampling import PositionalDraws, SamplingParams, inverse_cdf
 from flowspec_p2p.speculative.tree import DraftTree
 from flowspec_p2p.speculative.verify import (
     LazyRows,
     likely_next,
     verify_greedy,
+    verify_greedy_tokens,
     verify_positional,
     verify_sampling,
+    verify_walk,
     walk_rows,
+    walk_tokens,
 )
 
 from .test_tree import trees
@@ -110,6 +113,39 @@ def test_batched_rows_give_the_same_verdict_as_the_whole_tensor(tree, seed, batc
         lazy = LazyRows(len(tree), many=lambda idx: probs[idx], plan=lambda i: likely_next(tree, i), batch=batch)
         u = np.random.default_rng(seed).random(len(tree) + 1)
         assert verify_sampling(tree, lazy, u) == verify_sampling(tree, probs, u)
+
+
+@settings(max_examples=80, deadline=None)
+@given(trees(max_nodes=25, vocab=4), st.integers(0, 99), st.booleans())
+def test_greedy_from_the_argmax_alone_gives_the_logits_verdict(tree, seed, ties):
+    """walk_tokens + verify_greedy_tokens (the LM head's argmax per node, Shard.greedy_tokens) against the
+    logits' walk, ties included (integer logits: the lowest index wins on both sides), on prefixes too."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 2, (len(tree), 4), generator=g).float() if ties else torch.randn(len(tree), 4,
+                                                                                               generator=g)
+    calls = []
+    picks = walk_tokens(tree, len(tree), lambda idx: calls.append(list(idx)) or logits[idx].argmax(-1))
+    assert verify_greedy_tokens(tree, picks) == verify_greedy(tree, logits)
+    assert all(len(c) <= 4 for c in calls)
+    end = 1 + seed % len(tree)
+    assert verify_greedy_tokens(tree, logits[:end].argmax(-1), verified_end=end) == verify_greedy(
+        tree, logits[:end], verified_end=end)
+
+
+def test_a_greedy_walk_asks_the_head_for_tokens_unless_the_rows_are_wanted():
+    logits = one_hot_logits([3, 6, 0, 1, 0, 2])
+    asked = []
+    head = {"logits": lambda idx: asked.append("logits") or logits[idx],
+            "tokens": lambda idx: asked.append("tokens") or logits[idx].argmax(-1)}
+    greedy, rows = verify_walk(FIG, 6, SamplingParams(), None, **head)
+    assert (greedy.accepted, rows, set(asked)) == ([0, 1, 3, 5], None, {"tokens"})
+    asked.clear()
+    kept, rows = verify_walk(FIG, 6, SamplingParams(), None, **head, keep_rows=True)
+    assert (kept, set(asked)) == (greedy, {"logits"})
+    assert torch.equal(rows[0], logits[0])
+    asked.clear()
+    verify_walk(FIG, 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), **head)
+    assert set(asked) == {"logits"}
 
 
 @settings(max_examples=80, deadline=None)

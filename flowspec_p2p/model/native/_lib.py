@@ -60,6 +60,7 @@ _SIGNATURES = {
     "fs_pack": (c_int, [c_int, c_int64, c_int64, c_void_p, c_void_p]),
     "fs_dequant_rows": (c_int, [c_int, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_void_p]),
     "fs_matmul": (c_int, [c_int, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_void_p]),
+    "fs_matmul_argmax": (c_int, [c_int, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_void_p]),
     "fs_rmsnorm": (c_int, [c_void_p, c_void_p, c_int64, c_int64, c_float, c_void_p]),
     "fs_final": (c_int, [c_void_p, c_void_p, c_int64, c_float, POINTER(FsMatrix), c_void_p]),
     "fs_quantize_act": (c_int, [c_void_p, c_int64, c_int64, c_void_p, c_void_p]),

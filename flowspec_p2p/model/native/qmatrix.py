@@ -117,6 +117,21 @@ class QMatrix:
             raise RuntimeError(f"fs_matmul failed ({rc})")
         return y.view(*lead, self.rows)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., cols] float32 -> (x @ W^T).argmax(-1) [...] int64, equal to it bit for bit (the lowest index
+        among equal maxima), without the [..., rows] product: each thread keeps the maxima of its slices."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.ndim < 1 or x.shape[-1] != self.cols:
+            raise ValueError(f"argmax: expected float32 CPU [..., {self.cols}], got {x.dtype} {tuple(x.shape)} "
+                             f"on {x.device}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.cols).contiguous()  # [n, cols]
+        ids = torch.empty(x2.shape[0], dtype=torch.int64)  # [n]
+        rc = _lib.require().fs_matmul_argmax(self.wtype.id, self.rows, self.cols, self.packed.data_ptr(),
+                                             x2.data_ptr(), x2.shape[0], ids.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"fs_matmul_argmax failed ({rc})")
+        return ids.view(lead)
+
     def rows_f32(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [m] integer row indices -> those rows dequantized [m, cols] float32 (an embedding lookup)."""
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.ndim != 1:

@@ -73,6 +73,11 @@ FS_API int fs_dequant_rows(int type, int64_t rows, int64_t cols, const void *pac
 /* y [n, rows] = x [n, cols] @ W^T. */
 FS_API int fs_matmul(int type, int64_t rows, int64_t cols, const void *packed, const float *x, int64_t n,
                      float *y);
+/* ids [n]: the argmax of each row of x [n, cols] @ W^T, equal to torch.argmax of fs_matmul's y (the lowest index
+ * among equal maxima; the first NaN if any), without holding y: each thread keeps the maxima of the slices it
+ * computes (argmax.c). */
+FS_API int fs_matmul_argmax(int type, int64_t rows, int64_t cols, const void *packed, const float *x, int64_t n,
+                            int64_t *ids);
 /* out [n, dim] = x / rms(x) * w (out may equal x). */
 FS_API int fs_rmsnorm(const float *x, const float *w, int64_t n, int64_t dim, float eps, float *out);
 /* logits [n, head.rows] = rmsnorm(x [n, head.cols], norm) @ head^T (norm may be NULL: no norm). */

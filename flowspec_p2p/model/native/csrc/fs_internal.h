@@ -177,7 +177,7 @@ void fs_unlock(void);
  * under the API mutex. */
 enum fs_scratch_id {
     FS_S_ACT, FS_S_ACT2, FS_S_ITEMS, FS_S_NORM, FS_S_Q, FS_S_K, FS_S_V, FS_S_ATT, FS_S_OUT, FS_S_G, FS_S_U,
-    FS_S_SCORES, FS_S_GROUPS, FS_S_COUNT
+    FS_S_SCORES, FS_S_GROUPS, FS_S_AMAX, FS_S_AMAX_BEST, FS_S_COUNT
 };
 void *fs_scratch(int id, size_t bytes); /* NULL when out of memory */
 int fs_act_alloc(fs_act *a, int id, int64_t n, int64_t cols);
