@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -48,8 +49,9 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: str, mode: str,
     async with session.post(url, json=_body(prompt, mode, max_tokens)) as r:
         if r.status != 200:
             raise ConfigError(f"bench --clients: HTTP {r.status}: {(await r.text())[:300]}")
-        text, tokens, times = await _streamed(r, t0)
-    return {"text": text, "tokens": tokens, "times": times, "end": time.monotonic()}
+        text, tokens, times, usage = await _streamed(r, t0, with_usage=True)
+    chose = ((usage.get("stats") or {}).get("auto") or {}).get("chose")  # the mode auto ran
+    return {"text": text, "tokens": tokens, "times": times, "end": time.monotonic(), "chose": chose}
 
 
 async def _round(url: str, prompts: list[str], mode: str, max_tokens: int, timeout_s: float) -> tuple[list, float]:
@@ -75,7 +77,7 @@ def measure(api_url: str, prompts: list[str], modes: list[str], clients: list[in
         per: dict = {}
         for c in clients:
             tokens, wall, same, n = 0, 0.0, 0, 0
-            ttft, itl = [], []
+            ttft, itl, chose = [], [], Counter()
             for k in range(rounds):
                 asked = [prompts[(k * c + i) % len(prompts)] for i in range(c)]
                 replies, took = asyncio.run(_round(url, asked, mode, max_tokens, timeout_s))
@@ -84,13 +86,16 @@ def measure(api_url: str, prompts: list[str], modes: list[str], clients: list[in
                     tokens += r["tokens"]
                     same += r["text"] == alone[p]
                     n += 1
+                    if r["chose"]:
+                        chose[r["chose"]] += 1
                     if r["times"]:
                         ttft.append(r["times"][0])
                         itl += [b - a for a, b in itertools.pairwise(r["times"])]
             per[str(c)] = {"tokens_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 3),
                            "identical": f"{same}/{n}",
                            "ttft_s": {f"p{q}": _r(percentile(ttft, q)) for q in (50, 99)},
-                           "itl_s": {f"p{q}": _r(percentile(itl, q)) for q in (50, 99)}}
+                           "itl_s": {f"p{q}": _r(percentile(itl, q)) for q in (50, 99)},
+                           **({"auto_chose": dict(chose)} if chose else {})}
             log.warning("bench --clients: %s, %d client(s): %.1f tokens/s, identical %d/%d", mode, c,
                         tokens / wall, same, n)
         base = per.get(str(min(clients)), {}).get("tokens_per_s")
@@ -128,13 +133,14 @@ def run_clients(cfg, clients: list[int], rounds: int = ROUNDS) -> dict:
         offered = list(cluster.view()["leader"]["modes"])
         modes = [m for m in (cfg.modes or DEFAULT_MODES) if m in offered]
         figures = measure(cluster.api_url, prompts, modes, clients, cfg.max_tokens, rounds, cfg.request_timeout_s)
+        auto_rates = cluster.view()["leader"].get("auto")  # what auto measured, per load bucket
     finally:
         cluster.stop()
     command = portable_command(" ".join(["flowspec", *sys.argv[1:]]))
     res = {"command": command, "emulated": True, "stages": cfg.stages, "link_mbps": cfg.link_mbps,
            "link_latency_ms": cfg.link_latency_ms, "slowdown": slowdown, "max_tokens": cfg.max_tokens,
            "rounds": rounds, "clients": clients, "prompts": len(prompts),
-           "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)], "modes": figures}
+           "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)], "modes": figures, "auto_rates": auto_rates}
     (out / CLIENTS_JSON).write_text(json.dumps(res, indent=1) + "\n")
     (out / CLIENTS_MD).write_text(markdown(res))
     return res
@@ -155,4 +161,14 @@ def markdown(res: dict) -> str:
         for c, v in per.items():
             lines.append(f"| {mode} | {c} | {v['tokens_per_s']} | {v['vs_fewest']}x | {v['ttft_s']['p50']} / "
                          f"{v['ttft_s']['p99']} | {v['itl_s']['p50']} / {v['itl_s']['p99']} | {v['identical']} |")
+    chose = [f"{c} client(s): " + ", ".join(f"{m} {k}" for m, k in sorted(v["auto_chose"].items()))
+             for c, v in res["modes"].get("auto", {}).items() if v.get("auto_chose")]
+    if chose:
+        lines += ["", "auto ran " + "; ".join(chose) + "."]
+    rates = res.get("auto_rates") or {}
+    if rates:
+        lines += ["", "auto's measured rates at the end (the pipeline's tokens/s while one mode alone was in flight):",
+                  ""]
+        lines += [f"- {key}: " + ", ".join(f"{m} {v.get('tokens_per_s')}" for m, v in modes.items())
+                  for key, modes in rates.items()]
     return "\n".join(lines) + "\n"

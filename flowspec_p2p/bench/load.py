@@ -36,8 +36,10 @@ def _reply(data: dict) -> str:
 
 
 async def _streamed(r: aiohttp.ClientResponse, t0: float, with_usage: bool = False):
-    """An SSE reply -> (its text, completion tokens, time.monotonic() - t0 of every content delta[, its usage])."""
+    """An SSE reply -> (its text, completion tokens, time.monotonic() - t0 of every content delta[, its usage, with
+    the reply's ``stats`` under "stats" when the last event carried them])."""
     text, tokens, times, usage = [], 0, [], {}
+    stats = None
     async for raw in r.content:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -51,6 +53,9 @@ async def _streamed(r: aiohttp.ClientResponse, t0: float, with_usage: bool = Fal
         if event.get("usage"):
             usage = event["usage"]
             tokens = int(usage.get("completion_tokens") or 0)
+        stats = event.get("stats", stats)
+    if stats is not None:
+        usage = {**usage, "stats": stats}
     return ("".join(text), tokens, times, usage) if with_usage else ("".join(text), tokens, times)
 
 
