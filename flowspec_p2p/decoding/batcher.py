@@ -68,8 +68,14 @@ class NextTokens:
 
 
 def _decide(batch: list[tuple[Any, torch.Tensor, asyncio.Future]]) -> list[int]:
-    """On the compute thread: one LM-head matmul over every request's features, then each request's choice."""
+    """On the compute thread: one LM-head call over every request's features, then each request's choice. When
+    every request of the call only needs the argmax (greedy, no logprobs) the call returns the argmax alone
+    (Shard.greedy_tokens: no [n, vocab] logits)."""
     head = batch[0][0].head
+    feats = torch.stack([f for _, f, _ in batch])  # [n, hidden]
     with torch.inference_mode():
-        logits = head.logits(torch.stack([f for _, f, _ in batch]))  # [n, vocab]
+        if all(ctx.argmax_only for ctx, _, _ in batch):
+            tokens = head.greedy_tokens(feats).tolist()  # [n]
+            return [ctx.took_next(int(t)) for (ctx, _, _), t in zip(batch, tokens, strict=True)]
+        logits = head.logits(feats)  # [n, vocab]
     return [ctx.choose_next(logits[i]) for i, (ctx, _, _) in enumerate(batch)]

@@ -341,7 +341,19 @@ class ModeContext:
     def next_token(self, features: torch.Tensor) -> int:
         """The token at ``next_position`` (then one further), for a token the mode commits: its logprobs are noted
         when the request asked. features: [hidden]"""
+        if self.argmax_only:
+            return self.took_next(int(self.greedy_tokens(features)))
         return self.choose_next(self.logits(features))
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the next token needs the logits' argmax alone: greedy, and no logprobs asked for."""
+        return self.params.greedy and self.ledger.top_logprobs is None
+
+    def took_next(self, token: int) -> int:
+        """``choose_next`` for a greedy request whose argmax came without logits (``argmax_only``)."""
+        self.next_position += 1
+        return token
 
     async def decide(self, features: torch.Tensor) -> int:
         """``next_token`` on the compute thread, batched with other requests' (batcher.py) where the leader has a

@@ -179,3 +179,45 @@ async def test_a_long_prompt_is_prefilled_among_other_requests_steps_not_ahead_o
     assert long_out == parts.reference(long_prompt, 4)
     during = sum(started < t < first for t in stamps)
     assert during >= 5, (during, len(stamps))  # 50 chunks: the short reply went on between them
+
+
+def test_a_call_of_greedy_requests_takes_the_argmax_alone_and_any_other_the_logits(parts, drafter):
+    """The batched next-token call: greedy requests without logprobs get the engine's argmax (no [n, vocab] logits);
+    a call holding one that asks for logprobs scores logits for all. The same tokens either way, each request's
+    position one further."""
+    import dataclasses
+
+    from flowspec_p2p.decoding.batcher import _decide
+    from flowspec_p2p.decoding.context import ModeContext, Pipeline
+    from flowspec_p2p.pipeline.transport import QueueSender
+
+    calls = []
+
+    class Spy:  # the head shard, its LM-head calls counted
+        def logits(self, f):
+            calls.append("logits")
+            return parts.head.logits(f)
+
+        def greedy_tokens(self, f):
+            calls.append("argmax")
+            return parts.head.greedy_tokens(f)
+
+    lparts = dataclasses.replace(make_leader(parts, drafter).parts, head=Spy())
+    torch.manual_seed(1)
+    feats = torch.randn(3, parts.whole.cfg.hidden_size, dtype=F64)  # [3, hidden]
+    want = parts.head.logits(feats).argmax(-1).tolist()
+
+    def batch(logprobs_of: int | None) -> list:
+        ring = Pipeline(QueueSender(asyncio.Queue(), "s1"), epoch=0, stages=1)
+        ctxs = [ModeContext(lparts, ring, f"r{i}", [1, 2], SamplingParams(), 4, frozenset(),
+                            Ledger(mode="ar", top_logprobs=2 if i == logprobs_of else None)) for i in range(3)]
+        return [(c, feats[i], None) for i, c in enumerate(ctxs)]
+
+    greedy = batch(None)
+    assert _decide(greedy) == want
+    assert calls == ["argmax"]
+    assert [c.next_position for c, _, _ in greedy] == [3, 3, 3]  # the prompt's 2, the token decided, one on
+    mixed = batch(2)
+    assert _decide(mixed) == want
+    assert calls == ["argmax", "logits"]
+    assert len(mixed[2][0].pending_logprobs) == 1
