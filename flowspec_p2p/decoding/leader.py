@@ -157,7 +157,8 @@ class Leader:
         avail = [m for m in self.available_modes() if m != "auto"]
         choice = self.chooser.choose(avail, ctx.pipeline.epoch, ctx.params.greedy, ctx.load)
         ctx.ledger.note(choice)
-        self.chooser.started(ctx.request_id, choice.mode, ctx.pipeline.epoch, ctx.params.greedy, time.monotonic())
+        self.chooser.started(ctx.request_id, choice.mode, ctx.pipeline.epoch, ctx.params.greedy, time.monotonic(),
+                             ctx.load)
         async with contextlib.aclosing(self.modes[choice.mode].run(ctx)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -309,7 +310,7 @@ class Leader:
         self.load.set(len(self._active), time.monotonic())
         ctx.load = self.load.expected(time.monotonic())  # auto's load key: in flight now (itself included) or recently
         if job.spec.name != "auto":  # every mode's requests teach auto what it is worth here (auto's: once chosen)
-            self.chooser.started(rid, job.spec.name, pipeline.epoch, job.params.greedy, time.monotonic())
+            self.chooser.started(rid, job.spec.name, pipeline.epoch, job.params.greedy, time.monotonic(), ctx.load)
         ctx.in_flight_now = lambda: len(self._active)
         self.idle.clear()
         outcome: str | None = "failed"

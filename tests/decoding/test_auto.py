@@ -33,7 +33,7 @@ class Clock:
             while len(live) < clients and started < requests:
                 choice = c.choose(MODES, self.epoch, self.greedy, load or clients)
                 rid = f"r{next(self.ids)}"
-                c.started(rid, choice.mode, self.epoch, self.greedy, self.now)
+                c.started(rid, choice.mode, self.epoch, self.greedy, self.now, load or clients)
                 live[rid] = [choice.mode, TOKENS]
                 out.append(choice)
                 started += 1
@@ -129,6 +129,31 @@ def test_under_load_modes_are_compared_by_the_pipeline_s_rate_not_by_a_request_s
     alone_now = clock.serve(1, 6)
     assert alone_now[-1].mode == "flowspec"  # one client: speculation wins
     assert [load_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 40)] == [1, 2, 4, 4, 8, 8, 9, 9]
+
+
+def test_a_burst_s_tail_counts_against_the_mode_chosen_for_the_burst():
+    """Four requests started together for a load of 4: plain ones finish together; speculating ones, as fast while
+    all four run, finish far apart (acceptance differs by prompt), leaving the pipeline half idle meanwhile. That
+    tail is the speculating burst's cost, kept under the burst's bucket, so ar runs at that load."""
+    chooser = ModeChooser(AutoSettings(min_tokens=8))
+    for i in range(4):
+        chooser.started(f"a{i}", "ar", 1, True, 0.0, 4)
+    chooser.committed(256, 1.0)
+    for i in range(4):
+        chooser.finished(f"a{i}", 1.0)
+    for i in range(4):
+        chooser.started(f"f{i}", "flowspec", 1, True, 10.0, 4)
+    chooser.committed(128, 10.5)  # two done in half a second...
+    chooser.finished("f0", 10.5)
+    chooser.finished("f1", 10.5)
+    chooser.committed(128, 12.0)  # ...the other two a second and a half later
+    chooser.finished("f2", 12.0)
+    chooser.finished("f3", 12.0)
+    rates = chooser.snapshot()["epoch 1 greedy load 3-4"]
+    assert rates["ar"]["tokens_per_s"] == pytest.approx(256.0)
+    assert rates["flowspec"]["tokens_per_s"] == pytest.approx(128.0)  # 256 tokens in 2 s: the tail counted here
+    assert list(chooser.snapshot()) == ["epoch 1 greedy load 3-4"]  # not under 1 and 2
+    assert chooser.choose(MODES, 1, True, 4).mode == "ar"
 
 
 def test_a_trial_that_never_runs_alone_ends_unmeasured_and_waits():
