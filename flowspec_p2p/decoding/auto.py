@@ -8,11 +8,10 @@ flight runs one mode (``started``/``committed``/``finished``, from every mode's 
 request's own rate would mislead under load: a speculating request among plain ones takes more of every stage's
 rows and looks fast while it slows the others down, and the pipeline as a whole down. The rates are kept per key:
 the pipeline's epoch (a re-plan starts the measurements over), whether requests are greedy (acceptance differs
-with temperature) and the load bucket (``load_bucket`` of the requests in flight, or of the load one of them was
-started for when that is more: a burst's tail is the burst's; speculation's extra rows pay on an idle pipeline
-and may cost the others on a busy one). A request is chosen for the load it is expected to run under: the
-requests in flight as it starts, or the recent average when that is higher (``LoadMeter``: the first of a burst
-of requests sees none of the others yet).
+with temperature) and the load bucket (``load_bucket``: speculation's extra rows pay on an idle pipeline and may
+cost the others on a busy one). The load is the one a request would be chosen for at that moment: the requests in
+flight, or the recent average when that is higher (``LoadMeter``: the first of a burst of requests sees none of
+the others yet, and a burst's end, when fewer remain, belongs to the burst).
 
 A mode is measured in a trial: the requests of that key all run it (so that stretches with it alone in flight
 occur) until it has committed ``min_tokens`` per request of the bucket's bound in such stretches, or
@@ -125,7 +124,6 @@ class ModeChooser:
         self._keys: dict[tuple[int, bool, int], _Key] = {}  # (epoch, greedy, load bucket) -> its modes
         self._epoch: int | None = None  # the newest pipeline's
         self._running: dict[str, tuple[str, int, bool]] = {}  # request id -> (mode, epoch, greedy)
-        self._loads: dict[str, int] = {}  # request id -> the load it was started for
         self._alone: tuple[_Key, _Mode] | None = None  # where the time now counts, while one mode is in flight
         self._at: float | None = None
 
@@ -142,14 +140,13 @@ class ModeChooser:
     # ---------------------------------------------------------------- what every request reports
 
     def started(self, request_id: str, mode: str, epoch: int, greedy: bool, now: float, load: int = 1) -> None:
-        """A request of ``mode`` began (its prefill included) at time.monotonic() ``now``, chosen (or asked for)
-        for ``load`` requests in flight."""
+        """A request of ``mode`` began (its prefill included) at time.monotonic() ``now``; ``load``: the load a
+        request starting now should expect (LoadMeter.expected), as with every report."""
         self._advance(now)
         self._running[request_id] = (mode, epoch, greedy)
-        self._loads[request_id] = load
-        self._regroup()
+        self._regroup(load)
 
-    def committed(self, tokens: int, now: float) -> None:
+    def committed(self, tokens: int, now: float, load: int = 1) -> None:
         """A request in flight committed ``tokens``."""
         self._advance(now)
         if self._alone is not None:
@@ -157,13 +154,13 @@ class ModeChooser:
             m.tokens += tokens
             if key.trial is not None and key.modes.get(key.trial) is m:
                 m.trial_tokens += tokens
+        self._regroup(load)
 
-    def finished(self, request_id: str, now: float) -> None:
+    def finished(self, request_id: str, now: float, load: int = 1) -> None:
         """A request ended (completed or not)."""
         self._advance(now)
         self._running.pop(request_id, None)
-        self._loads.pop(request_id, None)
-        self._regroup()
+        self._regroup(load)
 
     def _advance(self, now: float) -> None:
         if self._at is not None and now > self._at and self._alone is not None:
@@ -174,17 +171,17 @@ class ModeChooser:
                 m.seconds = self.settings.window_s
         self._at = now if self._at is None else max(self._at, now)
 
-    def _regroup(self) -> None:
-        """Where time counts from now: while the requests in flight all run one mode, the key of the most load
-        among them (as many as are in flight, or the load one of them was started for, if more), else nowhere.
-        When fewer remain at the end of a burst, what that costs belongs to the choice made for the burst (a mode
-        whose requests finish far apart leaves the pipeline idler there)."""
+    def _regroup(self, load: int) -> None:
+        """Where time counts from now: while the requests in flight all run one mode, the key of the load a request
+        would be chosen for now (those in flight, or the recent average when more: ``load``), else nowhere. So the
+        end of a burst, when fewer remain, counts where the burst's requests were chosen: what a mode's stragglers
+        cost (requests that finish far apart leave the pipeline idler) is that mode's at that load."""
         kinds = set(self._running.values())
         alone = None
         if len(kinds) == 1:
             mode, epoch, greedy = next(iter(kinds))
             if mode in self.settings.candidates and (self._epoch is None or epoch >= self._epoch):
-                key = self._key(epoch, greedy, max(len(self._running), *self._loads.values()))
+                key = self._key(epoch, greedy, max(len(self._running), load))
                 alone = (key, key.modes[mode])
         if alone is not None and (self._alone is None or alone[1] is not self._alone[1]):
             alone[1].stretches += 1

@@ -323,7 +323,7 @@ class Leader:
                 async with contextlib.aclosing(job.spec.run(ctx)) as chunks:
                     async for chunk in chunks:
                         job.committed += chunk
-                        self.chooser.committed(len(chunk), time.monotonic())
+                        self.chooser.committed(len(chunk), time.monotonic(), self.load.expected(time.monotonic()))
                         ledger.committed(len(chunk), time.time(), ctx.pending_logprobs)
                         ctx.pending_logprobs.clear()
                         yield chunk
@@ -346,8 +346,8 @@ class Leader:
             if timer is not None:
                 timer.cancel()
             del self._active[rid]
-            self.chooser.finished(rid, time.monotonic())
             self.load.set(len(self._active), time.monotonic())
+            self.chooser.finished(rid, time.monotonic(), self.load.expected(time.monotonic()))
             if not self._active:
                 self.idle.set()
             if outcome is not None:

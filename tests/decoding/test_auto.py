@@ -45,9 +45,9 @@ class Clock:
             self.now += dt
             for r, v in live.items():
                 v[1] -= rate[r] * dt
-                c.committed(rate[r] * dt, self.now)
+                c.committed(rate[r] * dt, self.now, load or clients)
             for r in [r for r, v in live.items() if v[1] <= 1e-9]:
-                c.finished(r, self.now)
+                c.finished(r, self.now, load or clients)
                 del live[r]
         return out
 
@@ -134,21 +134,22 @@ def test_under_load_modes_are_compared_by_the_pipeline_s_rate_not_by_a_request_s
 def test_a_burst_s_tail_counts_against_the_mode_chosen_for_the_burst():
     """Four requests started together for a load of 4: plain ones finish together; speculating ones, as fast while
     all four run, finish far apart (acceptance differs by prompt), leaving the pipeline half idle meanwhile. That
-    tail is the speculating burst's cost, kept under the burst's bucket, so ar runs at that load."""
+    tail is the speculating burst's cost: with the recent average still at 4 it is kept under the burst's bucket,
+    so ar runs at that load."""
     chooser = ModeChooser(AutoSettings(min_tokens=8))
     for i in range(4):
         chooser.started(f"a{i}", "ar", 1, True, 0.0, 4)
-    chooser.committed(256, 1.0)
+    chooser.committed(256, 1.0, 4)
     for i in range(4):
-        chooser.finished(f"a{i}", 1.0)
+        chooser.finished(f"a{i}", 1.0, 4)
     for i in range(4):
         chooser.started(f"f{i}", "flowspec", 1, True, 10.0, 4)
-    chooser.committed(128, 10.5)  # two done in half a second...
-    chooser.finished("f0", 10.5)
-    chooser.finished("f1", 10.5)
-    chooser.committed(128, 12.0)  # ...the other two a second and a half later
-    chooser.finished("f2", 12.0)
-    chooser.finished("f3", 12.0)
+    chooser.committed(128, 10.5, 4)  # two done in half a second...
+    chooser.finished("f0", 10.5, 4)
+    chooser.finished("f1", 10.5, 4)
+    chooser.committed(128, 12.0, 4)  # ...the other two a second and a half later
+    chooser.finished("f2", 12.0, 4)
+    chooser.finished("f3", 12.0, 4)
     rates = chooser.snapshot()["epoch 1 greedy load 3-4"]
     assert rates["ar"]["tokens_per_s"] == pytest.approx(256.0)
     assert rates["flowspec"]["tokens_per_s"] == pytest.approx(128.0)  # 256 tokens in 2 s: the tail counted here
