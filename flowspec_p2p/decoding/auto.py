@@ -58,7 +58,7 @@ class _Mode:
         return self.tokens / self.seconds if self.seconds > 0 and self.tokens >= min_tokens else None
 
 
-@dataclass
+@dataclass(eq=False)  # a key is itself: _regroup compares (key, mode) pairs by identity
 class _Key:
     modes: dict[str, _Mode]
     trial: str | None = None  # the mode every request of this key runs until it is measured
@@ -124,11 +124,11 @@ class ModeChooser:
         self._keys: dict[tuple[int, bool, int], _Key] = {}  # (epoch, greedy, load bucket) -> its modes
         self._epoch: int | None = None  # the newest pipeline's
         self._running: dict[str, tuple[str, int, bool]] = {}  # request id -> (mode, epoch, greedy)
-        self._alone: tuple[_Key, _Mode] | None = None  # where the time now counts, while one mode is in flight
+        self._alone: tuple[_Key, str] | None = None  # the key and mode the time counts for, while one mode runs
         self._at: float | None = None
 
     def _key(self, epoch: int, greedy: bool, load: int = 1) -> _Key:
-        if epoch != self._epoch and (self._epoch is None or epoch > self._epoch):
+        if self._epoch is None or epoch > self._epoch:
             self._keys.clear()  # a re-plan: the old pipeline's rates are stale
             self._epoch = epoch
             self._alone = None
@@ -150,9 +150,10 @@ class ModeChooser:
         """A request in flight committed ``tokens``."""
         self._advance(now)
         if self._alone is not None:
-            key, m = self._alone
+            key, mode = self._alone
+            m = key.modes[mode]
             m.tokens += tokens
-            if key.trial is not None and key.modes.get(key.trial) is m:
+            if key.trial == mode:
                 m.trial_tokens += tokens
         self._regroup(load)
 
@@ -164,7 +165,8 @@ class ModeChooser:
 
     def _advance(self, now: float) -> None:
         if self._at is not None and now > self._at and self._alone is not None:
-            _, m = self._alone
+            key, mode = self._alone
+            m = key.modes[mode]
             m.seconds += now - self._at
             if m.seconds > self.settings.window_s:  # fade the oldest: the rate averages over the last window_s
                 m.tokens *= self.settings.window_s / m.seconds
@@ -182,9 +184,9 @@ class ModeChooser:
             mode, epoch, greedy = next(iter(kinds))
             if mode in self.settings.candidates and (self._epoch is None or epoch >= self._epoch):
                 key = self._key(epoch, greedy, max(len(self._running), load))
-                alone = (key, key.modes[mode])
-        if alone is not None and (self._alone is None or alone[1] is not self._alone[1]):
-            alone[1].stretches += 1
+                alone = (key, mode)
+        if alone is not None and alone != self._alone:
+            key.modes[mode].stretches += 1
         self._alone = alone
 
     # ---------------------------------------------------------------------------- choosing

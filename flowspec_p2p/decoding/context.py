@@ -348,7 +348,7 @@ class ModeContext:
     @property
     def argmax_only(self) -> bool:
         """Whether the next token needs the logits' argmax alone: greedy, and no logprobs asked for."""
-        return self.params.greedy and self.ledger.top_logprobs is None
+        return self.params.greedy and not self.wants_rows
 
     def took_next(self, token: int) -> int:
         """``choose_next`` for a greedy request whose argmax came without logits (``argmax_only``)."""

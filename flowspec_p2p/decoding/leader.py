@@ -323,7 +323,8 @@ class Leader:
                 async with contextlib.aclosing(job.spec.run(ctx)) as chunks:
                     async for chunk in chunks:
                         job.committed += chunk
-                        self.chooser.committed(len(chunk), time.monotonic(), self.load.expected(time.monotonic()))
+                        now = time.monotonic()
+                        self.chooser.committed(len(chunk), now, self.load.expected(now))
                         ledger.committed(len(chunk), time.time(), ctx.pending_logprobs)
                         ctx.pending_logprobs.clear()
                         yield chunk
@@ -346,8 +347,9 @@ class Leader:
             if timer is not None:
                 timer.cancel()
             del self._active[rid]
-            self.load.set(len(self._active), time.monotonic())
-            self.chooser.finished(rid, time.monotonic(), self.load.expected(time.monotonic()))
+            now = time.monotonic()
+            self.load.set(len(self._active), now)
+            self.chooser.finished(rid, now, self.load.expected(now))
             if not self._active:
                 self.idle.set()
             if outcome is not None:
