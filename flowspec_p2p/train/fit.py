@@ -404,7 +404,10 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         return spent_s + time.perf_counter() - t0
 
     head.train()
-    while step < cfg.steps and not (timed and spent() >= cfg.max_seconds):
+    # the end is decided once per step, by the same clock reading the checkpoint records: a budget that runs out
+    # between two readings would otherwise stop the loop without saving the steps since the last checkpoint
+    done = step >= cfg.steps or (timed and spent_s >= cfg.max_seconds)
+    while not done:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg, spent())
         stats = StepStats()
@@ -431,11 +434,12 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         bar.update(min(round(spent()), bar.total) - bar.n if timed else 1)
         bar.set_postfix(step=step, loss=f"{stats.loss / max(1, stats.targets[0]):.3f}", ep=epoch,
                         top1="/".join(f"{a:.2f}" for a in running.accuracy()), refresh=False)
-        last = step == cfg.steps or (timed and spent() >= cfg.max_seconds)
-        if step % cfg.ckpt_every == 0 or last:
+        now_s = spent()
+        done = step >= cfg.steps or (timed and now_s >= cfg.max_seconds)
+        if step % cfg.ckpt_every == 0 or done:
             _save_ckpt(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
                               "cursor": cursor, "seen_tokens": seen_tokens, "config": cfg.model_dump(mode="json"),
-                              "data": data, "train_seconds": spent(),
+                              "data": data, "train_seconds": now_s,
                               "draft_vocab": fz.vocab, "warm_start": warm_start,
                               "self_distilled_keys": distilled_keys})
             log.info("step %d: loss/token %.4f, train top-1 per step %s, %.0f targets/s", step,
