@@ -188,15 +188,20 @@ class EmulatedCompute:
         self.inner = inner
         self.slowdown = slowdown
         self.basis = basis
+        # the emulated device is one: a call (its compute and its wait) holds it, so several requests' calls take
+        # the sum of their emulated times, as on the slow device (without it, one call's wait overlapped the next
+        # call's compute)
+        self._device = asyncio.Lock()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        out, wall_s, cpu_s = await self.inner.timed(fn, *args)
-        if self.basis == "cpu" and torch.get_num_threads() == 1:
-            wait = cpu_time_wait(self.slowdown, wall_s, cpu_s)
-        else:
-            wait = measured_wait(self.slowdown, wall_s)
-        if wait > 0:
-            await asyncio.sleep(wait)
+        async with self._device:
+            out, wall_s, cpu_s = await self.inner.timed(fn, *args)
+            if self.basis == "cpu" and torch.get_num_threads() == 1:
+                wait = cpu_time_wait(self.slowdown, wall_s, cpu_s)
+            else:
+                wait = measured_wait(self.slowdown, wall_s)
+            if wait > 0:
+                await asyncio.sleep(wait)
         return out
 
     def describe(self) -> str:

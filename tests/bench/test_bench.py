@@ -350,6 +350,16 @@ async def test_leader_compute_is_slowed_down_like_a_stage():
     compute.close()
 
 
+async def test_the_emulated_leader_is_one_device_for_every_request():
+    """Two requests' calls at once take the sum of their emulated times: a call's emulated wait holds the device
+    (it does not overlap the other call's compute)."""
+    ctx, compute = _emulated_context(slowdown=4.0, basis="measured")
+    t0 = time.perf_counter()
+    await asyncio.gather(ctx.compute(time.sleep, 0.03), ctx.compute(time.sleep, 0.03))
+    assert time.perf_counter() - t0 >= 2 * 4 * 0.03 - 0.01  # overlapped, it would be 0.03 + 4 x 0.03
+    compute.close()
+
+
 async def test_leader_slowdown_counts_the_cpu_time_it_used_not_host_contention(monkeypatch):
     import torch
 
