@@ -81,7 +81,7 @@ async def test_compute_slowdown_stretches_each_forward_and_is_recorded_in_the_ti
         assert len(timeline) == 3
         for b in timeline:
             assert b["end"] - b["start"] >= 4.0 * b["compute_s"] - 1e-4
-            assert b["end"] - b["start"] <= 4.0 * b["compute_s"] + 0.05
+            assert b["end"] - b["start"] <= 4.0 * b["compute_s"] + 0.1
             assert b["request_id"] == "a"
             assert b["nodes"] == 4
         assert [b["start"] for b in timeline] == sorted(b["start"] for b in timeline)
@@ -103,7 +103,7 @@ async def test_device_time_is_the_slowdown_times_the_fastest_forward_of_that_siz
         for i, b in enumerate(timeline):
             fastest = min(fastest, b["compute_s"])
             assert b["end"] - b["start"] >= max(b["compute_s"], 4.0 * fastest) - 1e-4
-            assert b["end"] - b["start"] <= max(b["compute_s"], 4.0 * fastest) + 0.05, i
+            assert b["end"] - b["start"] <= max(b["compute_s"], 4.0 * fastest) + 0.1, i
 
 
 async def test_the_timeline_is_a_bounded_ring_buffer(shard, monkeypatch):
