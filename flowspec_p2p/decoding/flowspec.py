@@ -79,6 +79,16 @@ def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
     return verdict
 
 
+async def _verify(ctx: ModeContext, state: FlowState) -> Verdict:
+    """``_walk`` on the compute thread; a walk that needs the argmax alone (greedy, no logprobs) shares its LM-head
+    call with the other requests' next tokens and walks (batcher.py)."""
+    batcher = ctx.parts.batcher
+    if batcher is None or not ctx.argmax_only:
+        return await ctx.compute(_walk, ctx, state)
+    feats = state.feats
+    return await batcher.walk(ctx, state.tree, state.verified, lambda idx: torch.stack([feats[i] for i in idx]))
+
+
 def _next_level(levels: Iterator[DraftTree]) -> DraftTree | None:
     """One level of a Drafter.draft_levels draft (on the compute thread) -> the tree so far, None when done."""
     with torch.inference_mode():
@@ -241,7 +251,7 @@ class _TreeLoop:
             return [], False
         tv = time.perf_counter()
         state.feats += list(f)
-        verdict = await ctx.compute(_walk, ctx, state)  # the root is always in the verified prefix here
+        verdict = await _verify(ctx, state)  # the root is always in the verified prefix here
         stats.verify_s += time.perf_counter() - tv
         stats.walked()
         out = verdict.emitted(state.tree)[: self.budget()]

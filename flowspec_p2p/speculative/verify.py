@@ -76,16 +76,24 @@ class LazyRows:
         if self.many is None:
             row = self._rows[i] = self.fn(i)
             return row
+        want = self.wanted(i)
+        self.put(want, self.many(want))  # [len(want), vocab]
+        return self._rows[i]
+
+    def wanted(self, i: int) -> list[int]:
+        """The rows a miss at ``i`` computes: i, then up to ``batch - 1`` planned rows not computed yet."""
         want = [i]
         for j in self.plan(i) if self.plan is not None else ():
             if len(want) == self.batch:
                 break
             if j != i and 0 <= j < self.n and j not in self._rows and j not in want:
                 want.append(j)
-        out = self.many(want)  # [len(want), vocab]
-        for r, j in enumerate(want):
-            self._rows[j] = out[r]
-        return self._rows[i]
+        return want
+
+    def put(self, idx: Sequence[int], rows: torch.Tensor | Sequence) -> None:
+        """Rows computed elsewhere (a call shared with other walks: decoding/batcher.py): rows[r] is node idx[r]'s."""
+        for r, j in enumerate(idx):
+            self._rows[j] = rows[r]
 
     @property
     def computed(self) -> list[int]:

@@ -64,11 +64,14 @@ async def test_eight_requests_at_once_each_get_the_reply_they_get_alone(parts, d
     leader = make_leader(parts, drafter)
     async with LoopbackRing(parts.stages, leader, hops="memory", wire_dtype=F64) as ring:
         alone = [await generate(leader, p, mode, greedy) for p in PROMPTS]
-        calls, rows = leader.parts.batcher.calls, leader.parts.batcher.rows
+        b = leader.parts.batcher
+        calls, decided = b.calls, b.rows + b.walks
         together = await asyncio.gather(*(generate(leader, p, mode, greedy) for p in PROMPTS))
         batched = sum(w.snapshot().get("batched_forwards", 0) for w in ring.workers)
         assert all(w.snapshot()["errors"] == 0 for w in ring.workers)
-        assert leader.parts.batcher.rows - rows > leader.parts.batcher.calls - calls  # LM-head calls held several
+        assert b.rows + b.walks - decided > b.calls - calls  # LM-head calls held several requests' tokens or walks
+        if mode in ("flowspec", "pipedec"):
+            assert b.walks > 0  # greedy walks go through the shared calls
         async with asyncio.timeout(5):  # every request's state freed on every stage (the Releases go in band)
             while any(w.core.requests for w in ring.workers):  # noqa: ASYNC110 - polling the stages' state
                 await asyncio.sleep(0.01)
@@ -214,10 +217,55 @@ def test_a_call_of_greedy_requests_takes_the_argmax_alone_and_any_other_the_logi
         return [(c, feats[i], None) for i, c in enumerate(ctxs)]
 
     greedy = batch(None)
-    assert _decide(greedy) == want
+    assert _decide(greedy, [])[0] == want
     assert calls == ["argmax"]
     assert [c.next_position for c, _, _ in greedy] == [3, 3, 3]  # the prompt's 2, the token decided, one on
     mixed = batch(2)
-    assert _decide(mixed) == want
+    assert _decide(mixed, [])[0] == want
     assert calls == ["argmax", "logits"]
     assert len(mixed[2][0].pending_logprobs) == 1
+
+
+def test_greedy_walks_share_one_lm_head_call_with_next_tokens_and_give_the_verdicts_they_give_alone(parts, drafter):
+    """Two requests' walks and a third's next token: the walks' first rows and the next token's row go in one
+    argmax call; a walk that goes further than its first rows computes the rest itself; each verdict is
+    verify_walk's for that walk alone."""
+    import dataclasses
+
+    from flowspec_p2p.decoding.batcher import _decide, _Walk
+    from flowspec_p2p.decoding.context import ModeContext, Pipeline
+    from flowspec_p2p.pipeline.transport import QueueSender
+    from flowspec_p2p.speculative.tree import DraftTree
+    from flowspec_p2p.speculative.verify import ROW_BATCH, verify_walk
+
+    rows_per_call = []
+
+    class Spy:
+        def greedy_tokens(self, f):
+            rows_per_call.append(len(f))
+            return parts.head.greedy_tokens(f)
+
+    lparts = dataclasses.replace(make_leader(parts, drafter).parts, head=Spy())
+    torch.manual_seed(2)
+    hidden = parts.whole.cfg.hidden_size
+    feats = torch.randn(8, hidden, dtype=F64)  # [8, hidden]: node i's features
+    best = parts.head.greedy_tokens(feats).tolist()  # the target's token after each node
+    # walk A: a chain the target accepts 6 deep (0 -> 1 -> ... -> 6), past its first ROW_BATCH rows, and a sibling
+    chain = DraftTree.from_lists([5, *best[:6], best[0] + 1], [-1, 0, 1, 2, 3, 4, 5, 0])
+    # walk B: the root's only child is not the target's token
+    wrong = DraftTree.from_lists([5, best[0] + 1], [-1, 0])
+    ring = Pipeline(QueueSender(asyncio.Queue(), "s1"), epoch=0, stages=1)
+    ctxs = [ModeContext(lparts, ring, f"r{i}", [1, 2], SamplingParams(), 8, frozenset(), Ledger(mode="flowspec"))
+            for i in range(3)]
+    walks = [_Walk(ctxs[0], chain, len(chain), lambda idx: feats[idx], None),
+             _Walk(ctxs[1], wrong, len(wrong), lambda idx: feats[idx], None)]
+    tokens, verdicts = _decide([(ctxs[2], feats[7], None)], walks)
+    assert tokens == [best[7]]
+    assert rows_per_call[0] == 1 + ROW_BATCH + 2  # the next token, walk A's first rows, walk B's root and child
+    assert rows_per_call[1:] == [3]  # walk A's deeper rows (4, 5, 6), its own call
+    for w, v in zip(walks, verdicts, strict=True):
+        alone, _ = verify_walk(w.tree, w.n, SamplingParams(), None, logits=None,
+                               tokens=lambda idx: parts.head.greedy_tokens(feats[idx]))
+        assert v == alone
+    assert (verdicts[0].accepted, verdicts[0].token) == ([0, 1, 2, 3, 4, 5, 6], best[6])
+    assert (verdicts[1].accepted, verdicts[1].token) == ([0], best[0])
