@@ -122,15 +122,16 @@ def _decide(batch: list[tuple[Any, torch.Tensor, asyncio.Future]], walks: list[_
     with torch.inference_mode():
         lazy = [walk_tokens(w.tree, w.n, lambda idx, w=w: head.greedy_tokens(w.feats(idx))) for w in walks]
         firsts = [rows.wanted(0) for rows in lazy]  # what each walk's first miss (at its root) would compute
-        argmax_next = bool(batch) and all(ctx.argmax_only for ctx, _, _ in batch)
-        parts = [torch.stack([f for _, f, _ in batch])] if argmax_next else []  # [len(batch), hidden]
+        feats = torch.stack([f for _, f, _ in batch]) if batch else None  # [len(batch), hidden]
+        argmax_next = feats is not None and all(ctx.argmax_only for ctx, _, _ in batch)
+        parts = [feats] if argmax_next else []
         parts += [w.feats(idx) for w, idx in zip(walks, firsts, strict=True)]  # [len(idx), hidden] each
         ids = head.greedy_tokens(torch.cat(parts)).tolist() if parts else []  # [rows]
         if argmax_next:
             tokens = [ctx.took_next(int(t)) for (ctx, _, _), t in zip(batch, ids, strict=False)]
             ids = ids[len(batch):]
-        elif batch:
-            logits = head.logits(torch.stack([f for _, f, _ in batch]))  # [len(batch), vocab]
+        elif feats is not None:
+            logits = head.logits(feats)  # [len(batch), vocab]
             tokens = [ctx.choose_next(logits[i]) for i, (ctx, _, _) in enumerate(batch)]
         else:
             tokens = []

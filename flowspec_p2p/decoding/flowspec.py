@@ -65,11 +65,15 @@ from .settings import FlowSpecConfig
 log = logging.getLogger(__name__)
 
 
+def _node_feats(state: FlowState) -> Callable[[list[int]], torch.Tensor]:
+    """Tree node indices -> their features [k, hidden], from the state's features as they are now."""
+    feats = state.feats
+    return lambda idx: torch.stack([feats[i] for i in idx])
+
+
 def _walk(ctx: ModeContext, state: FlowState) -> Verdict:
     """Verify the verified prefix of the current tree from its root (LM-head rows only where the walk goes)."""
-    def feats(idx: list[int]) -> torch.Tensor:  # [k, hidden]
-        return torch.stack([state.feats[i] for i in idx])
-
+    feats = _node_feats(state)
     verdict, rows = verify_walk(state.tree, state.verified, ctx.params, ctx.gen,
                                 logits=lambda idx: ctx.logits(feats(idx)),
                                 tokens=lambda idx: ctx.greedy_tokens(feats(idx)), stop_ids=ctx.stop_ids,
@@ -85,8 +89,7 @@ async def _verify(ctx: ModeContext, state: FlowState) -> Verdict:
     batcher = ctx.parts.batcher
     if batcher is None or not ctx.argmax_only:
         return await ctx.compute(_walk, ctx, state)
-    feats = state.feats
-    return await batcher.walk(ctx, state.tree, state.verified, lambda idx: torch.stack([feats[i] for i in idx]))
+    return await batcher.walk(ctx, state.tree, state.verified, _node_feats(state))
 
 
 def _next_level(levels: Iterator[DraftTree]) -> DraftTree | None:

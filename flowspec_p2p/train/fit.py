@@ -431,10 +431,10 @@ def fit(cfg: FitConfig, progress: bool = True) -> DraftHead:
         seen_tokens += stats.targets[0]
         session_tokens += stats.targets[0]
         running = stats if step == 1 else _ema(running, stats)
-        bar.update(min(round(spent()), bar.total) - bar.n if timed else 1)
+        now_s = spent()
+        bar.update(min(round(now_s), bar.total) - bar.n if timed else 1)
         bar.set_postfix(step=step, loss=f"{stats.loss / max(1, stats.targets[0]):.3f}", ep=epoch,
                         top1="/".join(f"{a:.2f}" for a in running.accuracy()), refresh=False)
-        now_s = spent()
         done = step >= cfg.steps or (timed and now_s >= cfg.max_seconds)
         if step % cfg.ckpt_every == 0 or done:
             _save_ckpt(ckpt, {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "epoch": epoch,
